@@ -1,0 +1,57 @@
+"""``ucp.attention``: validate once, then dispatch on the topology's mode."""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import local_attention, resolve_backend
+from .sharding import check_layout
+from .topology import Topology
+from .ulysses import kv_replication, ulysses_attention
+
+
+def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topology,
+                 layout: str) -> None:
+    """Local checks of shapes, dtypes and devices; raise ``ValueError`` with the numbers."""
+    check_layout(layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be (batch, seq, heads, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    (b, s, hq, d), (bk, sk, hkv, dk) = q.shape, k.shape
+    if (b, s, d) != (bk, sk, dk):
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in batch, "
+                         f"seq and head_dim")
+    if hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    if layout == "zigzag" and topo.sp_world_size > 1 and s % 2 != 0:
+        raise ValueError(f"the zigzag layout holds two equal chunks per rank, so the local "
+                         f"sequence length must be even, got {s}; pad the full sequence to "
+                         f"a multiple of {2 * topo.sp_world_size}")
+    kv_replication(hq, hkv, topo.ulysses_degree)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topology, *,
+              causal: bool = True, layout: str = "zigzag", softmax_scale: float | None = None,
+              backend: str = "auto") -> torch.Tensor:
+    """Sequence-parallel attention equal to full attention on the gathered sequence.
+
+    q ``(b, s_local, hq, d)``, k/v ``(b, s_local, hkv, d)`` sharded with ``layout``;
+    returns ``(b, s_local, hq, d)`` in q's dtype, differentiable in q, k, v."""
+    validate_qkv(q, k, v, topo, layout)
+    backend = resolve_backend(backend, q.device)
+    opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+    mode = topo.mode
+    if mode == "local":
+        return local_attention(q, k, v, **opts)
+    if mode == "ulysses":
+        return ulysses_attention(q, k, v, group=topo.ulysses_group, layout=layout, **opts)
+    raise NotImplementedError(
+        f"{mode} mode (ring_degree={topo.ring_degree}) is not built yet; use "
+        f"ring_degree=1 (Ulysses)")

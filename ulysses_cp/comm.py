@@ -1,0 +1,121 @@
+"""Collectives used by the attention modes, with byte counters.
+
+Legend: b batch, s full sequence, s_l = s / P local tokens, h heads, d head dim,
+P the size of the group the collective runs on.
+
+The sequence <-> head all-to-all is DeepSpeed-Ulysses' (Jacobs et al., arXiv:2309.14509):
+scatter heads, gather sequence. Its backward is the same all-to-all with the scatter and
+gather dims swapped, i.e. the other function of the pair.
+
+Byte counters record what this rank *sends to other ranks* (its own chunk of an all-to-all
+stays local and is not counted), per op and per phase (``forward`` / ``backward``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from einops import rearrange
+
+
+class CommStats:
+    """Bytes and calls per ``(op, phase)``; process-wide, reset by the caller."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def add(self, op: str, phase: str, nbytes: int) -> None:
+        self.bytes[(op, phase)] += int(nbytes)
+        self.calls[(op, phase)] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def total(self, op: str | None = None, phase: str | None = None) -> int:
+        return sum(n for (o, p), n in self.bytes.items()
+                   if (op is None or o == op) and (phase is None or p == phase))
+
+    def snapshot(self) -> dict[str, int]:
+        return {f"{op}/{phase}": n for (op, phase), n in sorted(self.bytes.items())}
+
+
+stats = CommStats()
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_to_all(x: torch.Tensor, group, phase: str) -> torch.Tensor:
+    """All-to-all over dim 0 (which must equal the group size); dim 0 of the result indexes
+    the source rank."""
+    P = x.shape[0]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    stats.add("all_to_all", phase, x.numel() * x.element_size() * (P - 1) // P)
+    return out
+
+
+def _seq_to_head(x: torch.Tensor, group, phase: str) -> torch.Tensor:
+    P = group_size(group)
+    if P == 1:
+        return x
+    # (b, s_l, h, d) -> (P, b, s_l, h/P, d): dim 0 = destination rank (head group)
+    x = rearrange(x, "b s (p h) d -> p b s h d", p=P)
+    x = _all_to_all(x, group, phase)
+    # (P, b, s_l, h/P, d), dim 0 = source rank (sequence chunk) -> (b, s, h/P, d)
+    return rearrange(x, "p b s h d -> b (p s) h d")
+
+
+def _head_to_seq(x: torch.Tensor, group, phase: str) -> torch.Tensor:
+    P = group_size(group)
+    if P == 1:
+        return x
+    # (b, s, h/P, d) -> (P, b, s_l, h/P, d): dim 0 = destination rank (sequence chunk)
+    x = rearrange(x, "b (p s) h d -> p b s h d", p=P)
+    x = _all_to_all(x, group, phase)
+    # (P, b, s_l, h/P, d), dim 0 = source rank (head group) -> (b, s_l, h, d)
+    return rearrange(x, "p b s h d -> b s (p h) d")
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_head(x, group, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        # backward of scatter-heads/gather-seq is scatter-seq/gather-heads
+        return _head_to_seq(grad, ctx.group, "backward"), None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _head_to_seq(x, group, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_head(grad, ctx.group, "backward"), None
+
+
+def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
+    """``(b, s/P, h, d)`` sequence-sharded -> ``(b, s, h/P, d)`` head-sharded; rank j gets
+    heads ``[j*h/P, (j+1)*h/P)`` and the sequence in group-rank order. Differentiable."""
+    return _SeqToHead.apply(x, group)
+
+
+def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`seq_to_head`: ``(b, s, h/P, d)`` -> ``(b, s/P, h, d)``."""
+    return _HeadToSeq.apply(x, group)

@@ -1,0 +1,63 @@
+"""flash-attn 2 adapter (CUDA only, imported lazily on first use).
+
+flash-attn's internal ``_flash_attn_forward/_backward`` return/take the log-sum-exp that
+ring attention needs, but their signatures changed in 2.7 (``window_size`` became
+``window_size_left/right``); we pass keywords by name after reading the signature, so 2.6
+through 2.8 work. Layout ``(b, s, h, d)``, GQA native, lse ``(b, h, s)`` fp32.
+The kernels need a head dim that is a multiple of 8: we pad with zeros (which changes no
+score) and slice the result.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _interface():
+    try:
+        from flash_attn import flash_attn_interface as fai
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise ValueError("backend 'flash_attn' needs flash-attn: `pip install .[gpu]`") from exc
+    fwd, bwd = fai._flash_attn_forward, fai._flash_attn_backward
+    return fwd, set(inspect.signature(fwd).parameters), bwd, set(inspect.signature(bwd).parameters)
+
+
+def _window_kwargs(params: set[str]) -> dict:
+    if "window_size_left" in params:
+        return {"window_size_left": -1, "window_size_right": -1}
+    return {"window_size": (-1, -1)}
+
+
+def _pad8(x: torch.Tensor) -> torch.Tensor:
+    pad = -x.shape[-1] % 8
+    return F.pad(x, (0, pad)) if pad else x
+
+
+def forward(q, k, v, causal, scale):
+    fwd, params, _, _ = _interface()
+    d = q.shape[-1]
+    kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0,
+                  alibi_slopes=None, return_softmax=False, **_window_kwargs(params))
+    kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ in params}
+    res = fwd(_pad8(q).contiguous(), _pad8(k).contiguous(), _pad8(v).contiguous(), **kwargs)
+    out, lse = res[0], res[1]
+    return out[..., :d], lse
+
+
+def backward(dout, q, k, v, out, lse, causal, scale):
+    _, _, bwd, params = _interface()
+    d = q.shape[-1]
+    qp, kp, vp = _pad8(q).contiguous(), _pad8(k).contiguous(), _pad8(v).contiguous()
+    dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
+    kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0,
+                  alibi_slopes=None, deterministic=False, rng_state=None,
+                  **_window_kwargs(params))
+    kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ in params}
+    bwd(_pad8(dout).contiguous(), qp, kp, vp, _pad8(out.to(q.dtype)).contiguous(),
+        lse.float().contiguous(), dq, dk, dv, **kwargs)
+    return dq[..., :d], dk[..., :d], dv[..., :d]

@@ -1,0 +1,153 @@
+"""Layout of tokens across sequence-parallel ranks: shard, gather, pad.
+
+Legend: s full sequence, P = sp_world_size, c = s / (2P) tokens per zigzag chunk.
+
+- ``"contiguous"``: SP rank r holds tokens ``[r*s/P, (r+1)*s/P)``.
+- ``"zigzag"``: the sequence is cut into 2P chunks; SP rank r holds chunks r and 2P-1-r
+  (in that order), so every rank has the same causal work. The same definition serves
+  every mode: after the Ulysses all-to-all a group holds its ranks' pairs in rank order,
+  and :func:`pairs_to_natural` reorders them into natural order (for pure Ulysses the
+  whole sequence; in hybrid mode the ring rank's two zigzag chunks of ``2 * ring_degree``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+import torch.distributed as dist
+
+from .comm import group_rank, group_size
+
+Layout = Literal["zigzag", "contiguous"]
+LAYOUTS: tuple[str, ...] = get_args(Layout)
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
+
+
+def sequence_multiple(sp_world_size: int, layout: str) -> int:
+    """The multiple a full sequence length must be of: P (contiguous) or 2P (zigzag)."""
+    check_layout(layout)
+    return sp_world_size * (2 if layout == "zigzag" else 1)
+
+
+def check_sequence_length(seq_len: int, sp_world_size: int, layout: str) -> None:
+    m = sequence_multiple(sp_world_size, layout)
+    if seq_len % m != 0:
+        padded = -(-seq_len // m) * m
+        raise ValueError(
+            f"sequence length {seq_len} does not split over {sp_world_size} sequence-parallel "
+            f"ranks in the {layout!r} layout: it must be a multiple of {m}; pad to {padded} "
+            f"with ucp.pad_to_multiple / ucp.pad_batch (end padding with ignored labels "
+            f"changes no loss in causal models)")
+
+
+def pairs_to_natural(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
+    """``n`` pairs ``[a_0, b_0, a_1, b_1, ...]`` along ``dim`` -> ``[a_0..a_{n-1}, b_{n-1}..b_0]``.
+
+    With the zigzag layout the pairs of ranks 0..n-1 are chunks ``(i, 2P-1-i)``, so this
+    puts them in increasing chunk order."""
+    if n == 1:
+        return x
+    pairs = x.unflatten(dim, (n, 2, x.shape[dim] // (2 * n)))   # (.., n, 2, c, ..)
+    first = pairs.select(dim + 1, 0).flatten(dim, dim + 1)        # a_0 .. a_{n-1}
+    second = pairs.select(dim + 1, 1).flip(dim).flatten(dim, dim + 1)  # b_{n-1} .. b_0
+    return torch.cat([first, second], dim=dim)
+
+
+def natural_to_pairs(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`pairs_to_natural`."""
+    if n == 1:
+        return x
+    first, second = x.chunk(2, dim=dim)
+    first = first.unflatten(dim, (n, -1))                         # (.., n, c, ..)
+    second = second.unflatten(dim, (n, -1)).flip(dim)
+    return torch.stack([first, second], dim=dim + 1).flatten(dim, dim + 2)
+
+
+def layout_indices(seq_len: int, sp_world_size: int, sp_rank: int, layout: str) -> torch.Tensor:
+    """Global token indices held by ``sp_rank``, in local order."""
+    idx = torch.arange(seq_len)
+    return _shard(idx, sp_world_size, sp_rank, layout, 0)
+
+
+def _shard(x: torch.Tensor, P: int, rank: int, layout: str, dim: int) -> torch.Tensor:
+    if layout == "zigzag":
+        x = natural_to_pairs(x, P, dim)
+    return x.chunk(P, dim=dim)[rank]
+
+
+def _gather(x: torch.Tensor, group, layout: str, dim: int) -> torch.Tensor:
+    P = group_size(group)
+    if P == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(P)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    full = torch.cat(parts, dim=dim)  # the ranks' pieces in SP-rank order
+    return pairs_to_natural(full, P, dim) if layout == "zigzag" else full
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, layout, dim):
+        ctx.args = (group, layout, dim)
+        return _gather(x, group, layout, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, layout, dim = ctx.args
+        return _shard(grad, group_size(group), group_rank(group), layout, dim), None, None, None
+
+
+def shard_sequence(x: torch.Tensor, topo, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+    """This SP rank's tokens of ``x``, a tensor every SP rank holds in full."""
+    check_layout(layout)
+    P = topo.sp_world_size
+    check_sequence_length(x.shape[dim], P, layout)
+    return _shard(x, P, topo.sp_rank, layout, dim)
+
+
+def gather_sequence(x_local: torch.Tensor, topo, dim: int = 1,
+                    layout: str = "zigzag") -> torch.Tensor:
+    """Exact inverse of :func:`shard_sequence` (all-gather over the SP group).
+
+    Differentiable: the backward returns this rank's slice of the incoming gradient, which
+    is right when every SP rank computes the same function of the gathered tensor."""
+    check_layout(layout)
+    return _Gather.apply(x_local, topo.sp_group, layout, dim)
+
+
+def pad_to_multiple(x: torch.Tensor, multiple: int, *, dim: int = 1,
+                    value: float | int = 0) -> torch.Tensor:
+    """Pad ``x`` at the end of ``dim`` with ``value`` up to a multiple of ``multiple``."""
+    pad = -x.shape[dim] % multiple
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+
+def pad_batch(batch: dict[str, torch.Tensor], multiple: int, *, pad_token_id: int = 0,
+              ignore_index: int = -100) -> dict[str, torch.Tensor]:
+    """Pad ``(b, s)`` tensors at the end of the sequence so ``s`` is a multiple of
+    ``multiple`` (use :func:`sequence_multiple`). ``labels``/``shift_labels`` get
+    ``ignore_index``, ``position_ids`` keep counting, anything else gets ``pad_token_id``.
+
+    In a causal model, end padding changes neither the real tokens' outputs nor the loss
+    (padded tokens come after every real token and carry no target). Non-causal attention
+    would attend to padded keys: pack them as a separate document instead."""
+    out = {}
+    for key, x in batch.items():
+        if key in ("labels", "shift_labels"):
+            out[key] = pad_to_multiple(x, multiple, value=ignore_index)
+        elif key == "position_ids":
+            pad = -x.shape[1] % multiple
+            tail = x[:, -1:] + torch.arange(1, pad + 1, device=x.device, dtype=x.dtype)
+            out[key] = torch.cat([x, tail], dim=1) if pad else x
+        else:
+            out[key] = pad_to_multiple(x, multiple, value=pad_token_id)
+    return out

@@ -1,0 +1,156 @@
+"""Degrees -> process groups.
+
+Rank layout (USP, arXiv:2405.07719): data parallel is outermost, then ring, then ulysses.
+Inside each data-parallel block of ``u * r`` ranks starting at ``off``:
+
+- ulysses groups are contiguous: ``[off + i*u, off + (i+1)*u)`` (fast links, one node);
+- ring groups are strided: ``{off + j, off + j + u, ..., off + j + (r-1)*u}``;
+- the sequence-parallel (SP) group is the whole block, and ``sp_rank = ring_rank * u +
+  ulysses_rank``.
+
+Data-parallel groups join the ranks with the same ``sp_rank`` across blocks.
+
+Example, 8 ranks, u=4, r=2: ulysses {0-3}, {4-7}; ring {0,4}, {1,5}, {2,6}, {3,7}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Which ranks form each group; pure arithmetic, no processes needed."""
+
+    world_size: int
+    ulysses_degree: int
+    ring_degree: int
+    ulysses_groups: list[list[int]]
+    ring_groups: list[list[int]]
+    sp_groups: list[list[int]]
+    dp_groups: list[list[int]]
+
+    @property
+    def sp_degree(self) -> int:
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def dp_degree(self) -> int:
+        return self.world_size // self.sp_degree
+
+
+def validate_degrees(world_size: int, ulysses_degree: int, ring_degree: int) -> None:
+    """Raise ``ValueError`` naming every number when the degrees do not fit the world."""
+    for name, value in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    sp = ulysses_degree * ring_degree
+    if world_size % sp != 0:
+        fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"ulysses_degree({ulysses_degree}) * ring_degree({ring_degree}) = {sp} does not "
+            f"divide WORLD_SIZE({world_size}); the sequence-parallel degree must be one of "
+            f"{fits} (data-parallel degree = WORLD_SIZE / (ulysses_degree * ring_degree))"
+        )
+
+
+def plan_groups(world_size: int, ulysses_degree: int, ring_degree: int) -> GroupPlan:
+    """Enumerate all groups, in the same order on every rank."""
+    validate_degrees(world_size, ulysses_degree, ring_degree)
+    u, r = ulysses_degree, ring_degree
+    sp = u * r
+    dp = world_size // sp
+    ulysses, ring, sp_groups = [], [], []
+    for block in range(dp):
+        off = block * sp
+        sp_groups.append(list(range(off, off + sp)))
+        ulysses += [list(range(off + i * u, off + (i + 1) * u)) for i in range(r)]
+        ring += [[off + j + k * u for k in range(r)] for j in range(u)]
+    dp_groups = [[block * sp + s for block in range(dp)] for s in range(sp)]
+    return GroupPlan(world_size, u, r, ulysses, ring, sp_groups, dp_groups)
+
+
+@dataclass
+class Topology:
+    """Process groups and degrees for one rank. Groups are ``None`` when the run is local."""
+
+    rank: int
+    world_size: int
+    ulysses_degree: int
+    ring_degree: int
+    ulysses_group: object | None = None
+    ring_group: object | None = None
+    sp_group: object | None = None
+    dp_group: object | None = None
+    _owned: list = field(default_factory=list, repr=False)
+
+    @property
+    def sp_world_size(self) -> int:
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def dp_degree(self) -> int:
+        return self.world_size // self.sp_world_size
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp_world_size
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.sp_rank % self.ulysses_degree
+
+    @property
+    def ring_rank(self) -> int:
+        return self.sp_rank // self.ulysses_degree
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp_world_size
+
+    @property
+    def mode(self) -> str:
+        """``"local"``, ``"ulysses"``, ``"ring"`` or ``"hybrid"``."""
+        if self.sp_world_size == 1:
+            return "local"
+        if self.ring_degree == 1:
+            return "ulysses"
+        if self.ulysses_degree == 1:
+            return "ring"
+        return "hybrid"
+
+    def destroy(self) -> None:
+        """Destroy the process groups this topology created (not the default group)."""
+        for group in self._owned:
+            dist.destroy_process_group(group)
+        self._owned.clear()
+        self.ulysses_group = self.ring_group = self.sp_group = self.dp_group = None
+
+
+def init_topology(ulysses_degree: int = 1, ring_degree: int = 1) -> Topology:
+    """Build the groups of ``shared/API.md`` on the default process group.
+
+    Every rank must call this with the same degrees (group creation is collective).
+    Without an initialised ``torch.distributed`` only ``1 x 1`` is allowed (a local topology).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        validate_degrees(1, ulysses_degree, ring_degree)
+        return Topology(rank=0, world_size=1, ulysses_degree=1, ring_degree=1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    plan = plan_groups(world, ulysses_degree, ring_degree)
+    topo = Topology(rank=rank, world_size=world, ulysses_degree=ulysses_degree,
+                    ring_degree=ring_degree)
+    for attr, groups in (("ulysses_group", plan.ulysses_groups),
+                         ("ring_group", plan.ring_groups),
+                         ("sp_group", plan.sp_groups),
+                         ("dp_group", plan.dp_groups)):
+        for ranks in groups:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            topo._owned.append(group)
+            if rank in ranks:
+                setattr(topo, attr, group)
+    return topo

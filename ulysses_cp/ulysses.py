@@ -1,0 +1,74 @@
+"""Ulysses all-to-all attention (Jacobs et al., DeepSpeed-Ulysses, arXiv:2309.14509).
+
+Legend: b batch, s full sequence, s_l = s/P, P ulysses degree, hq/hkv heads, d head dim.
+
+q, k and v go through ONE all-to-all (packed along the head dim) from sequence-sharded to
+head-sharded, the local kernel sees the whole sequence for its heads, and one all-to-all
+brings the output back. GQA: kv heads that the degree divides travel with their own count;
+fewer kv heads than ranks are replicated ``P / hkv`` times first (autograd sums the
+replicas' gradients), so that rank r receives kv head ``floor(r * hkv / P)``, the one its
+query heads use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import group_size, head_to_seq, seq_to_head
+from .kernels import local_attention
+from .sharding import natural_to_pairs, pairs_to_natural
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def kv_replication(hq: int, hkv: int, ulysses_degree: int) -> int:
+    """How many times each kv head is replicated before the all-to-all (1 = none).
+
+    Raises ``ValueError`` naming the degrees that would work when the heads do not split."""
+    u = ulysses_degree
+    if hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if hq % u == 0 and hkv % u == 0:
+        return 1
+    if hq % u == 0 and u % hkv == 0:
+        return u // hkv
+    fits = [d for d in _divisors(hq) if hkv % d == 0 or d % hkv == 0]
+    raise ValueError(
+        f"ulysses_degree({u}) cannot split {hq} query heads and {hkv} kv heads: it must "
+        f"divide the query heads and either divide the kv heads or be a multiple of them. "
+        f"Ulysses degrees that work: {fits}. For a larger sequence-parallel degree keep "
+        f"ulysses_degree in that list and put the rest in ring_degree (hybrid mode), which "
+        f"carries any head count.")
+
+
+def _pack_heads(tensors: list[torch.Tensor], P: int) -> torch.Tensor:
+    # each (b, s_l, h_i, d) -> (b, s_l, P, h_i/P, d), concatenated per destination rank
+    parts = [t.unflatten(2, (P, t.shape[2] // P)) for t in tensors]
+    return torch.cat(parts, dim=3).flatten(2, 3)  # (b, s_l, P * sum(h_i/P), d)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
+                      causal: bool, softmax_scale: float | None, backend: str,
+                      layout: str) -> torch.Tensor:
+    """Sequence-parallel attention over ``group``; inputs validated by the caller.
+
+    q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` -> ``(b, s_l, hq, d)``."""
+    P = group_size(group)
+    hq, hkv = q.shape[2], k.shape[2]
+    rep = kv_replication(hq, hkv, P)
+    if rep > 1:
+        # (b, s_l, hkv, d) -> (b, s_l, P, d): kv head j replicated for ranks [j*rep, (j+1)*rep)
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    hk = k.shape[2]
+    packed = _pack_heads([q, k, v], P)                          # (b, s_l, hq + 2*hk, d)
+    heads = seq_to_head(packed, group)                          # (b, s, (hq + 2*hk)/P, d)
+    if layout == "zigzag":
+        heads = pairs_to_natural(heads, P, dim=1)               # rank order -> token order
+    qh, kh, vh = heads.split([hq // P, hk // P, hk // P], dim=2)
+    out = local_attention(qh, kh, vh, causal=causal, softmax_scale=softmax_scale,
+                          backend=backend)                      # (b, s, hq/P, d)
+    if layout == "zigzag":
+        out = natural_to_pairs(out, P, dim=1)
+    return head_to_seq(out, group)                              # (b, s_l, hq, d)
