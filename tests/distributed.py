@@ -11,6 +11,7 @@ Functions sent to the pool must be importable (module level) and take ``rank`` f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import tempfile
@@ -33,9 +34,13 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
 
     torch.set_num_threads(1)
     os.environ.setdefault("WANDB_MODE", "disabled")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     try:
         while True:
             task = tasks.get()
@@ -61,10 +66,14 @@ class DistPool:
         init_file = os.path.join(self._tmp.name, "store")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_worker, daemon=True,
-                                   args=(r, world_size, init_file, self._tasks[r],
-                                         self._results))
-                       for r in range(world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(r, world_size, init_file, self._tasks[r], self._results),
+            )
+            for r in range(world_size)
+        ]
         for p in self._procs:
             p.start()
         self.healthy = True
@@ -82,8 +91,9 @@ class DistPool:
             except queue.Empty:
                 self.healthy = False
                 self.close()
-                raise WorkerError(f"{fn.__name__}: no result within {timeout}s "
-                                  f"(hang?) ; errors so far: {errors}") from None
+                raise WorkerError(
+                    f"{fn.__name__}: no result within {timeout}s (hang?) ; errors so far: {errors}"
+                ) from None
             if ok:
                 out[rank] = value
             else:
@@ -97,10 +107,8 @@ class DistPool:
 
     def close(self) -> None:
         for q in self._tasks:
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 q.put(None)
-            except (ValueError, OSError):
-                pass
         for p in self._procs:
             p.join(timeout=5)
             if p.is_alive():

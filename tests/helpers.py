@@ -7,8 +7,9 @@ import torch
 import ulysses_cp as ucp
 
 
-def make_qkv(seed: int, b: int, s: int, hq: int, hkv: int, d: int,
-             dtype: torch.dtype = torch.float64):
+def make_qkv(
+    seed: int, b: int, s: int, hq: int, hkv: int, d: int, dtype: torch.dtype = torch.float64
+):
     """Full q, k, v, dout, identical on every rank for the same seed."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, s, hq, d, generator=g, dtype=torch.float64)
@@ -21,22 +22,25 @@ def make_qkv(seed: int, b: int, s: int, hq: int, hkv: int, d: int,
 def reference(q, k, v, dout, causal: bool, softmax_scale=None):
     """Full attention in float64 on the math backend: (out, dq, dk, dv)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = ucp.local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                              backend="math")
+    out = ucp.local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, backend="math")
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout.double())
     return out.detach(), dq, dk, dv
 
 
 def sharded_run(q, k, v, dout, topo, *, causal, layout, backend, softmax_scale=None):
     """Shard full tensors, run ucp.attention + backward, gather out and grads."""
-    ql, kl, vl = (ucp.shard_sequence(t, topo, layout=layout).detach().requires_grad_()
-                  for t in (q, k, v))
+    ql, kl, vl = (
+        ucp.shard_sequence(t, topo, layout=layout).detach().requires_grad_() for t in (q, k, v)
+    )
     dl = ucp.shard_sequence(dout, topo, layout=layout)
-    out = ucp.attention(ql, kl, vl, topo, causal=causal, layout=layout, backend=backend,
-                        softmax_scale=softmax_scale)
+    out = ucp.attention(
+        ql, kl, vl, topo, causal=causal, layout=layout, backend=backend, softmax_scale=softmax_scale
+    )
     out.backward(dl)
-    return [ucp.gather_sequence(t, topo, layout=layout).detach()
-            for t in (out, ql.grad, kl.grad, vl.grad)]
+    return [
+        ucp.gather_sequence(t, topo, layout=layout).detach()
+        for t in (out, ql.grad, kl.grad, vl.grad)
+    ]
 
 
 _TOPOS: dict = {}

@@ -43,8 +43,9 @@ def _check_low_precision(rank, u, dtype, causal, layout):
     q, k, v, dout = make_qkv(seed=11, b=2, s=64, hq=8, hkv=4, d=40, dtype=dtype)
     got = sharded_run(q, k, v, dout, topo, causal=causal, layout=layout, backend="torch")
     ref = reference(q, k, v, dout, causal)
-    tol = {torch.float32: dict(rtol=1e-4, atol=1e-5),
-           torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}[dtype]
+    tol = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}[
+        dtype
+    ]
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
         assert g.dtype == dtype
         torch.testing.assert_close(g.double(), r, **tol, msg=lambda m, n=name: f"{n}: {m}")
@@ -79,8 +80,9 @@ def test_data_parallel_times_ulysses(pools, causal):
 def _check_softmax_scale(rank):
     topo = topology(2, 1)
     q, k, v, dout = make_qkv(seed=5, b=1, s=16, hq=4, hkv=4, d=8)
-    got = sharded_run(q, k, v, dout, topo, causal=True, layout="contiguous",
-                      backend="torch", softmax_scale=0.3)
+    got = sharded_run(
+        q, k, v, dout, topo, causal=True, layout="contiguous", backend="torch", softmax_scale=0.3
+    )
     ref = reference(q, k, v, dout, True, softmax_scale=0.3)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, **TOL64)

@@ -10,20 +10,23 @@ from .topology import Topology
 from .ulysses import kv_replication, ulysses_attention
 
 
-def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topology,
-                 layout: str) -> None:
+def validate_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topology, layout: str
+) -> None:
     """Local checks of shapes, dtypes and devices; raise ``ValueError`` with the numbers."""
     check_layout(layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            raise ValueError(f"{name} must be (batch, seq, heads, head_dim), got shape "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be (batch, seq, heads, head_dim), got shape {tuple(t.shape)}"
+            )
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     (b, s, hq, d), (bk, sk, hkv, dk) = q.shape, k.shape
     if (b, s, d) != (bk, sk, dk):
-        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in batch, "
-                         f"seq and head_dim")
+        raise ValueError(
+            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in batch, seq and head_dim"
+        )
     if hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     if not (q.dtype == k.dtype == v.dtype):
@@ -31,15 +34,25 @@ def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topolo
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
     if layout == "zigzag" and topo.sp_world_size > 1 and s % 2 != 0:
-        raise ValueError(f"the zigzag layout holds two equal chunks per rank, so the local "
-                         f"sequence length must be even, got {s}; pad the full sequence to "
-                         f"a multiple of {2 * topo.sp_world_size}")
+        raise ValueError(
+            f"the zigzag layout holds two equal chunks per rank, so the local "
+            f"sequence length must be even, got {s}; pad the full sequence to "
+            f"a multiple of {2 * topo.sp_world_size}"
+        )
     kv_replication(hq, hkv, topo.ulysses_degree)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topology, *,
-              causal: bool = True, layout: str = "zigzag", softmax_scale: float | None = None,
-              backend: str = "auto") -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    topo: Topology,
+    *,
+    causal: bool = True,
+    layout: str = "zigzag",
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Sequence-parallel attention equal to full attention on the gathered sequence.
 
     q ``(b, s_local, hq, d)``, k/v ``(b, s_local, hkv, d)`` sharded with ``layout``;
@@ -54,4 +67,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topology,
         return ulysses_attention(q, k, v, group=topo.ulysses_group, layout=layout, **opts)
     raise NotImplementedError(
         f"{mode} mode (ring_degree={topo.ring_degree}) is not built yet; use "
-        f"ring_degree=1 (Ulysses)")
+        f"ring_degree=1 (Ulysses)"
+    )

@@ -36,8 +36,11 @@ class CommStats:
         self.calls.clear()
 
     def total(self, op: str | None = None, phase: str | None = None) -> int:
-        return sum(n for (o, p), n in self.bytes.items()
-                   if (op is None or o == op) and (phase is None or p == phase))
+        return sum(
+            n
+            for (o, p), n in self.bytes.items()
+            if (op is None or o == op) and (phase is None or p == phase)
+        )
 
     def snapshot(self) -> dict[str, int]:
         return {f"{op}/{phase}": n for (op, phase), n in sorted(self.bytes.items())}

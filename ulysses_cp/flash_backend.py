@@ -41,8 +41,15 @@ def _pad8(x: torch.Tensor) -> torch.Tensor:
 def forward(q, k, v, causal, scale):
     fwd, params, _, _ = _interface()
     d = q.shape[-1]
-    kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0,
-                  alibi_slopes=None, return_softmax=False, **_window_kwargs(params))
+    kwargs = dict(
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        softcap=0.0,
+        alibi_slopes=None,
+        return_softmax=False,
+        **_window_kwargs(params),
+    )
     kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ in params}
     res = fwd(_pad8(q).contiguous(), _pad8(k).contiguous(), _pad8(v).contiguous(), **kwargs)
     out, lse = res[0], res[1]
@@ -54,10 +61,27 @@ def backward(dout, q, k, v, out, lse, causal, scale):
     d = q.shape[-1]
     qp, kp, vp = _pad8(q).contiguous(), _pad8(k).contiguous(), _pad8(v).contiguous()
     dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-    kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0,
-                  alibi_slopes=None, deterministic=False, rng_state=None,
-                  **_window_kwargs(params))
+    kwargs = dict(
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        rng_state=None,
+        **_window_kwargs(params),
+    )
     kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ in params}
-    bwd(_pad8(dout).contiguous(), qp, kp, vp, _pad8(out.to(q.dtype)).contiguous(),
-        lse.float().contiguous(), dq, dk, dv, **kwargs)
+    bwd(
+        _pad8(dout).contiguous(),
+        qp,
+        kp,
+        vp,
+        _pad8(out.to(q.dtype)).contiguous(),
+        lse.float().contiguous(),
+        dq,
+        dk,
+        dv,
+        **kwargs,
+    )
     return dq[..., :d], dk[..., :d], dv[..., :d]

@@ -42,11 +42,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return "torch"
     if backend == "flash_attn":
         if device.type != "cuda":
-            raise ValueError(f"backend 'flash_attn' needs CUDA tensors, got device {device}; "
-                             "use backend='torch' or 'math' on CPU")
+            raise ValueError(
+                f"backend 'flash_attn' needs CUDA tensors, got device {device}; "
+                "use backend='torch' or 'math' on CPU"
+            )
         if importlib.util.find_spec("flash_attn") is None:
-            raise ValueError("backend 'flash_attn' requested but flash-attn is not installed; "
-                             "install it with `pip install .[gpu]` or use backend='torch'")
+            raise ValueError(
+                "backend 'flash_attn' requested but flash-attn is not installed; "
+                "install it with `pip install .[gpu]` or use backend='torch'"
+            )
     return backend
 
 
@@ -98,11 +102,11 @@ def _math_forward(q, k, v, causal, scale):
 def _math_backward(dout, q, k, v, out, lse, causal, scale):
     cdt = lse_dtype(q.dtype)
     hq, hkv = q.shape[2], k.shape[2]
-    p, _ = _math_probs(q, k, lse.to(cdt), causal, scale, cdt)          # (b, hq, sq, sk)
+    p, _ = _math_probs(q, k, lse.to(cdt), causal, scale, cdt)  # (b, hq, sq, sk)
     do = dout.to(cdt)
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)                        # (b, sk, hq, d)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)  # (b, sk, hq, d)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, _expand_kv(v, hq).to(cdt))
-    delta = (do * out.to(cdt)).sum(-1).transpose(1, 2)                 # (b, hq, sq)
+    delta = (do * out.to(cdt)).sum(-1).transpose(1, 2)  # (b, hq, sq)
     ds = p * (dp - delta.unsqueeze(-1)) * scale
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, _expand_kv(k, hq).to(cdt))
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(cdt))
@@ -120,11 +124,13 @@ def _torch_forward(q, k, v, causal, scale):
     if q.device.type == "cuda":
         kq, vq = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            _bhsd(q), _bhsd(kq), _bhsd(vq), None, True, 0.0, causal, scale=scale)
+            _bhsd(q), _bhsd(kq), _bhsd(vq), None, True, 0.0, causal, scale=scale
+        )
         return _bhsd(out), lse[..., : q.shape[1]].float()
     # CPU flash kernel: (b, h, s, d), GQA native, lse (b, hq, sq) fp32 (fp64 for fp64)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale)
+        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
+    )
     return _bhsd(out), lse
 
 
@@ -135,46 +141,65 @@ def _torch_backward(dout, q, k, v, out, lse, causal, scale):
         kq, vq = _expand_kv(k, hq), _expand_kv(v, hq)
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            _bhsd(dout).contiguous(), _bhsd(q), _bhsd(kq), _bhsd(vq), None, _bhsd(out),
-            lse.float().contiguous(), zero, zero, 0.0, [True, True, True, False], causal,
-            scale=scale)
+            _bhsd(dout).contiguous(),
+            _bhsd(q),
+            _bhsd(kq),
+            _bhsd(vq),
+            None,
+            _bhsd(out),
+            lse.float().contiguous(),
+            zero,
+            zero,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
+        )
         return _bhsd(dq), _reduce_kv(_bhsd(dk), hkv), _reduce_kv(_bhsd(dv), hkv)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _bhsd(dout).contiguous(), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out),
-        lse.to(lse_dtype(q.dtype)).contiguous(), 0.0, causal, scale=scale)
+        _bhsd(dout).contiguous(),
+        _bhsd(q),
+        _bhsd(k),
+        _bhsd(v),
+        _bhsd(out),
+        lse.to(lse_dtype(q.dtype)).contiguous(),
+        0.0,
+        causal,
+        scale=scale,
+    )
     return _bhsd(dq), _bhsd(dk), _bhsd(dv)
 
 
 # ---------------------------------------------------------------- dispatch
 
-_FORWARD = {"math": _math_forward, "torch": _torch_forward,
-            "flash_attn": flash_backend.forward}
-_BACKWARD = {"math": _math_backward, "torch": _torch_backward,
-             "flash_attn": flash_backend.backward}
+_FORWARD = {"math": _math_forward, "torch": _torch_forward, "flash_attn": flash_backend.forward}
+_BACKWARD = {"math": _math_backward, "torch": _torch_backward, "flash_attn": flash_backend.backward}
 
 
-def attn_forward(q, k, v, *, causal: bool, softmax_scale: float | None,
-                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def attn_forward(
+    q, k, v, *, causal: bool, softmax_scale: float | None, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32/fp64)``; no autograd."""
     _check_causal(q, k, causal)
     with torch.no_grad():
         return _FORWARD[backend](q, k, v, causal, default_scale(q, softmax_scale))
 
 
-def attn_backward(dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float | None,
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attn_backward(
+    dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float | None, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` in the inputs' dtypes from the final ``out`` and ``lse``."""
     _check_causal(q, k, causal)
     with torch.no_grad():
-        return _BACKWARD[backend](dout, q, k, v, out, lse, causal,
-                                  default_scale(q, softmax_scale))
+        return _BACKWARD[backend](dout, q, k, v, out, lse, causal, default_scale(q, softmax_scale))
 
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, backend):
-        out, lse = attn_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                backend=backend)
+        out, lse = attn_forward(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend
+        )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
         return out
@@ -186,8 +211,15 @@ class _LocalAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    softmax_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Differentiable single-device attention, ``(b, s, hq, d)`` in and out."""
     backend = resolve_backend(backend, q.device)
     return _LocalAttention.apply(q, k, v, causal, softmax_scale, backend)

@@ -42,7 +42,8 @@ def check_sequence_length(seq_len: int, sp_world_size: int, layout: str) -> None
             f"sequence length {seq_len} does not split over {sp_world_size} sequence-parallel "
             f"ranks in the {layout!r} layout: it must be a multiple of {m}; pad to {padded} "
             f"with ucp.pad_to_multiple / ucp.pad_batch (end padding with ignored labels "
-            f"changes no loss in causal models)")
+            f"changes no loss in causal models)"
+        )
 
 
 def pairs_to_natural(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
@@ -52,8 +53,8 @@ def pairs_to_natural(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
     puts them in increasing chunk order."""
     if n == 1:
         return x
-    pairs = x.unflatten(dim, (n, 2, x.shape[dim] // (2 * n)))   # (.., n, 2, c, ..)
-    first = pairs.select(dim + 1, 0).flatten(dim, dim + 1)        # a_0 .. a_{n-1}
+    pairs = x.unflatten(dim, (n, 2, x.shape[dim] // (2 * n)))  # (.., n, 2, c, ..)
+    first = pairs.select(dim + 1, 0).flatten(dim, dim + 1)  # a_0 .. a_{n-1}
     second = pairs.select(dim + 1, 1).flip(dim).flatten(dim, dim + 1)  # b_{n-1} .. b_0
     return torch.cat([first, second], dim=dim)
 
@@ -63,7 +64,7 @@ def natural_to_pairs(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
     if n == 1:
         return x
     first, second = x.chunk(2, dim=dim)
-    first = first.unflatten(dim, (n, -1))                         # (.., n, c, ..)
+    first = first.unflatten(dim, (n, -1))  # (.., n, c, ..)
     second = second.unflatten(dim, (n, -1)).flip(dim)
     return torch.stack([first, second], dim=dim + 1).flatten(dim, dim + 2)
 
@@ -110,8 +111,9 @@ def shard_sequence(x: torch.Tensor, topo, dim: int = 1, layout: str = "zigzag") 
     return _shard(x, P, topo.sp_rank, layout, dim)
 
 
-def gather_sequence(x_local: torch.Tensor, topo, dim: int = 1,
-                    layout: str = "zigzag") -> torch.Tensor:
+def gather_sequence(
+    x_local: torch.Tensor, topo, dim: int = 1, layout: str = "zigzag"
+) -> torch.Tensor:
     """Exact inverse of :func:`shard_sequence` (all-gather over the SP group).
 
     Differentiable: the backward returns this rank's slice of the incoming gradient, which
@@ -120,8 +122,9 @@ def gather_sequence(x_local: torch.Tensor, topo, dim: int = 1,
     return _Gather.apply(x_local, topo.sp_group, layout, dim)
 
 
-def pad_to_multiple(x: torch.Tensor, multiple: int, *, dim: int = 1,
-                    value: float | int = 0) -> torch.Tensor:
+def pad_to_multiple(
+    x: torch.Tensor, multiple: int, *, dim: int = 1, value: float | int = 0
+) -> torch.Tensor:
     """Pad ``x`` at the end of ``dim`` with ``value`` up to a multiple of ``multiple``."""
     pad = -x.shape[dim] % multiple
     if pad == 0:
@@ -131,8 +134,13 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, *, dim: int = 1,
     return torch.cat([x, x.new_full(shape, value)], dim=dim)
 
 
-def pad_batch(batch: dict[str, torch.Tensor], multiple: int, *, pad_token_id: int = 0,
-              ignore_index: int = -100) -> dict[str, torch.Tensor]:
+def pad_batch(
+    batch: dict[str, torch.Tensor],
+    multiple: int,
+    *,
+    pad_token_id: int = 0,
+    ignore_index: int = -100,
+) -> dict[str, torch.Tensor]:
     """Pad ``(b, s)`` tensors at the end of the sequence so ``s`` is a multiple of
     ``multiple`` (use :func:`sequence_multiple`). ``labels``/``shift_labels`` get
     ``ignore_index``, ``position_ids`` keep counting, anything else gets ``pad_token_id``.

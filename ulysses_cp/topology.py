@@ -142,12 +142,15 @@ def init_topology(ulysses_degree: int = 1, ring_degree: int = 1) -> Topology:
         return Topology(rank=0, world_size=1, ulysses_degree=1, ring_degree=1)
     world, rank = dist.get_world_size(), dist.get_rank()
     plan = plan_groups(world, ulysses_degree, ring_degree)
-    topo = Topology(rank=rank, world_size=world, ulysses_degree=ulysses_degree,
-                    ring_degree=ring_degree)
-    for attr, groups in (("ulysses_group", plan.ulysses_groups),
-                         ("ring_group", plan.ring_groups),
-                         ("sp_group", plan.sp_groups),
-                         ("dp_group", plan.dp_groups)):
+    topo = Topology(
+        rank=rank, world_size=world, ulysses_degree=ulysses_degree, ring_degree=ring_degree
+    )
+    for attr, groups in (
+        ("ulysses_group", plan.ulysses_groups),
+        ("ring_group", plan.ring_groups),
+        ("sp_group", plan.sp_groups),
+        ("dp_group", plan.dp_groups),
+    ):
         for ranks in groups:  # every rank creates every group, in the same order
             group = dist.new_group(ranks)
             topo._owned.append(group)

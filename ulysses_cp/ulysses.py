@@ -40,7 +40,8 @@ def kv_replication(hq: int, hkv: int, ulysses_degree: int) -> int:
         f"divide the query heads and either divide the kv heads or be a multiple of them. "
         f"Ulysses degrees that work: {fits}. For a larger sequence-parallel degree keep "
         f"ulysses_degree in that list and put the rest in ring_degree (hybrid mode), which "
-        f"carries any head count.")
+        f"carries any head count."
+    )
 
 
 def _pack_heads(tensors: list[torch.Tensor], P: int) -> torch.Tensor:
@@ -49,9 +50,17 @@ def _pack_heads(tensors: list[torch.Tensor], P: int) -> torch.Tensor:
     return torch.cat(parts, dim=3).flatten(2, 3)  # (b, s_l, P * sum(h_i/P), d)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
-                      causal: bool, softmax_scale: float | None, backend: str,
-                      layout: str) -> torch.Tensor:
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group,
+    causal: bool,
+    softmax_scale: float | None,
+    backend: str,
+    layout: str,
+) -> torch.Tensor:
     """Sequence-parallel attention over ``group``; inputs validated by the caller.
 
     q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` -> ``(b, s_l, hq, d)``."""
@@ -62,13 +71,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         # (b, s_l, hkv, d) -> (b, s_l, P, d): kv head j replicated for ranks [j*rep, (j+1)*rep)
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     hk = k.shape[2]
-    packed = _pack_heads([q, k, v], P)                          # (b, s_l, hq + 2*hk, d)
-    heads = seq_to_head(packed, group)                          # (b, s, (hq + 2*hk)/P, d)
+    packed = _pack_heads([q, k, v], P)  # (b, s_l, hq + 2*hk, d)
+    heads = seq_to_head(packed, group)  # (b, s, (hq + 2*hk)/P, d)
     if layout == "zigzag":
-        heads = pairs_to_natural(heads, P, dim=1)               # rank order -> token order
+        heads = pairs_to_natural(heads, P, dim=1)  # rank order -> token order
     qh, kh, vh = heads.split([hq // P, hk // P, hk // P], dim=2)
-    out = local_attention(qh, kh, vh, causal=causal, softmax_scale=softmax_scale,
-                          backend=backend)                      # (b, s, hq/P, d)
+    out = local_attention(
+        qh, kh, vh, causal=causal, softmax_scale=softmax_scale, backend=backend
+    )  # (b, s, hq/P, d)
     if layout == "zigzag":
         out = natural_to_pairs(out, P, dim=1)
-    return head_to_seq(out, group)                              # (b, s_l, hq, d)
+    return head_to_seq(out, group)  # (b, s_l, hq, d)
