@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from .kernels import local_attention, resolve_backend
+from .ring import ring_attention
 from .sharding import check_layout
 from .topology import Topology
 from .ulysses import kv_replication, ulysses_attention
@@ -60,12 +63,9 @@ def attention(
     validate_qkv(q, k, v, topo, layout)
     backend = resolve_backend(backend, q.device)
     opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
-    mode = topo.mode
-    if mode == "local":
-        return local_attention(q, k, v, **opts)
-    if mode == "ulysses":
-        return ulysses_attention(q, k, v, group=topo.ulysses_group, layout=layout, **opts)
-    raise NotImplementedError(
-        f"{mode} mode (ring_degree={topo.ring_degree}) is not built yet; use "
-        f"ring_degree=1 (Ulysses)"
-    )
+    if topo.ring_degree == 1:
+        inner = partial(local_attention, **opts)
+    else:
+        inner = partial(ring_attention, group=topo.ring_group, layout=layout, **opts)
+    # ulysses: a2a around the local kernel; ring: no a2a (degree 1); hybrid: a2a around ring
+    return ulysses_attention(q, k, v, group=topo.ulysses_group, layout=layout, inner=inner)

@@ -12,10 +12,11 @@ query heads use.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .comm import group_size, head_to_seq, seq_to_head
-from .kernels import local_attention
 from .sharding import natural_to_pairs, pairs_to_natural
 
 
@@ -51,20 +52,18 @@ def _pack_heads(tensors: list[torch.Tensor], P: int) -> torch.Tensor:
 
 
 def ulysses_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group,
-    causal: bool,
-    softmax_scale: float | None,
-    backend: str,
-    layout: str,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, layout: str, inner: Callable
 ) -> torch.Tensor:
-    """Sequence-parallel attention over ``group``; inputs validated by the caller.
+    """All-to-all over ``group`` around ``inner(q, k, v) -> out`` on head-sharded tensors.
+
+    ``inner`` is the local kernel (Ulysses mode) or ring attention over the ring group
+    (hybrid mode); it sees q ``(b, s/r, hq/P, d)`` and k/v ``(b, s/r, hk/P, d)`` in token
+    order (zigzag: the ring rank's two chunks in order). Inputs validated by the caller.
 
     q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` -> ``(b, s_l, hq, d)``."""
     P = group_size(group)
+    if P == 1:
+        return inner(q, k, v)
     hq, hkv = q.shape[2], k.shape[2]
     rep = kv_replication(hq, hkv, P)
     if rep > 1:
@@ -72,13 +71,11 @@ def ulysses_attention(
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     hk = k.shape[2]
     packed = _pack_heads([q, k, v], P)  # (b, s_l, hq + 2*hk, d)
-    heads = seq_to_head(packed, group)  # (b, s, (hq + 2*hk)/P, d)
+    heads = seq_to_head(packed, group)  # (b, s_l * P, (hq + 2*hk)/P, d), rank order
     if layout == "zigzag":
         heads = pairs_to_natural(heads, P, dim=1)  # rank order -> token order
     qh, kh, vh = heads.split([hq // P, hk // P, hk // P], dim=2)
-    out = local_attention(
-        qh, kh, vh, causal=causal, softmax_scale=softmax_scale, backend=backend
-    )  # (b, s, hq/P, d)
+    out = inner(qh, kh, vh)  # (b, s_l * P, hq/P, d)
     if layout == "zigzag":
         out = natural_to_pairs(out, P, dim=1)
     return head_to_seq(out, group)  # (b, s_l, hq, d)

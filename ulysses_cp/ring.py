@@ -1,0 +1,199 @@
+"""Ring attention (Liu et al., arXiv:2310.01889) with zigzag load balancing.
+
+Legend: b batch, s_l local tokens, hq/hkv heads, d head dim, P ring size, r ring rank,
+``src = (r - step) mod P`` the rank whose kv block is visiting at ``step``.
+
+Forward: every step attends the local q to the visiting kv block with the local kernel,
+merges ``(out, lse)`` into fp32 accumulators with the stable update (ring-flash-attention
+PR #34): ``out -= sigmoid(lse_b - lse) * (out - out_b)``, ``lse -= logsigmoid(lse - lse_b)``,
+and passes kv on; the send of the next block is posted before the compute.
+
+Backward recomputes block by block from the saved local q/k/v, the FINAL out and lse
+(FlashAttention-2 backward), accumulates dq locally, and sends the dk/dv accumulators
+around the ring with their kv block: after P hops they are home. Saved state is O(s_l).
+
+Causal, contiguous layout: blocks with ``src > r`` are skipped (communication still
+moves); ``src == r`` uses the causal kernel. Zigzag layout (rank r holds chunks r and
+2P-1-r of 2P): ``src < r``: all local q against the FIRST half of kv; ``src > r``: the
+SECOND half of local q against all kv; so every step but the first is half a block on
+every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .comm import group_rank, group_size, stats
+from .kernels import attn_backward, attn_forward, lse_dtype
+
+
+class RingComm:
+    """Send to the next rank, receive from the previous one: ``send_recv`` posts,
+    ``wait`` returns what arrived. ``op`` names the byte counter."""
+
+    def __init__(self, group, op: str, phase: str, tag: int = 0) -> None:
+        self.group, self.op, self.phase, self.tag = group, op, phase, tag
+        P, r = group_size(group), group_rank(group)
+        self.next = dist.get_global_rank(group, (r + 1) % P)
+        self.prev = dist.get_global_rank(group, (r - 1) % P)
+        self._reqs: list = []
+        self._recv: torch.Tensor | None = None
+
+    def send_recv(self, x: torch.Tensor) -> None:
+        assert not self._reqs, "wait() before the next send_recv()"
+        x = x.contiguous()
+        self._recv = torch.empty_like(x)
+        ops = [
+            dist.P2POp(dist.isend, x, self.next, self.group, self.tag),
+            dist.P2POp(dist.irecv, self._recv, self.prev, self.group, self.tag),
+        ]
+        self._reqs = dist.batch_isend_irecv(ops)
+        self._sent = x  # keep the send buffer alive until wait()
+        stats.add(self.op, self.phase, x.numel() * x.element_size())
+
+    def wait(self) -> torch.Tensor:
+        for req in self._reqs:
+            req.wait()
+        self._reqs, self._sent = [], None
+        out, self._recv = self._recv, None
+        return out
+
+
+def merge(out, lse, out_b, lse_b):
+    """Merge a partial result into the accumulators (all fp32/fp64); returns (out, lse).
+
+    out ``(b, s, h, d)``, lse ``(b, h, s)``. Rows empty on both sides stay empty (-inf)."""
+    diff = lse_b - lse
+    w = torch.sigmoid(diff).nan_to_num(0.0)  # both -inf: nan -> keep out
+    out = out - w.transpose(1, 2).unsqueeze(-1) * (out - out_b)
+    new = lse - F.logsigmoid(lse - lse_b)
+    new = torch.where(torch.isinf(lse) | torch.isinf(lse_b), torch.maximum(lse, lse_b), new)
+    return out, new
+
+
+def _blocks(step: int, rank: int, P: int, s_l: int, causal: bool, layout: str):
+    """(q slice, kv slice, causal kernel) for this step, or None when fully masked."""
+    everything = slice(0, s_l)
+    if step == 0:
+        return everything, everything, causal
+    if not causal:
+        return everything, everything, False
+    src = (rank - step) % P
+    if layout == "contiguous":
+        return (everything, everything, False) if src < rank else None
+    half = s_l // 2
+    if src < rank:
+        return everything, slice(0, half), False
+    return slice(half, s_l), everything, False
+
+
+def _pack(k, v):
+    return torch.stack([k, v])  # (2, b, s_l, hkv, d): one send per step
+
+
+def ring_forward(q, k, v, *, group, causal, softmax_scale, backend, layout):
+    P, rank = group_size(group), group_rank(group)
+    b, s_l, hq, d = q.shape
+    acc = lse_dtype(q.dtype)
+    out = torch.zeros(b, s_l, hq, d, dtype=acc, device=q.device)
+    lse = torch.full((b, hq, s_l), float("-inf"), dtype=acc, device=q.device)
+    kv = _pack(k, v)
+    comm = RingComm(group, "ring", "forward") if P > 1 else None
+    for step in range(P):
+        if step + 1 < P:
+            comm.send_recv(kv)  # posted before the compute so they overlap
+        blk = _blocks(step, rank, P, s_l, causal, layout)
+        if blk is not None:
+            qs, ks, is_causal = blk
+            o_b, l_b = attn_forward(
+                q[:, qs],
+                kv[0][:, ks],
+                kv[1][:, ks],
+                causal=is_causal,
+                softmax_scale=softmax_scale,
+                backend=backend,
+            )
+            out[:, qs], lse[:, :, qs] = merge(out[:, qs], lse[:, :, qs], o_b.to(acc), l_b.to(acc))
+        if step + 1 < P:
+            kv = comm.wait()
+    return out, lse
+
+
+def ring_backward(dout, q, k, v, out, lse, *, group, causal, softmax_scale, backend, layout):
+    P, rank = group_size(group), group_rank(group)
+    s_l = q.shape[1]
+    acc = lse_dtype(q.dtype)
+    dq = torch.zeros_like(q, dtype=acc)
+    dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # travels with its kv block
+    kv = _pack(k, v)
+    kv_comm = RingComm(group, "ring", "backward", tag=1) if P > 1 else None
+    dkv_comm = RingComm(group, "ring", "backward", tag=2) if P > 1 else None
+    for step in range(P):
+        if step + 1 < P:
+            kv_comm.send_recv(kv)
+        blk = _blocks(step, rank, P, s_l, causal, layout)
+        if blk is not None:
+            qs, ks, is_causal = blk
+            dq_b, dk_b, dv_b = attn_backward(
+                dout[:, qs],
+                q[:, qs],
+                kv[0][:, ks],
+                kv[1][:, ks],
+                out[:, qs],
+                lse[:, :, qs],
+                causal=is_causal,
+                softmax_scale=softmax_scale,
+                backend=backend,
+            )
+            dq[:, qs] += dq_b
+        if step > 0:
+            dkv = dkv_comm.wait()  # the accumulator of the visiting block (overlapped compute)
+        if blk is not None:
+            dkv[0][:, ks] += dk_b
+            dkv[1][:, ks] += dv_b
+        if P > 1:
+            dkv_comm.send_recv(dkv)  # on to the next rank; overlaps the next step
+        if step + 1 < P:
+            kv = kv_comm.wait()
+    if P > 1:
+        dkv = dkv_comm.wait()  # our own block's accumulator, home after P hops
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, softmax_scale, backend, layout):
+        opts = dict(
+            group=group, causal=causal, softmax_scale=softmax_scale, backend=backend, layout=layout
+        )
+        out, lse = ring_forward(q, k, v, **opts)
+        out = out.to(q.dtype)  # saved in q's dtype, as returned: no extra copy for fp32
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.opts = opts
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, **ctx.opts)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group,
+    causal: bool,
+    softmax_scale: float | None,
+    backend: str,
+    layout: str,
+) -> torch.Tensor:
+    """Ring attention over ``group``; inputs validated by the caller.
+
+    q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` in ``layout`` over the ring ->
+    ``(b, s_l, hq, d)`` in q's dtype."""
+    return _RingAttention.apply(q, k, v, group, causal, softmax_scale, backend, layout)
