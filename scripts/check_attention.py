@@ -28,22 +28,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 
 
 def modes(world: int) -> list[tuple[int, int]]:
-    """(ulysses, ring) degrees that use all ranks and that this build supports."""
-    return [(world, 1)]
+    """(ulysses, ring) degrees that use all ranks: Ulysses, ring, and every hybrid split."""
+    hybrids = [(u, world // u) for u in range(2, world) if world % u == 0]
+    return [(world, 1), (1, world), *hybrids]
 
 
-def formula_bytes(args, u: int, hkv_sent: int, nbytes: int) -> int:
-    """Per rank, forward: b * (N/P) * (2*hq + 2*hkv_sent) * d * (P-1)/P * bytes."""
-    P = u
-    return (
-        args.batch
-        * (args.seq // P)
-        * (2 * args.heads + 2 * hkv_sent)
-        * args.head_dim
-        * (P - 1)
-        // P
-        * nbytes
-    )
+def formula_bytes(args, u: int, r: int, nbytes: int) -> list[int]:
+    """Per rank, forward (docs/design.md), [all-to-all, ring]:
+    head all-to-all over u ranks: b * (N/P) * (2*hq + 2*hkv_sent) * d * (u-1)/u * B;
+    kv ring over r ranks:         2 * b * (N/r) * (hkv_sent/u) * d * (r-1) * B;
+    hkv_sent = hkv * kv replication for u."""
+    P = u * r
+    hkv_sent = args.kv_heads * ucp.kv_replication(args.heads, args.kv_heads, u)
+    b, N, d, hq = args.batch, args.seq, args.head_dim, args.heads
+    a2a = b * (N // P) * (2 * hq + 2 * hkv_sent) * d * (u - 1) // u * nbytes
+    ring = 2 * b * (N // r) * (hkv_sent // u) * d * (r - 1) * nbytes
+    return [a2a, ring]
 
 
 def run_case(args, u: int, r: int, layout: str) -> dict:
@@ -61,8 +61,8 @@ def run_case(args, u: int, r: int, layout: str) -> dict:
     ]
     ucp.comm_stats.reset()
     out = ucp.attention(*local, topo, causal=True, layout=layout, backend=args.backend)
+    sent = [ucp.comm_stats.total(op, "forward") for op in ("all_to_all", "ring")]
     out.backward(ucp.shard_sequence(dout, topo, layout=layout).to(dtype))
-    sent = ucp.comm_stats.total(phase="forward")
     got = [
         ucp.gather_sequence(t.detach(), topo, layout=layout).double()
         for t in (out, *(x.grad for x in local))
@@ -71,19 +71,18 @@ def run_case(args, u: int, r: int, layout: str) -> dict:
     ref_out = ucp.local_attention(*refs, causal=True, backend="math")
     ref = [ref_out.detach(), *torch.autograd.grad(ref_out, refs, dout)]
     errs = {n: (a - b).abs().max().item() for n, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
-    hkv_sent = args.kv_heads * ucp.kv_replication(args.heads, args.kv_heads, u)
-    nbytes = torch.tensor([], dtype=dtype).element_size()
-    sent_all = [torch.zeros((), dtype=torch.int64) for _ in range(dist.get_world_size())]
+    sent_all = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(sent_all, torch.tensor(sent))
     topo.destroy()
+    nbytes = torch.tensor([], dtype=dtype).element_size()
     return {
         "mode": topo.mode,
         "ulysses": u,
         "ring": r,
         "layout": layout,
         **errs,
-        "bytes_sent_per_rank": [int(x) for x in sent_all],
-        "bytes_formula": formula_bytes(args, u, hkv_sent, nbytes),
+        "bytes_sent_per_rank": [x.tolist() for x in sent_all],
+        "bytes_formula": formula_bytes(args, u, r, nbytes),
     }
 
 
@@ -100,23 +99,29 @@ def worker(rank: int, args, init_file: str) -> None:
     try:
         rows = []
         log.info(
-            f"{'mode':8} {'u':>2} {'r':>2} {'layout':10} {'max|out|':>10} {'max|dq|':>10} "
-            f"{'max|dk|':>10} {'max|dv|':>10} {'bytes/rank':>12} {'formula':>12}"
+            f"{'mode':8} {'u':>2} {'r':>2} {'layout':10} {'max|out|':>9} {'max|dq|':>9} "
+            f"{'max|dk|':>9} {'max|dv|':>9} {'a2a B/rank':>11} {'formula':>11} "
+            f"{'ring B/rank':>11} {'formula':>11}"
         )
         for u, r in modes(args.world):
             for layout in ("zigzag", "contiguous"):
                 row = run_case(args, u, r, layout)
                 rows.append(row)
+                (a2a, ring), (fa, fr) = row["bytes_sent_per_rank"][0], row["bytes_formula"]
                 log.info(
-                    f"{row['mode']:8} {u:>2} {r:>2} {layout:10} {row['out']:10.2e} "
-                    f"{row['dq']:10.2e} {row['dk']:10.2e} {row['dv']:10.2e} "
-                    f"{row['bytes_sent_per_rank'][0]:>12} {row['bytes_formula']:>12}"
+                    f"{row['mode']:8} {u:>2} {r:>2} {layout:10} {row['out']:9.2e} "
+                    f"{row['dq']:9.2e} {row['dk']:9.2e} {row['dv']:9.2e} "
+                    f"{a2a:>11} {fa:>11} {ring:>11} {fr:>11}"
                 )
-        ok = all(set(r["bytes_sent_per_rank"]) == {r["bytes_formula"]} for r in rows)
-        log.info(f"measured bytes equal the formula on every rank: {ok}")
+        ok = all(
+            sent == row["bytes_formula"] for row in rows for sent in row["bytes_sent_per_rank"]
+        )
+        log.info(f"measured bytes equal the formulas on every rank: {ok}")
         if rank == 0 and args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        if not ok:
+            raise SystemExit("measured bytes differ from the formulas")
     finally:
         dist.destroy_process_group()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -109,7 +111,7 @@ def _saved_bytes(rank, s):
 def test_ring_saved_memory_is_linear_in_sequence(pools):
     sizes = [256, 512, 1024]
     per_rank = [pools(4).run(_saved_bytes, s) for s in sizes]
-    for small, large in zip(per_rank, per_rank[1:]):
+    for small, large in itertools.pairwise(per_rank):
         for a, b in zip(small, large):
             assert b <= 2.05 * a, f"saved bytes grew more than linearly: {a} -> {b}"
     # and nothing quadratic: at s=1024, q,k,v,out,lse of the local 256 tokens
