@@ -90,35 +90,26 @@ def _head_to_seq(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     return rearrange(x, "p b s h d -> b s (p h) d")
 
 
-class _SeqToHead(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """``fwd`` in forward; its inverse ``bwd`` (the same all-to-all with scatter and gather
+    dims swapped) in backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_head(x, group, "forward")
+    def forward(ctx, x, group, fwd, bwd):
+        ctx.group, ctx.bwd = group, bwd
+        return fwd(x, group, "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        # backward of scatter-heads/gather-seq is scatter-seq/gather-heads
-        return _head_to_seq(grad, ctx.group, "backward"), None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _head_to_seq(x, group, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_head(grad, ctx.group, "backward"), None
+        return ctx.bwd(grad, ctx.group, "backward"), None, None, None
 
 
 def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
     """``(b, s/P, h, d)`` sequence-sharded -> ``(b, s, h/P, d)`` head-sharded; rank j gets
     heads ``[j*h/P, (j+1)*h/P)`` and the sequence in group-rank order. Differentiable."""
-    return _SeqToHead.apply(x, group)
+    return _AllToAll.apply(x, group, _seq_to_head, _head_to_seq)
 
 
 def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     """Inverse of :func:`seq_to_head`: ``(b, s, h/P, d)`` -> ``(b, s/P, h, d)``."""
-    return _HeadToSeq.apply(x, group)
+    return _AllToAll.apply(x, group, _head_to_seq, _seq_to_head)

@@ -38,19 +38,24 @@ def _pad8(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, pad)) if pad else x
 
 
-def forward(q, k, v, causal, scale):
-    fwd, params, _, _ = _interface()
-    d = q.shape[-1]
+def _kwargs(params: set[str], scale: float, causal: bool, **extra) -> dict:
+    """The keyword arguments this flash-attn version's internal function takes."""
     kwargs = dict(
         dropout_p=0.0,
         softmax_scale=scale,
         causal=causal,
         softcap=0.0,
         alibi_slopes=None,
-        return_softmax=False,
         **_window_kwargs(params),
+        **extra,
     )
-    kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ in params}
+    return {name: value for name, value in kwargs.items() if name in params}
+
+
+def forward(q, k, v, causal, scale):
+    fwd, params, _, _ = _interface()
+    d = q.shape[-1]
+    kwargs = _kwargs(params, scale, causal, return_softmax=False)
     res = fwd(_pad8(q).contiguous(), _pad8(k).contiguous(), _pad8(v).contiguous(), **kwargs)
     out, lse = res[0], res[1]
     return out[..., :d], lse
@@ -61,17 +66,7 @@ def backward(dout, q, k, v, out, lse, causal, scale):
     d = q.shape[-1]
     qp, kp, vp = _pad8(q).contiguous(), _pad8(k).contiguous(), _pad8(v).contiguous()
     dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-    kwargs = dict(
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=causal,
-        softcap=0.0,
-        alibi_slopes=None,
-        deterministic=False,
-        rng_state=None,
-        **_window_kwargs(params),
-    )
-    kwargs = {k_: v_ for k_, v_ in kwargs.items() if k_ in params}
+    kwargs = _kwargs(params, scale, causal, deterministic=False, rng_state=None)
     bwd(
         _pad8(dout).contiguous(),
         qp,
