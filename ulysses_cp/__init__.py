@@ -1,10 +1,12 @@
 """ulysses_cp: sequence-parallel attention (Ulysses all-to-all, ring, hybrid) for
 long-context training. Public API: see README.md and docs/api.md."""
 
-from . import comm
+from . import comm, engine
 from .attention import attention
 from .comm import stats as comm_stats
+from .engine import SequenceParallelConfig, init_distributed, initialize, topology_from_config
 from .kernels import BACKENDS, attn_backward, attn_forward, local_attention
+from .loss import sequence_parallel_cross_entropy
 from .sharding import (
     LAYOUTS,
     gather_sequence,
@@ -22,14 +24,18 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "LAYOUTS",
+    "SequenceParallelConfig",
     "Topology",
     "attention",
     "attn_backward",
     "attn_forward",
     "comm",
     "comm_stats",
+    "engine",
     "gather_sequence",
+    "init_distributed",
     "init_topology",
+    "initialize",
     "kv_replication",
     "layout_indices",
     "local_attention",
@@ -37,6 +43,8 @@ __all__ = [
     "pad_to_multiple",
     "plan_groups",
     "sequence_multiple",
+    "sequence_parallel_cross_entropy",
     "shard_sequence",
+    "topology_from_config",
     "validate_degrees",
 ]

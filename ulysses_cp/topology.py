@@ -86,6 +86,8 @@ class Topology:
     ring_group: object | None = None
     sp_group: object | None = None
     dp_group: object | None = None
+    # multiplies the SP loss gradient; ucp.initialize sets it where ZeRO averages over SP too
+    grad_scale: float = 1.0
     _owned: list = field(default_factory=list, repr=False)
 
     @property

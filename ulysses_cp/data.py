@@ -1,0 +1,185 @@
+"""Training data: a built-in long-range task, byte-level text files, SP batch sharding.
+
+Every sample is a pure function of ``(seed, index)``, so data position after a resume is
+just the step number, and each data-parallel replica reads its own indices.
+
+``kv_recall`` (default, no download): ``n_pairs`` key/value pairs at the start of the
+sequence, filler noise in the middle, and at the end queries that repeat a key and must
+be answered with its value. Only answers carry a target, so the loss starts at
+``ln(n_values)`` and falls only if attention reaches from the end of the sequence back to
+its start, i.e. across every SP shard.
+
+``text``: bytes of local ``.txt`` files (whole file) and ``.jsonl`` files (the ``"text"``
+field of each line), concatenated; vocabulary 256.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .sharding import sequence_multiple, shard_sequence
+
+IGNORE = -100
+TASKS = ("kv_recall", "text")
+
+
+@dataclass
+class DataConfig:
+    task: str = "kv_recall"
+    seq_len: int = 512
+    seed: int = 1234
+    files: list[str] = field(default_factory=list)  # text task
+    n_pairs: int = 16  # kv_recall: pairs at the start
+    n_queries: int = 48  # kv_recall: queries at the end
+    n_keys: int = 64
+    n_values: int = 32
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> DataConfig:
+        known = set(asdict(cls()))
+        unknown = set(cfg) - known
+        if unknown:
+            raise ValueError(
+                f'unknown keys in the "data" block: {sorted(unknown)}; valid keys: {sorted(known)}'
+            )
+        dc = cls(**cfg)
+        if dc.task not in TASKS:
+            raise ValueError(f"data.task {dc.task!r} is not one of {list(TASKS)}")
+        if dc.task == "text" and not dc.files:
+            raise ValueError("data.task 'text' needs data.files: a list of .txt/.jsonl paths")
+        if dc.task == "kv_recall":
+            need = 1 + 2 * dc.n_pairs + 2 * dc.n_queries
+            if dc.seq_len < need:
+                raise ValueError(
+                    f"kv_recall needs seq_len >= 1 + 2*n_pairs + 2*n_queries = "
+                    f"{need}, got {dc.seq_len}"
+                )
+            if dc.n_pairs > dc.n_keys or 2 + dc.n_keys + dc.n_values + 16 > 256:
+                raise ValueError("kv_recall: n_pairs <= n_keys and n_keys + n_values <= 238")
+        return dc
+
+
+class KVRecall:
+    """Token map: 0 BOS, 1 query marker, [2, 18) filler, then keys, then values."""
+
+    vocab_size = 256
+
+    def __init__(self, cfg: DataConfig) -> None:
+        self.cfg = cfg
+        self.key0 = 18
+        self.val0 = self.key0 + cfg.n_keys
+
+    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens (s,), shift_labels (s,)): label t is the target of token t."""
+        c = self.cfg
+        g = torch.Generator().manual_seed(c.seed * 1_000_003 + index)
+        keys = torch.randperm(c.n_keys, generator=g)[: c.n_pairs] + self.key0
+        vals = torch.randint(c.n_values, (c.n_pairs,), generator=g) + self.val0
+        tokens = torch.randint(2, 18, (c.seq_len,), generator=g)  # filler
+        labels = torch.full((c.seq_len,), IGNORE)
+        tokens[0] = 0
+        tokens[1 : 1 + 2 * c.n_pairs : 2], tokens[2 : 2 + 2 * c.n_pairs : 2] = keys, vals
+        pick = torch.randint(c.n_pairs, (c.n_queries,), generator=g)
+        start = c.seq_len - 2 * c.n_queries
+        tokens[start::2], tokens[start + 1 :: 2] = keys[pick], vals[pick]
+        labels[start::2] = vals[pick]  # after the queried key comes its value
+        return tokens, labels
+
+
+class ByteText:
+    vocab_size = 256
+
+    def __init__(self, cfg: DataConfig) -> None:
+        self.cfg = cfg
+        chunks = []
+        for name in cfg.files:
+            path = Path(name)
+            if not path.is_file():
+                raise ValueError(f"data file not found: {name}")
+            if path.suffix == ".jsonl":
+                for line in path.read_text(encoding="utf-8").splitlines():
+                    if line.strip():
+                        chunks.append(json.loads(line)["text"].encode("utf-8"))
+            else:
+                chunks.append(path.read_bytes())
+        self.data = torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8).long()
+        if self.data.numel() < cfg.seq_len + 2:
+            raise ValueError(
+                f"data files hold {self.data.numel()} bytes, fewer than "
+                f"seq_len + 2 = {cfg.seq_len + 2}"
+            )
+
+    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.cfg.seq_len
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + index)
+        off = int(torch.randint(self.data.numel() - s - 1, (1,), generator=g))
+        window = self.data[off : off + s + 1]
+        return window[:-1].clone(), window[1:].clone()  # shifted on the full sequence
+
+
+def make_dataset(cfg: DataConfig) -> KVRecall | ByteText:
+    return KVRecall(cfg) if cfg.task == "kv_recall" else ByteText(cfg)
+
+
+def global_batch(
+    dataset,
+    *,
+    step: int,
+    micro_step: int,
+    grad_accum: int,
+    micro_batch: int,
+    dp_rank: int,
+    dp_degree: int,
+) -> dict[str, torch.Tensor]:
+    """Full ``(micro_batch, s)`` tensors for one micro step of one data-parallel replica."""
+    first = ((step * grad_accum + micro_step) * dp_degree + dp_rank) * micro_batch
+    tokens, labels = zip(*(dataset.sample(first + i) for i in range(micro_batch)))
+    ids = torch.stack(tokens)
+    return {
+        "input_ids": ids,
+        "shift_labels": torch.stack(labels),
+        "position_ids": torch.arange(ids.shape[1]).expand_as(ids).clone(),
+    }
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE) -> torch.Tensor:
+    """``(b, s)`` labels -> targets of each position (next token), ``ignore_index`` last."""
+    pad = torch.full_like(labels[:, :1], ignore_index)
+    return torch.cat([labels[:, 1:], pad], dim=1)
+
+
+def shard_batch(
+    batch: dict[str, torch.Tensor], topo, layout: str = "zigzag"
+) -> dict[str, torch.Tensor]:
+    """This SP rank's ``input_ids``, global ``position_ids`` and ``shift_labels``.
+
+    ``batch`` holds full ``(b, s)`` tensors: ``input_ids`` and either ``shift_labels`` or
+    ``labels`` (shifted here, on the full sequence); ``position_ids`` default to
+    ``0..s-1``."""
+    ids = batch["input_ids"]
+    s = ids.shape[1]
+    if s % sequence_multiple(topo.sp_world_size, layout):
+        m = sequence_multiple(topo.sp_world_size, layout)
+        raise ValueError(
+            f"sequence length {s} must be a multiple of {m} for "
+            f"{topo.sp_world_size} SP ranks in the {layout!r} layout; pad with "
+            f"ucp.pad_batch(batch, {m})"
+        )
+    if "shift_labels" in batch:
+        targets = batch["shift_labels"]
+    elif "labels" in batch:
+        targets = shift_labels(batch["labels"])
+    else:
+        targets = shift_labels(ids)
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = torch.arange(s, device=ids.device).expand_as(ids)
+    return {
+        "input_ids": shard_sequence(ids, topo, layout=layout),
+        "position_ids": shard_sequence(pos, topo, layout=layout),
+        "shift_labels": shard_sequence(targets, topo, layout=layout),
+    }

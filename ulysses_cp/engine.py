@@ -1,0 +1,226 @@
+"""DeepSpeed plugin: our config block, the topology, an mpu, ``deepspeed.initialize``.
+
+This is the one module that imports deepspeed (lazily, inside functions).
+
+Gradient scale. Each SP rank's loss gradient is its share of the global token mean
+(``loss.py``), so the right reduction is a SUM over SP ranks and a MEAN over data-parallel
+replicas. With this mpu DeepSpeed reduces over dp x sp ranks and divides by dp for ZeRO
+0, 1 and 2, but ZeRO-3's reduce-scatter divides by dp x sp (deepspeed 0.19.8). We set
+``topo.grad_scale = sp`` there, which the SP loss applies to its gradient (not its value).
+Tests compare updated parameters against a single process for every stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .kernels import BACKENDS
+from .sharding import LAYOUTS
+from .topology import Topology, init_topology, validate_degrees
+
+OUR_BLOCKS = ("sequence_parallel", "model", "data", "training")
+
+
+@dataclass
+class SequenceParallelConfig:
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    layout: str = "zigzag"
+    attention_backend: str = "auto"
+
+    @classmethod
+    def from_dict(cls, cfg: dict | None) -> SequenceParallelConfig:
+        cfg = dict(cfg or {})
+        known = set(asdict(cls()))
+        unknown = set(cfg) - known
+        if unknown:
+            raise ValueError(
+                f'unknown keys in the "sequence_parallel" block: '
+                f"{sorted(unknown)}; valid keys: {sorted(known)}"
+            )
+        sp = cls(**cfg)
+        for name in ("ulysses_degree", "ring_degree"):
+            value = getattr(sp, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"sequence_parallel.{name} must be a positive integer, got {value!r}"
+                )
+        if sp.layout not in LAYOUTS:
+            raise ValueError(
+                f"sequence_parallel.layout {sp.layout!r} is not one of {list(LAYOUTS)}"
+            )
+        if sp.attention_backend not in BACKENDS:
+            raise ValueError(
+                f"sequence_parallel.attention_backend {sp.attention_backend!r} "
+                f"is not one of {list(BACKENDS)}"
+            )
+        return sp
+
+
+def load_config(config: str | Path | dict) -> dict:
+    """A DeepSpeed JSON config (path or dict), deep-copied."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    path = Path(config)
+    if not path.is_file():
+        raise ValueError(f"DeepSpeed config not found: {path}")
+    return json.loads(path.read_text())
+
+
+def deepspeed_part(config: dict) -> dict:
+    """The config without our blocks, as handed to DeepSpeed."""
+    return {k: v for k, v in config.items() if k not in OUR_BLOCKS}
+
+
+def init_distributed() -> None:
+    """``deepspeed.init_distributed`` with nccl on CUDA machines, gloo elsewhere."""
+    import deepspeed
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def topology_from_config(config: dict) -> Topology:
+    """Validate the ``"sequence_parallel"`` block against the world, then build groups."""
+    sp = SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
+    validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
+    return init_topology(sp.ulysses_degree, sp.ring_degree)
+
+
+class SequenceParallelMPU:
+    """What DeepSpeed asks an mpu (``deepspeed/utils/groups.py``), from a topology.
+
+    Data parallel = replicas (integer sizes: a float here breaks DeepSpeed's batch
+    arithmetic); sequence-data-parallel = every rank (ZeRO shards and reduces over it);
+    model parallel = this rank alone."""
+
+    def __init__(self, topo: Topology) -> None:
+        self.topo = topo
+        world = dist.get_world_size()
+        self._seq_dp_group = dist.new_group(list(range(world)))
+        self._mp_group = None
+        for r in range(world):  # every rank creates every single-rank group
+            g = dist.new_group([r])
+            if r == topo.rank:
+                self._mp_group = g
+
+    def get_sequence_parallel_group(self):
+        return self.topo.sp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.topo.sp_world_size
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.topo.sp_rank
+
+    def get_sequence_data_parallel_group(self):
+        return self._seq_dp_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.topo.world_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.topo.rank
+
+    def get_data_parallel_group(self):
+        return self.topo.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.topo.dp_degree
+
+    def get_data_parallel_rank(self) -> int:
+        return self.topo.dp_rank
+
+    def get_model_parallel_group(self):
+        return self._mp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+
+def _zero_stage(config: dict) -> int:
+    return int((config.get("zero_optimization") or {}).get("stage", 0))
+
+
+def zero_grad_scale(config: dict, sp_world_size: int) -> float:
+    """ZeRO-3's reduce-scatter averages over dp x sp ranks; the others over dp only."""
+    zero = config.get("zero_optimization") or {}
+    if _zero_stage(config) == 3 and zero.get("reduce_scatter", True):
+        return float(sp_world_size)
+    return 1.0
+
+
+def _partition_over_all_ranks(
+    model: torch.nn.Module, mpu: SequenceParallelMPU, ds_config: dict
+) -> None:
+    """ZeRO-3 would partition parameters over ``mpu.get_data_parallel_group()`` (replicas
+    only) but reduce-scatters gradients over every rank: partition over every rank first,
+    as ``deepspeed.zero.Init`` does for an already-built model."""
+    import deepspeed
+
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return  # built under zero.Init already
+    dtype = next(model.parameters()).dtype
+    if (ds_config.get("bf16") or {}).get("enabled"):
+        dtype = torch.bfloat16
+    elif (ds_config.get("fp16") or {}).get("enabled"):
+        dtype = torch.float16
+    deepspeed.zero.Init(
+        module=model,
+        data_parallel_group=mpu.get_sequence_data_parallel_group(),
+        config_dict_or_path=ds_config,
+        dtype=dtype,
+        mpu=mpu,
+    )
+
+
+def initialize(
+    *,
+    model: torch.nn.Module,
+    config: str | Path | dict,
+    topo: Topology | None = None,
+    optimizer=None,
+    model_parameters=None,
+    lr_scheduler=None,
+):
+    """``deepspeed.initialize`` with our mpu; returns the DeepSpeed engine.
+
+    ``engine.topology`` is the topology (built from the config's ``"sequence_parallel"``
+    block unless given). Call :func:`init_distributed` first."""
+    import deepspeed
+
+    config = load_config(config)
+    if topo is None:
+        topo = topology_from_config(config)
+    sp = SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
+    if (sp.ulysses_degree, sp.ring_degree) != (topo.ulysses_degree, topo.ring_degree):
+        raise ValueError(
+            f"topology u{topo.ulysses_degree} r{topo.ring_degree} differs from "
+            f"the config's u{sp.ulysses_degree} r{sp.ring_degree}"
+        )
+    topo.grad_scale = zero_grad_scale(config, topo.sp_world_size)
+    if model_parameters is None and optimizer is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    mpu = SequenceParallelMPU(topo)
+    ds_config = deepspeed_part(config)
+    if _zero_stage(config) == 3 and topo.sp_world_size > 1:
+        _partition_over_all_ranks(model, mpu, ds_config)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        config=ds_config,
+        mpu=mpu,
+    )
+    engine.topology = topo
+    return engine

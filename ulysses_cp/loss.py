@@ -1,0 +1,68 @@
+"""Sequence-parallel cross-entropy: the full-sequence token mean on every SP rank.
+
+Labels are shifted on the FULL sequence before sharding (``data.shift_labels``), so the
+target of a shard's last token (the first token of the next shard) is not lost.
+
+Value: ``sum over all SP ranks of CE / number of non-ignored tokens of the whole sequence``
+(the same on every SP rank). Gradient on each rank: the derivative of that global mean with
+respect to the rank's own logits, i.e. its share. Summed over the SP group (which is what
+DeepSpeed's gradient reduction does) the shares give the single-process gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .comm import group_size
+
+
+class _SumKeepGrad(torch.autograd.Function):
+    """All-reduce (sum) in forward, identity in backward: every rank's loss value is the
+    global sum while each rank's gradient stays its own share."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def scale_gradient(loss: torch.Tensor, factor: float) -> torch.Tensor:
+    """Same value, gradient multiplied by ``factor``."""
+    if factor == 1:
+        return loss
+    return loss * factor - loss.detach() * (factor - 1)
+
+
+def sequence_parallel_cross_entropy(
+    logits_local: torch.Tensor, labels_local: torch.Tensor, topo, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean cross-entropy over every non-ignored token of the whole sequence (all SP ranks).
+
+    logits ``(b, s_local, V)``, labels ``(b, s_local)`` already shifted on the full
+    sequence. Computed in float32 (float64 stays float64). If ``topo.grad_scale`` is set
+    (``ucp.initialize`` sets it to compensate a ZeRO stage whose reduction averages over
+    the SP ranks too), the gradient is multiplied by it; the value is unchanged."""
+    if logits_local.shape[:-1] != labels_local.shape:
+        raise ValueError(
+            f"logits {tuple(logits_local.shape)} and labels "
+            f"{tuple(labels_local.shape)} must agree in (batch, seq)"
+        )
+    logits = logits_local if logits_local.dtype == torch.float64 else logits_local.float()
+    ce = F.cross_entropy(
+        logits.flatten(0, 1), labels_local.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+    count = (labels_local != ignore_index).sum().to(ce.dtype)
+    group = topo.sp_group
+    if group_size(group) > 1:
+        ce = _SumKeepGrad.apply(ce, group)
+        count = count.clone()
+        dist.all_reduce(count, group=group)
+    loss = ce / count.clamp(min=1)  # no target anywhere -> 0, not NaN
+    return scale_gradient(loss, getattr(topo, "grad_scale", 1))
