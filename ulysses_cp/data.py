@@ -3,11 +3,11 @@
 Every sample is a pure function of ``(seed, index)``, so data position after a resume is
 just the step number, and each data-parallel replica reads its own indices.
 
-``kv_recall`` (default, no download): ``n_pairs`` key/value pairs at the start of the
+``kv_recall`` (default, no download): ``n_pairs`` key/value bindings at the start of the
 sequence, filler noise in the middle, and at the end queries that repeat a key and must
-be answered with its value. Only answers carry a target, so the loss starts at
-``ln(n_values)`` and falls only if attention reaches from the end of the sequence back to
-its start, i.e. across every SP shard.
+be answered with its value. Only answers carry a target, so the loss starts near
+``ln(n_values)`` and falls below it only if attention reaches from the end of the sequence
+back to its start, i.e. across every SP shard.
 
 ``text``: bytes of local ``.txt`` files (whole file) and ``.jsonl`` files (the ``"text"``
 field of each line), concatenated; vocabulary 256.
@@ -33,10 +33,10 @@ class DataConfig:
     seq_len: int = 512
     seed: int = 1234
     files: list[str] = field(default_factory=list)  # text task
-    n_pairs: int = 16  # kv_recall: pairs at the start
+    n_pairs: int = 4  # kv_recall: bindings at the start
     n_queries: int = 48  # kv_recall: queries at the end
-    n_keys: int = 64
-    n_values: int = 32
+    n_keys: int = 4
+    n_values: int = 8
 
     @classmethod
     def from_dict(cls, cfg: dict) -> DataConfig:
@@ -52,19 +52,26 @@ class DataConfig:
         if dc.task == "text" and not dc.files:
             raise ValueError("data.task 'text' needs data.files: a list of .txt/.jsonl paths")
         if dc.task == "kv_recall":
-            need = 1 + 2 * dc.n_pairs + 2 * dc.n_queries
+            need = 1 + dc.n_pairs + 2 * dc.n_queries
             if dc.seq_len < need:
                 raise ValueError(
                     f"kv_recall needs seq_len >= 1 + 2*n_pairs + 2*n_queries = "
                     f"{need}, got {dc.seq_len}"
                 )
-            if dc.n_pairs > dc.n_keys or 2 + dc.n_keys + dc.n_values + 16 > 256:
-                raise ValueError("kv_recall: n_pairs <= n_keys and n_keys + n_values <= 238")
+            if dc.n_pairs > dc.n_keys or 18 + dc.n_keys * (dc.n_values + 1) + dc.n_values > 256:
+                raise ValueError(
+                    f"kv_recall needs n_pairs <= n_keys and 18 + n_keys + n_values "
+                    f"+ n_keys*n_values <= 256, got n_pairs {dc.n_pairs}, n_keys "
+                    f"{dc.n_keys}, n_values {dc.n_values}"
+                )
         return dc
 
 
 class KVRecall:
-    """Token map: 0 BOS, 1 query marker, [2, 18) filler, then keys, then values."""
+    """Token map: 0 BOS, [2, 18) filler, then keys, then values, then pair tokens.
+
+    A pair token stands for one (key, value) binding, so recalling a value is one content
+    lookup: the query key attends to the pair token of that key, wherever it is."""
 
     vocab_size = 256
 
@@ -72,21 +79,23 @@ class KVRecall:
         self.cfg = cfg
         self.key0 = 18
         self.val0 = self.key0 + cfg.n_keys
+        self.pair0 = self.val0 + cfg.n_values
 
     def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens (s,), shift_labels (s,)): label t is the target of token t."""
         c = self.cfg
         g = torch.Generator().manual_seed(c.seed * 1_000_003 + index)
-        keys = torch.randperm(c.n_keys, generator=g)[: c.n_pairs] + self.key0
-        vals = torch.randint(c.n_values, (c.n_pairs,), generator=g) + self.val0
+        keys = torch.randperm(c.n_keys, generator=g)[: c.n_pairs]
+        vals = torch.randint(c.n_values, (c.n_pairs,), generator=g)
         tokens = torch.randint(2, 18, (c.seq_len,), generator=g)  # filler
         labels = torch.full((c.seq_len,), IGNORE)
         tokens[0] = 0
-        tokens[1 : 1 + 2 * c.n_pairs : 2], tokens[2 : 2 + 2 * c.n_pairs : 2] = keys, vals
+        tokens[1 : 1 + c.n_pairs] = self.pair0 + keys * c.n_values + vals  # bindings
         pick = torch.randint(c.n_pairs, (c.n_queries,), generator=g)
         start = c.seq_len - 2 * c.n_queries
-        tokens[start::2], tokens[start + 1 :: 2] = keys[pick], vals[pick]
-        labels[start::2] = vals[pick]  # after the queried key comes its value
+        tokens[start::2] = self.key0 + keys[pick]  # query: a key ...
+        tokens[start + 1 :: 2] = self.val0 + vals[pick]  # ... then its value
+        labels[start::2] = self.val0 + vals[pick]  # the target after a queried key
         return tokens, labels
 
 

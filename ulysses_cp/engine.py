@@ -25,6 +25,9 @@ from .sharding import LAYOUTS
 from .topology import Topology, init_topology, validate_degrees
 
 OUR_BLOCKS = ("sequence_parallel", "model", "data", "training")
+# the standard "wandb" block is honoured by ulysses_cp.tracking (one run, our step numbers),
+# not by DeepSpeed's monitor, which would open a second run logging at sample counts
+NOT_FOR_DEEPSPEED = (*OUR_BLOCKS, "wandb")
 
 
 @dataclass
@@ -74,8 +77,8 @@ def load_config(config: str | Path | dict) -> dict:
 
 
 def deepspeed_part(config: dict) -> dict:
-    """The config without our blocks, as handed to DeepSpeed."""
-    return {k: v for k, v in config.items() if k not in OUR_BLOCKS}
+    """The config without our blocks (and ``wandb``), as handed to DeepSpeed."""
+    return {k: v for k, v in config.items() if k not in NOT_FOR_DEEPSPEED}
 
 
 def init_distributed() -> None:

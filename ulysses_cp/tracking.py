@@ -1,0 +1,75 @@
+"""Metrics: ``metrics.jsonl`` always, wandb when the DeepSpeed ``"wandb"`` block enables it.
+
+We read the standard block (``enabled``, ``project``, ``group``, ``team``) and own the run
+ourselves on global rank 0 instead of handing the block to DeepSpeed's monitor: one run
+that holds the full JSON config and the topology, with our metrics at our step numbers.
+wandb that is not installed or cannot start never stops training: one warning, then
+offline, then off. ``WANDB_MODE=offline`` works with no network.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .log import get_logger
+
+log = get_logger(__name__)
+
+
+class Tracker:
+    def __init__(
+        self, *, output_dir: str | Path, config: dict, topo_info: dict, is_main: bool, resume: bool
+    ) -> None:
+        self.is_main = is_main
+        self.run = None
+        self.path = Path(output_dir) / "metrics.jsonl"
+        if not is_main:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not resume and self.path.exists():
+            self.path.unlink()
+        block = config.get("wandb") or {}
+        if block.get("enabled"):
+            self.run = _start_wandb(
+                block, {"config": config, "topology": topo_info}, Path(output_dir)
+            )
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.is_main:
+            return
+        row = {"step": step, **metrics}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def finish(self, summary: dict) -> None:
+        if self.run is not None:
+            self.run.summary.update(summary)
+            self.run.finish()
+
+
+def _start_wandb(block: dict, run_config: dict, output_dir: Path):
+    try:
+        import wandb
+    except ImportError:
+        log.warning("wandb is enabled in the config but not installed; tracking off")
+        return None
+    kwargs = dict(
+        project=block.get("project", "ulysses_cp"),
+        group=block.get("group"),
+        entity=block.get("team"),
+        config=run_config,
+        dir=str(output_dir),
+        resume="allow",
+    )
+    for mode in (None, "offline"):
+        try:
+            return wandb.init(**kwargs, **({"mode": mode} if mode else {}))
+        except Exception as exc:  # network, auth, ... must not stop training
+            log.warning(
+                f"wandb could not start ({type(exc).__name__}: {exc}); "
+                f"{'retrying offline' if mode is None else 'tracking off'}"
+            )
+    return None
