@@ -44,7 +44,7 @@ def _step(rank, u, r, stage, layout):
     engine = ucp.initialize(
         model=model, config=cfg, topo=topo, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)
     )
-    data = KVRecall(DataConfig(seq_len=128, n_pairs=8, n_queries=16))
+    data = KVRecall(DataConfig(seq_len=128, n_queries=16))
 
     def batch(dp_rank):
         return global_batch(
@@ -129,3 +129,29 @@ def test_config_block_validation():
         ucp.SequenceParallelConfig.from_dict({"attention_backend": "xformers"})
     assert ucp.engine.zero_grad_scale({"zero_optimization": {"stage": 3}}, 4) == 4
     assert ucp.engine.zero_grad_scale({"zero_optimization": {"stage": 2}}, 4) == 1
+
+
+def _checkpointed_grads(rank):
+    """Activation checkpointing (collectives re-run in backward) changes no gradient."""
+    topo = topology(2, 2)
+    data = KVRecall(DataConfig(seq_len=64, n_queries=8))
+    full = global_batch(
+        data, step=0, micro_step=0, grad_accum=1, micro_batch=2, dp_rank=0, dp_degree=1
+    )
+    local = shard_batch(full, topo, "zigzag")
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        cfg = ModelConfig(**{**TINY.__dict__, "activation_checkpointing": ckpt})
+        model = Decoder(cfg, lambda q, k, v: ucp.attention(q, k, v, topo, backend="math"))
+        loss = ucp.sequence_parallel_cross_entropy(
+            model(local["input_ids"], local["position_ids"]), local["shift_labels"], topo
+        )
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_activation_checkpointing_same_gradients(pools):
+    pools(4).run(_checkpointed_grads)

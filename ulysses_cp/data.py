@@ -76,7 +76,7 @@ class KVRecall:
     vocab_size = 256
 
     def __init__(self, cfg: DataConfig) -> None:
-        self.cfg = cfg
+        self.cfg = cfg = DataConfig.from_dict(asdict(cfg))  # validated however it was built
         self.key0 = 18
         self.val0 = self.key0 + cfg.n_keys
         self.pair0 = self.val0 + cfg.n_values
