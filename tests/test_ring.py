@@ -179,3 +179,30 @@ def test_merge_is_exact_and_guards_empty_rows():
     # large lse gaps do not overflow
     big_o, big_l = merge(out, lse + 1000.0, out * 2, lse - 1000.0)
     assert torch.isfinite(big_o).all() and torch.isfinite(big_l).all()
+
+
+def _no_overlap(rank):
+    topo = topology(1, 4)
+    q, k, v, dout = make_qkv(seed=8, b=1, s=32, hq=4, hkv=2, d=8)
+    res = []
+    for overlap in (True, False):
+        ql, kl, vl = (ucp.shard_sequence(t, topo).requires_grad_() for t in (q, k, v))
+        out = ring_mod.ring_attention(
+            ql,
+            kl,
+            vl,
+            group=topo.ring_group,
+            causal=True,
+            softmax_scale=None,
+            backend="math",
+            layout="zigzag",
+            overlap=overlap,
+        )
+        out.backward(ucp.shard_sequence(dout, topo))
+        res.append([out, ql.grad, kl.grad, vl.grad])
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+
+
+def test_ring_without_overlap_gives_identical_results(pools):
+    pools(4).run(_no_overlap)

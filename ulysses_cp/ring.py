@@ -93,7 +93,7 @@ def _pack(k, v):
     return torch.stack([k, v])  # (2, b, s_l, hkv, d): one send per step
 
 
-def ring_forward(q, k, v, *, group, causal, softmax_scale, backend, layout):
+def ring_forward(q, k, v, *, group, causal, softmax_scale, backend, layout, overlap=True):
     P, rank = group_size(group), group_rank(group)
     b, s_l, hq, d = q.shape
     acc = lse_dtype(q.dtype)
@@ -104,6 +104,7 @@ def ring_forward(q, k, v, *, group, causal, softmax_scale, backend, layout):
     for step in range(P):
         if step + 1 < P:
             comm.send_recv(kv)  # posted before the compute so they overlap
+            nxt = None if overlap else comm.wait()  # the no-overlap variant, for benchmarks
         blk = _blocks(step, rank, P, s_l, causal, layout)
         if blk is not None:
             qs, ks, is_causal = blk
@@ -117,11 +118,13 @@ def ring_forward(q, k, v, *, group, causal, softmax_scale, backend, layout):
             )
             out[:, qs], lse[:, :, qs] = merge(out[:, qs], lse[:, :, qs], o_b.to(acc), l_b.to(acc))
         if step + 1 < P:
-            kv = comm.wait()
+            kv = comm.wait() if overlap else nxt
     return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, *, group, causal, softmax_scale, backend, layout):
+def ring_backward(
+    dout, q, k, v, out, lse, *, group, causal, softmax_scale, backend, layout, overlap=True
+):
     P, rank = group_size(group), group_rank(group)
     s_l = q.shape[1]
     acc = lse_dtype(q.dtype)
@@ -133,6 +136,7 @@ def ring_backward(dout, q, k, v, out, lse, *, group, causal, softmax_scale, back
     for step in range(P):
         if step + 1 < P:
             kv_comm.send_recv(kv)
+            nxt = None if overlap else kv_comm.wait()
         blk = _blocks(step, rank, P, s_l, causal, layout)
         if blk is not None:
             qs, ks, is_causal = blk
@@ -156,7 +160,7 @@ def ring_backward(dout, q, k, v, out, lse, *, group, causal, softmax_scale, back
         if P > 1:
             dkv_comm.send_recv(dkv)  # on to the next rank; overlaps the next step
         if step + 1 < P:
-            kv = kv_comm.wait()
+            kv = kv_comm.wait() if overlap else nxt
     if P > 1:
         dkv = dkv_comm.wait()  # our own block's accumulator, home after P hops
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
@@ -164,10 +168,7 @@ def ring_backward(dout, q, k, v, out, lse, *, group, causal, softmax_scale, back
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, softmax_scale, backend, layout):
-        opts = dict(
-            group=group, causal=causal, softmax_scale=softmax_scale, backend=backend, layout=layout
-        )
+    def forward(ctx, q, k, v, opts):
         out, lse = ring_forward(q, k, v, **opts)
         out = out.to(q.dtype)  # saved in q's dtype, as returned: no extra copy for fp32
         ctx.save_for_backward(q, k, v, out, lse)
@@ -178,7 +179,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, **ctx.opts)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None
 
 
 def ring_attention(
@@ -191,9 +192,19 @@ def ring_attention(
     softmax_scale: float | None,
     backend: str,
     layout: str,
+    overlap: bool = True,
 ) -> torch.Tensor:
     """Ring attention over ``group``; inputs validated by the caller.
 
     q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` in ``layout`` over the ring ->
-    ``(b, s_l, hq, d)`` in q's dtype."""
-    return _RingAttention.apply(q, k, v, group, causal, softmax_scale, backend, layout)
+    ``(b, s_l, hq, d)`` in q's dtype. ``overlap=False`` waits for each kv transfer before
+    computing (only to measure what the overlap buys)."""
+    opts = dict(
+        group=group,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        layout=layout,
+        overlap=overlap,
+    )
+    return _RingAttention.apply(q, k, v, opts)

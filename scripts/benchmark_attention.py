@@ -1,0 +1,374 @@
+"""Benchmark the sequence-parallel modes side by side with DeepSpeed-Ulysses.
+
+For each world size P (spawned gloo ranks on CPU; NCCL on GPUs) and sequence length N it
+runs causal attention forward+backward for every implementation, interleaved, after a
+warm-up, and reports medians over repeats and the ratio to DeepSpeed's
+``DistributedAttention`` wrapped around the same local kernel, measured in the same run.
+Per rank: bytes sent (counters) beside the formulas, peak memory (separate run), and the
+spread of per-rank kernel time (load balance). Then the longest sequence each mode fits in
+a per-rank memory budget, for one attention layer and for the reference model.
+
+FLOPs convention (causal-aware, as flash-attn counts): forward 4*b*N^2*hq*d/2 for causal,
+forward+backward 3.5x forward.
+
+    python scripts/benchmark_attention.py --quick        # < 3 min on 2 cores
+    python scripts/benchmark_attention.py                # the docs/benchmarks.md table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ulysses_cp as ucp
+import ulysses_cp.ring as ring_mod
+from ulysses_cp.profiling import peak_memory
+
+HQ, HKV, D = 8, 4, 64
+
+
+def impls(P: int) -> dict[str, tuple[int, int, str, dict]]:
+    """name -> (ulysses, ring, layout, extra)."""
+    if P == 1:
+        return {"full": (1, 1, "contiguous", {})}
+    out = {
+        "deepspeed": (P, 1, "contiguous", {"peer": True}),
+        "ulysses": (P, 1, "contiguous", {}),
+        "ulysses_zigzag": (P, 1, "zigzag", {}),
+        "ring_contiguous": (1, P, "contiguous", {}),
+        "ring_zigzag": (1, P, "zigzag", {}),
+        "ring_zigzag_no_overlap": (1, P, "zigzag", {"overlap": False}),
+    }
+    if P >= 4:
+        out["hybrid_zigzag"] = (2, P // 2, "zigzag", {})
+    return out
+
+
+def formula(N: int, u: int, r: int, nbytes: int) -> int:
+    """Forward bytes sent per rank (docs/design.md), b = 1."""
+    P = u * r
+    hkv_sent = HKV * ucp.kv_replication(HQ, HKV, u)
+    a2a = (N // P) * (2 * HQ + 2 * hkv_sent) * D * (u - 1) // u * nbytes
+    ring = 2 * (N // r) * (hkv_sent // u) * D * (r - 1) * nbytes
+    return a2a + ring
+
+
+def attention_fn(topos: dict, name: str, spec, backend: str):
+    u, r, layout, extra = spec
+    topo = topos[(u, r)]
+    if extra.get("peer"):
+        from deepspeed.sequence.layer import DistributedAttention
+
+        def local(q, k, v, *args, **kwargs):
+            return ucp.local_attention(q, k, v, causal=True, backend=backend)
+
+        peer = DistributedAttention(local, topo.ulysses_group, scatter_idx=2, gather_idx=1)
+        return lambda q, k, v: peer(q, k, v, batch_dim_idx=0)
+    if "overlap" in extra:
+        return lambda q, k, v: ring_mod.ring_attention(
+            q,
+            k,
+            v,
+            group=topo.ring_group,
+            causal=True,
+            softmax_scale=None,
+            backend=backend,
+            layout=layout,
+            overlap=extra["overlap"],
+        )
+    return lambda q, k, v: ucp.attention(q, k, v, topo, causal=True, layout=layout, backend=backend)
+
+
+class KernelClock:
+    """Time spent in the local kernels on this rank (load balance), via the ring module's
+    and the local wrapper's primitives."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._orig = {}
+
+    def __enter__(self):
+        import ulysses_cp.kernels as kernels
+
+        for mod, names in (
+            (ring_mod, ("attn_forward", "attn_backward")),
+            (kernels, ("attn_forward", "attn_backward")),
+        ):
+            for n in names:
+                f = getattr(mod, n)
+                self._orig[(mod, n)] = f
+
+                def timed(*a, _f=f, **kw):
+                    t = time.perf_counter()
+                    try:
+                        return _f(*a, **kw)
+                    finally:
+                        self.seconds += time.perf_counter() - t
+
+                setattr(mod, n, timed)
+        return self
+
+    def __exit__(self, *exc):
+        for (mod, n), f in self._orig.items():
+            setattr(mod, n, f)
+
+
+def run_once(fn, inputs):
+    q, k, v, dout = (t.detach().requires_grad_(i < 3) for i, t in enumerate(inputs))
+    fn(q, k, v).backward(dout)
+
+
+def make_inputs(N: int, topo, layout: str, dtype, device):
+    g = torch.Generator().manual_seed(0)
+    s_l = N // topo.sp_world_size
+    shapes = [(1, s_l, HQ, D), (1, s_l, HKV, D), (1, s_l, HKV, D), (1, s_l, HQ, D)]
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
+
+
+def bench_lengths(args, topos, P, device, dtype) -> list[dict]:
+    rows = []
+    names = impls(P)
+    fns = {n: attention_fn(topos, n, spec, args.backend) for n, spec in names.items()}
+    for N in args.seqs:
+        inputs = {
+            n: make_inputs(N, topos[(s[0], s[1])], s[2], dtype, device) for n, s in names.items()
+        }
+        times = {n: [] for n in names}
+        kernel = {n: [] for n in names}
+        for rep in range(args.warmup + args.repeats):
+            for n in names:  # interleaved: every implementation sees the same machine state
+                dist.barrier()
+                with KernelClock() as clock:
+                    t = time.perf_counter()
+                    run_once(fns[n], inputs[n])
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    dt = time.perf_counter() - t
+                if rep >= args.warmup:
+                    times[n].append(dt)
+                    kernel[n].append(clock.seconds)
+        for n, (u, r, layout, _) in names.items():
+            ucp.comm_stats.reset()
+            q, k, v, dout = (t.detach().requires_grad_(i < 3) for i, t in enumerate(inputs[n]))
+            peak = peak_memory(
+                lambda fn=fns[n], q=q, k=k, v=v, d=dout: fn(q, k, v).backward(d), device
+            )
+            sent = ucp.comm_stats.total(phase="forward")
+            own = sum(t.numel() * t.element_size() for t in inputs[n])
+            stats = torch.tensor(
+                [statistics.median(times[n]), statistics.median(kernel[n]), peak + own, sent],
+                dtype=torch.float64,
+            )
+            everyone = [torch.zeros_like(stats) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, stats)
+            ranks = torch.stack(everyone)
+            flops = 4 * N * N * HQ * D / 2 * 3.5
+            t_med = ranks[:, 0].max().item()
+            rows.append(
+                {
+                    "P": P,
+                    "N": N,
+                    "impl": n,
+                    "ulysses": u,
+                    "ring": r,
+                    "layout": layout,
+                    "time_s": t_med,
+                    "tflops": flops / t_med / 1e12,
+                    "kernel_s_per_rank": ranks[:, 1].tolist(),
+                    "balance_max_over_min": (ranks[:, 1].max() / ranks[:, 1].min()).item(),
+                    "peak_mem_mb_per_rank": (ranks[:, 2] / 2**20).tolist(),
+                    "bytes_fwd_per_rank": ranks[:, 3].tolist(),
+                    "bytes_formula": formula(N, u, r, inputs[n][0].element_size()),
+                }
+            )
+    peer = {row["N"]: row["time_s"] for row in rows if row["impl"] in ("deepspeed", "full")}
+    for row in rows:
+        row["ratio_to_peer"] = row["time_s"] / peer[row["N"]]
+    return rows
+
+
+def fits(fn_of_n, N: int, budget: int) -> bool:
+    return fn_of_n(N) <= budget
+
+
+def max_length(args, topos, P, device, dtype, what: str) -> dict:
+    """Longest N (a multiple of 2P*64) whose per-rank peak fits ``args.budget_mb``."""
+    from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
+    from ulysses_cp.model import Decoder, ModelConfig
+
+    budget = args.budget_mb * 2**20
+    out = {}
+    for name, (u, r, layout, extra) in impls(P).items():
+        if extra or name == "ulysses":
+            continue  # the peer, the no-overlap variant and the contiguous twin: skip
+        topo = topos[(u, r)]
+
+        def peak_at(N, topo=topo, spec=(u, r, layout, extra), name=name):
+            layout = spec[2]
+            if what == "attention":
+                fn = attention_fn(topos, name, spec, args.backend)
+                ins = make_inputs(N, topo, layout, dtype, device)
+                own = sum(t.numel() * t.element_size() for t in ins)
+                q, k, v, dout = (t.detach().requires_grad_(i < 3) for i, t in enumerate(ins))
+                p = peak_memory(lambda: fn(q, k, v).backward(dout), device) + own
+            else:
+                torch.manual_seed(0)
+                model = Decoder(
+                    ModelConfig(),
+                    lambda q, k, v: ucp.attention(
+                        q, k, v, topo, layout=layout, backend=args.backend
+                    ),
+                ).to(device)
+                data = KVRecall(DataConfig(seq_len=N))
+                full = global_batch(
+                    data, step=0, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1
+                )
+                local = {k_: t.to(device) for k_, t in shard_batch(full, topo, layout).items()}
+
+                def step():
+                    logits = model(local["input_ids"], local["position_ids"])
+                    ucp.sequence_parallel_cross_entropy(
+                        logits, local["shift_labels"], topo
+                    ).backward()
+
+                p = peak_memory(step, device)
+            worst = torch.tensor([float(p)])
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            return worst.item()
+
+        unit = 2 * P * 64
+        lo, hi = 0, unit
+        while fits(peak_at, hi, budget):  # doubling, then bisection on multiples of unit
+            lo, hi = hi, hi * 2
+        while hi - lo > unit:
+            mid = (lo + hi) // 2 // unit * unit
+            lo, hi = (mid, hi) if fits(peak_at, mid, budget) else (lo, mid)
+        out[name] = lo
+    return out
+
+
+def worker(rank, world, args, init_file, result_file):
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
+    )
+    try:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        topos = {
+            (u, r): ucp.init_topology(u, r)
+            for u, r, _, _ in {(s[0], s[1], 0, 0) for s in impls(world).values()}
+        }
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+        res = {"rows": bench_lengths(args, topos, world, device, dtype)}
+        if not args.skip_max_len:
+            res["max_len_attention"] = max_length(args, topos, world, device, dtype, "attention")
+            res["max_len_model"] = max_length(args, topos, world, device, dtype, "model")
+        if rank == 0:
+            Path(result_file).write_text(json.dumps(res))
+    finally:
+        dist.destroy_process_group()
+
+
+def print_table(rows):
+    head = (
+        f"{'P':>2} {'N':>6} {'impl':24} {'time ms':>9} {'x peer':>7} {'balance':>8} "
+        f"{'MB/rank':>8} {'bytes/rank':>11} {'formula':>11}"
+    )
+    print(head)
+    for r in rows:
+        sent = int(max(r["bytes_fwd_per_rank"]))
+        shown = "n/a" if r["impl"] == "deepspeed" else str(sent)
+        print(
+            f"{r['P']:>2} {r['N']:>6} {r['impl']:24} {r['time_s'] * 1e3:9.1f} "
+            f"{r['ratio_to_peer']:7.2f} {r['balance_max_over_min']:8.2f} "
+            f"{max(r['peak_mem_mb_per_rank']):8.1f} {shown:>11} {r['bytes_formula']:>11}"
+        )
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for key in sorted({(r["P"], r["impl"]) for r in rows}):
+        sel = [r for r in rows if (r["P"], r["impl"]) == key]
+        label = f"P={key[0]} {key[1]}"
+        axes[0].plot([r["N"] for r in sel], [r["time_s"] * 1e3 for r in sel], "o-", label=label)
+        axes[1].plot(
+            [r["N"] for r in sel], [max(r["peak_mem_mb_per_rank"]) for r in sel], "o-", label=label
+        )
+    for ax, title in zip(axes, ("fwd+bwd time (ms, median)", "peak memory per rank (MB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.set_title(title)
+    axes[1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sweep for CI (< 3 min)")
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--budget-mb", type=float, default=32.0, help="per-rank memory budget")
+    p.add_argument("--backend", default="torch", choices=list(ucp.BACKENDS))
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--skip-max-len", action="store_true")
+    p.add_argument("--out", default="bench_results", help="folder for JSON and PNG")
+    args = p.parse_args()
+    if args.quick:
+        args.seqs, args.repeats, args.budget_mb = [512, 1024], 3, 8.0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"args": vars(args), "worlds": {}}
+    for world in args.worlds:
+        print(f"--- P = {world}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            res_file = os.path.join(tmp, "result.json")
+            mp.spawn(worker, args=(world, args, os.path.join(tmp, "store"), res_file), nprocs=world)
+            results["worlds"][world] = json.loads(Path(res_file).read_text())
+    rows = [r for w in results["worlds"].values() for r in w["rows"]]
+    print_table(rows)
+    for kind in ("max_len_attention", "max_len_model"):
+        print(
+            f"{kind} (budget {args.budget_mb} MB/rank): "
+            + ", ".join(f"P={w}: {res.get(kind)}" for w, res in results["worlds"].items())
+        )
+    (out / "benchmark_attention.json").write_text(json.dumps(results, indent=1))
+    print(f"json: {out / 'benchmark_attention.json'}")
+    plot(rows, out / "benchmark_attention.png")
+
+
+if __name__ == "__main__":
+    main()

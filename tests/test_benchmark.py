@@ -1,0 +1,50 @@
+"""Smoke test of the benchmark script (no timing assertions): it runs, writes JSON and a
+plot, and every measured byte count equals its formula."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_benchmark_quick(tmp_path):
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "benchmark_attention.py"),
+        "--quick",
+        "--worlds",
+        "1",
+        "4",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "x peer" in res.stdout  # the table
+    data = json.loads((tmp_path / "benchmark_attention.json").read_text())
+    rows = [r for w in data["worlds"].values() for r in w["rows"]]
+    impls = {r["impl"] for r in rows}
+    assert {
+        "full",
+        "deepspeed",
+        "ulysses",
+        "ring_zigzag",
+        "hybrid_zigzag",
+        "ring_zigzag_no_overlap",
+    } <= impls
+    for r in rows:
+        assert r["time_s"] > 0 and r["ratio_to_peer"] > 0
+        if r["impl"] != "deepspeed":  # the peer's traffic goes through deepspeed.comm
+            assert set(r["bytes_fwd_per_rank"]) == {r["bytes_formula"]}, r
+    p1, p4 = data["worlds"]["1"], data["worlds"]["4"]
+    assert max(p4["max_len_attention"].values()) > p1["max_len_attention"]["full"] > 0
+    assert (tmp_path / "benchmark_attention.png").stat().st_size > 1000
