@@ -70,8 +70,9 @@ def ulysses_attention(
         # (b, s_l, hkv, d) -> (b, s_l, P, d): kv head j replicated for ranks [j*rep, (j+1)*rep)
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     hk = k.shape[2]
-    packed = _pack_heads([q, k, v], P)  # (b, s_l, hq + 2*hk, d)
-    heads = seq_to_head(packed, group)  # (b, s_l * P, (hq + 2*hk)/P, d), rank order
+    # no names are kept for the staging tensors, so each is freed as soon as it is used
+    # (b, s_l, hq + 2*hk, d) -> (b, s_l * P, (hq + 2*hk)/P, d), in rank order
+    heads = seq_to_head(_pack_heads([q, k, v], P), group)
     if layout == "zigzag":
         heads = pairs_to_natural(heads, P, dim=1)  # rank order -> token order
     qh, kh, vh = heads.split([hq // P, hk // P, hk // P], dim=2)
