@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import resource
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import ulysses_cp as ucp
+from ulysses_cp.config import from_block
 from ulysses_cp.data import DataConfig, global_batch, make_dataset, shard_batch
 from ulysses_cp.log import get_logger
 from ulysses_cp.model import Decoder, ModelConfig
@@ -37,13 +38,7 @@ class TrainingConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> TrainingConfig:
-        unknown = set(cfg) - set(asdict(cls()))
-        if unknown:
-            raise ValueError(
-                f'unknown keys in the "training" block: {sorted(unknown)}; '
-                f"valid keys: {sorted(asdict(cls()))}"
-            )
-        return cls(**cfg)
+        return from_block(cls, cfg, "training")
 
 
 def parse_args() -> argparse.Namespace:

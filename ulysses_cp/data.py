@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .config import from_block
 from .sharding import sequence_multiple, shard_sequence
 
 IGNORE = -100
@@ -40,13 +41,7 @@ class DataConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> DataConfig:
-        known = set(asdict(cls()))
-        unknown = set(cfg) - known
-        if unknown:
-            raise ValueError(
-                f'unknown keys in the "data" block: {sorted(unknown)}; valid keys: {sorted(known)}'
-            )
-        dc = cls(**cfg)
+        dc = from_block(cls, cfg, "data")
         if dc.task not in TASKS:
             raise ValueError(f"data.task {dc.task!r} is not one of {list(TASKS)}")
         if dc.task == "text" and not dc.files:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from .config import from_block
 from .kernels import BACKENDS
 from .sharding import LAYOUTS
 from .topology import Topology, init_topology, validate_degrees
@@ -39,15 +40,7 @@ class SequenceParallelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict | None) -> SequenceParallelConfig:
-        cfg = dict(cfg or {})
-        known = set(asdict(cls()))
-        unknown = set(cfg) - known
-        if unknown:
-            raise ValueError(
-                f'unknown keys in the "sequence_parallel" block: '
-                f"{sorted(unknown)}; valid keys: {sorted(known)}"
-            )
-        sp = cls(**cfg)
+        sp = from_block(cls, cfg, "sequence_parallel")
         for name in ("ulysses_degree", "ring_degree"):
             value = getattr(sp, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -11,12 +11,14 @@ Legend: b batch, s tokens held (local under SP), D model dim, h/hkv heads, d hea
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from .config import from_block
 
 
 @dataclass
@@ -33,13 +35,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
-        known = set(asdict(cls()))
-        unknown = set(cfg) - known
-        if unknown:
-            raise ValueError(
-                f'unknown keys in the "model" block: {sorted(unknown)}; valid keys: {sorted(known)}'
-            )
-        mc = cls(**cfg)
+        mc = from_block(cls, cfg, "model")
         if mc.dim % mc.n_heads or mc.n_heads % mc.n_kv_heads or (mc.dim // mc.n_heads) % 2:
             raise ValueError(
                 f"model: dim ({mc.dim}) must split into n_heads ({mc.n_heads}) "
