@@ -186,12 +186,31 @@ def attn_forward(
 
 
 def attn_backward(
-    dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float | None, backend: str
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+    backend: str,
+    accumulate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq, dk, dv)`` in the inputs' dtypes from the final ``out`` and ``lse``."""
+    """Gradients ``(dq, dk, dv)`` from the final ``out`` and ``lse``, in the inputs' dtypes.
+
+    ``accumulate=True`` (ring attention, which sums block gradients): for bf16/fp16 inputs
+    on the CPU the block is computed on float32 copies and its gradients come back in
+    float32, so they are not rounded to 16 bits before they are summed. flash-attn and the
+    CUDA kernels return the input dtype either way."""
     _check_causal(q, k, causal)
+    scale = default_scale(q, softmax_scale)
+    low = q.dtype in (torch.bfloat16, torch.float16)
+    if accumulate and low and q.device.type == "cpu" and backend in ("math", "torch"):
+        dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
     with torch.no_grad():
-        return _BACKWARD[backend](dout, q, k, v, out, lse, causal, default_scale(q, softmax_scale))
+        return _BACKWARD[backend](dout, q, k, v, out, lse, causal, scale)
 
 
 class _LocalAttention(torch.autograd.Function):

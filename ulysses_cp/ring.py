@@ -150,6 +150,7 @@ def ring_backward(
                 causal=is_causal,
                 softmax_scale=softmax_scale,
                 backend=backend,
+                accumulate=True,
             )
             dq[:, qs] += dq_b
         if step > 0:
