@@ -160,7 +160,8 @@ def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out) -> li
     gas = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
     tokens_per_step = micro * gas * topo.dp_degree * dc.seq_len
-    losses, acc, since, t0 = [], torch.zeros(()), 0, time.perf_counter()
+    device = engine.device  # inputs and the loss accumulator live where the model does
+    losses, acc, since, t0 = [], torch.zeros((), device=device), 0, time.perf_counter()
     ucp.comm_stats.reset()
     for step in range(start, tc.max_steps):
         for m in range(gas):
@@ -173,7 +174,7 @@ def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out) -> li
                 dp_rank=topo.dp_rank,
                 dp_degree=topo.dp_degree,
             )
-            local = shard_batch(full, topo, layout)
+            local = {k: t.to(device) for k, t in shard_batch(full, topo, layout).items()}
             logits = engine(local["input_ids"], local["position_ids"])
             loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
             engine.backward(loss)
@@ -181,16 +182,15 @@ def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out) -> li
             acc += loss.detach().float() / gas
         done, since = step + 1, since + 1
         if done % tc.log_interval == 0 or done == tc.max_steps:
-            n = since
             dist.all_reduce(acc, group=topo.dp_group)  # mean over data-parallel replicas
-            mean_loss = acc.item() / (topo.dp_degree * n)
+            mean_loss = acc.item() / (topo.dp_degree * since)
             dt = time.perf_counter() - t0
             metrics = {
                 "loss": mean_loss,
                 "lr": engine.get_lr()[0],
-                "tokens_per_s": tokens_per_step * n / dt,
+                "tokens_per_s": tokens_per_step * since / dt,
                 "peak_mem_mb": peak_memory_mb(),
-                "comm_bytes_per_step": ucp.comm_stats.total() / n,
+                "comm_bytes_per_step": ucp.comm_stats.total() / since,
             }
             tracker.log(done, metrics)
             log.info(
