@@ -50,19 +50,41 @@ def pairs_to_natural(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
     """``n`` pairs ``[a_0, b_0, a_1, b_1, ...]`` along ``dim`` -> ``[a_0..a_{n-1}, b_{n-1}..b_0]``.
 
     With the zigzag layout the pairs of ranks 0..n-1 are chunks ``(i, 2P-1-i)``, so this
-    puts them in increasing chunk order."""
+    puts them in increasing chunk order. Differentiable; the backward is the inverse
+    reorder (one copy, where autograd through select/flip/cat would build zero-filled
+    full-size tensors)."""
     if n == 1:
         return x
-    pairs = x.unflatten(dim, (n, 2, x.shape[dim] // (2 * n)))  # (.., n, 2, c, ..)
-    first = pairs.select(dim + 1, 0).flatten(dim, dim + 1)  # a_0 .. a_{n-1}
-    second = pairs.select(dim + 1, 1).flip(dim).flatten(dim, dim + 1)  # b_{n-1} .. b_0
-    return torch.cat([first, second], dim=dim)
+    return _Reorder.apply(x, n, dim, _pairs_to_natural, _natural_to_pairs)
 
 
 def natural_to_pairs(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
     """Inverse of :func:`pairs_to_natural`."""
     if n == 1:
         return x
+    return _Reorder.apply(x, n, dim, _natural_to_pairs, _pairs_to_natural)
+
+
+class _Reorder(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, n, dim, fwd, bwd):
+        ctx.args = (n, dim, bwd)
+        return fwd(x, n, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, dim, bwd = ctx.args
+        return bwd(grad, n, dim), None, None, None, None
+
+
+def _pairs_to_natural(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    pairs = x.unflatten(dim, (n, 2, x.shape[dim] // (2 * n)))  # (.., n, 2, c, ..)
+    first = pairs.select(dim + 1, 0).flatten(dim, dim + 1)  # a_0 .. a_{n-1}
+    second = pairs.select(dim + 1, 1).flip(dim).flatten(dim, dim + 1)  # b_{n-1} .. b_0
+    return torch.cat([first, second], dim=dim)
+
+
+def _natural_to_pairs(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     first, second = x.chunk(2, dim=dim)
     first = first.unflatten(dim, (n, -1))  # (.., n, c, ..)
     second = second.unflatten(dim, (n, -1)).flip(dim)
