@@ -53,9 +53,8 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def validate(config: dict, mc: ModelConfig, dc: DataConfig) -> None:
+def validate(sp: ucp.SequenceParallelConfig, mc: ModelConfig, dc: DataConfig) -> None:
     """Everything that can be checked before any collective, identically on every rank."""
-    sp = ucp.SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
     ucp.validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
     ucp.kv_replication(mc.n_heads, mc.n_kv_heads, sp.ulysses_degree)
     m = ucp.sequence_multiple(sp.ulysses_degree * sp.ring_degree, sp.layout)
@@ -100,9 +99,9 @@ def main() -> None:
     tc = TrainingConfig.from_dict(config.get("training", {}))
     if args.max_steps is not None:
         tc.max_steps = args.max_steps
-    validate(config, mc, dc)
-    out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     sp = ucp.SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
+    validate(sp, mc, dc)
+    out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     topo = ucp.topology_from_config(config)
 
     def attn(q, k, v):

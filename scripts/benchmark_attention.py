@@ -57,12 +57,19 @@ def impls(P: int) -> dict[str, tuple[int, int, str, dict]]:
 
 
 def formula(N: int, u: int, r: int, nbytes: int) -> int:
-    """Forward bytes sent per rank (docs/design.md), b = 1."""
-    P = u * r
-    hkv_sent = HKV * ucp.kv_replication(HQ, HKV, u)
-    a2a = (N // P) * (2 * HQ + 2 * hkv_sent) * D * (u - 1) // u * nbytes
-    ring = 2 * (N // r) * (hkv_sent // u) * D * (r - 1) * nbytes
-    return a2a + ring
+    """Forward bytes sent per rank (all-to-all + ring), b = 1."""
+    return sum(
+        ucp.forward_comm_bytes(
+            batch=1,
+            seq_len=N,
+            hq=HQ,
+            hkv=HKV,
+            head_dim=D,
+            ulysses_degree=u,
+            ring_degree=r,
+            bytes_per_element=nbytes,
+        )
+    )
 
 
 def attention_fn(topos: dict, name: str, spec, backend: str):

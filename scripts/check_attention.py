@@ -34,16 +34,19 @@ def modes(world: int) -> list[tuple[int, int]]:
 
 
 def formula_bytes(args, u: int, r: int, nbytes: int) -> list[int]:
-    """Per rank, forward (docs/design.md), [all-to-all, ring]:
-    head all-to-all over u ranks: b * (N/P) * (2*hq + 2*hkv_sent) * d * (u-1)/u * B;
-    kv ring over r ranks:         2 * b * (N/r) * (hkv_sent/u) * d * (r-1) * B;
-    hkv_sent = hkv * kv replication for u."""
-    P = u * r
-    hkv_sent = args.kv_heads * ucp.kv_replication(args.heads, args.kv_heads, u)
-    b, N, d, hq = args.batch, args.seq, args.head_dim, args.heads
-    a2a = b * (N // P) * (2 * hq + 2 * hkv_sent) * d * (u - 1) // u * nbytes
-    ring = 2 * b * (N // r) * (hkv_sent // u) * d * (r - 1) * nbytes
-    return [a2a, ring]
+    """Per rank, forward: [all-to-all, ring] bytes by ``ucp.forward_comm_bytes``."""
+    return list(
+        ucp.forward_comm_bytes(
+            batch=args.batch,
+            seq_len=args.seq,
+            hq=args.heads,
+            hkv=args.kv_heads,
+            head_dim=args.head_dim,
+            ulysses_degree=u,
+            ring_degree=r,
+            bytes_per_element=nbytes,
+        )
+    )
 
 
 def run_case(args, u: int, r: int, layout: str) -> dict:

@@ -2,7 +2,7 @@
 long-context training. Public API: see README.md and docs/api.md."""
 
 from . import comm, engine
-from .attention import attention
+from .attention import attention, forward_comm_bytes
 from .comm import stats as comm_stats
 from .engine import SequenceParallelConfig, init_distributed, initialize, topology_from_config
 from .kernels import BACKENDS, attn_backward, attn_forward, local_attention
@@ -32,6 +32,7 @@ __all__ = [
     "comm",
     "comm_stats",
     "engine",
+    "forward_comm_bytes",
     "gather_sequence",
     "init_distributed",
     "init_topology",

@@ -69,3 +69,28 @@ def attention(
         inner = partial(ring_attention, group=topo.ring_group, layout=layout, **opts)
     # ulysses: a2a around the local kernel; ring: no a2a (degree 1); hybrid: a2a around ring
     return ulysses_attention(q, k, v, group=topo.ulysses_group, layout=layout, inner=inner)
+
+
+def forward_comm_bytes(
+    *,
+    batch: int,
+    seq_len: int,
+    hq: int,
+    hkv: int,
+    head_dim: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    bytes_per_element: int,
+) -> tuple[int, int]:
+    """Bytes one rank sends in one forward call, ``(all_to_all, ring)`` (docs/design.md):
+
+    all-to-all over u ranks: b * (N/P) * (2*hq + 2*hkv_sent) * d * (u-1)/u * B;
+    kv ring over r ranks:    2 * b * (N/r) * (hkv_sent/u) * d * (r-1) * B;
+    hkv_sent = hkv times its replication for u. The tests check the counters against
+    their own copy of these formulas."""
+    u, r = ulysses_degree, ring_degree
+    b, N, d, B = batch, seq_len, head_dim, bytes_per_element
+    hkv_sent = hkv * kv_replication(hq, hkv, u)
+    a2a = b * (N // (u * r)) * (2 * hq + 2 * hkv_sent) * d * (u - 1) // u * B
+    ring = 2 * b * (N // r) * (hkv_sent // u) * d * (r - 1) * B
+    return a2a, ring
