@@ -18,6 +18,7 @@ from .sharding import (
 )
 from .topology import Topology, init_topology, plan_groups, validate_degrees
 from .ulysses import kv_replication
+from .varlen import cu_seqlens_from_position_ids, pack_documents
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "attn_forward",
     "comm",
     "comm_stats",
+    "cu_seqlens_from_position_ids",
     "engine",
     "forward_comm_bytes",
     "gather_sequence",
@@ -40,6 +42,7 @@ __all__ = [
     "kv_replication",
     "layout_indices",
     "local_attention",
+    "pack_documents",
     "pad_batch",
     "pad_to_multiple",
     "plan_groups",

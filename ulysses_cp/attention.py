@@ -8,9 +8,10 @@ import torch
 
 from .kernels import local_attention, resolve_backend
 from .ring import ring_attention
-from .sharding import check_layout
+from .sharding import check_layout, sequence_multiple
 from .topology import Topology
 from .ulysses import kv_replication, ulysses_attention
+from .varlen import Docs, check_cu_seqlens, inverse_permutation, ulysses_permutation
 
 
 def validate_qkv(
@@ -55,20 +56,48 @@ def attention(
     layout: str = "zigzag",
     softmax_scale: float | None = None,
     backend: str = "auto",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sequence-parallel attention equal to full attention on the gathered sequence.
 
     q ``(b, s_local, hq, d)``, k/v ``(b, s_local, hkv, d)`` sharded with ``layout``;
-    returns ``(b, s_local, hq, d)`` in q's dtype, differentiable in q, k, v."""
+    returns ``(b, s_local, hq, d)`` in q's dtype, differentiable in q, k, v.
+
+    ``cu_seqlens``: a packed row (batch 1): int32 global document boundaries, the same on
+    every rank; q/k/v sharded document-wise (``shard_sequence(..., cu_seqlens=cu)``).
+    Attention stays inside each document."""
     validate_qkv(q, k, v, topo, layout)
     backend = resolve_backend(backend, q.device)
     opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
-    if topo.ring_degree == 1:
+    u, r = topo.ulysses_degree, topo.ring_degree
+    perm, docs = None, None
+    if cu_seqlens is not None:
+        bounds = validate_packed(q, cu_seqlens, topo, layout)
+        if u > 1:
+            fwd = ulysses_permutation(bounds, u, r, topo.ring_rank, layout)
+            perm = (fwd.to(q.device), inverse_permutation(fwd).to(q.device))
+        docs = Docs.from_bounds(bounds, r, q.device)
+    if r == 1:
+        if docs is not None:
+            opts.update(cu_seqlens=docs.cu)
         inner = partial(local_attention, **opts)
     else:
-        inner = partial(ring_attention, group=topo.ring_group, layout=layout, **opts)
+        inner = partial(ring_attention, group=topo.ring_group, layout=layout, docs=docs, **opts)
     # ulysses: a2a around the local kernel; ring: no a2a (degree 1); hybrid: a2a around ring
-    return ulysses_attention(q, k, v, group=topo.ulysses_group, layout=layout, inner=inner)
+    return ulysses_attention(
+        q, k, v, group=topo.ulysses_group, layout=layout, inner=inner, perm=perm
+    )
+
+
+def validate_packed(q: torch.Tensor, cu_seqlens, topo: Topology, layout: str) -> list[int]:
+    """Check a packed row's ``cu_seqlens`` against the local q; return the boundaries."""
+    if q.shape[0] != 1:
+        raise ValueError(
+            f"cu_seqlens describes one packed row: batch must be 1, got {q.shape[0]}; "
+            f"concatenate the rows into one and join their cu_seqlens"
+        )
+    P = topo.sp_world_size
+    return check_cu_seqlens(cu_seqlens, q.shape[1] * P, sequence_multiple(P, layout))
 
 
 def forward_comm_bytes(

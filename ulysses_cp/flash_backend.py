@@ -27,6 +27,15 @@ def _interface():
     return fwd, set(inspect.signature(fwd).parameters), bwd, set(inspect.signature(bwd).parameters)
 
 
+@functools.cache
+def _varlen_interface():
+    _interface()  # the same import error message
+    from flash_attn import flash_attn_interface as fai
+
+    fwd, bwd = fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward
+    return fwd, set(inspect.signature(fwd).parameters), bwd, set(inspect.signature(bwd).parameters)
+
+
 def _window_kwargs(params: set[str]) -> dict:
     if "window_size_left" in params:
         return {"window_size_left": -1, "window_size_right": -1}
@@ -80,3 +89,49 @@ def backward(dout, q, k, v, out, lse, causal, scale):
         **kwargs,
     )
     return dq[..., :d], dk[..., :d], dv[..., :d]
+
+
+# ---------------------------------------------------------------- packed rows (varlen)
+# q (1, tq, hq, d) -> flash-attn's (tq, hq, d); lse (hq, tq) in flash-attn >= 2.6 -> (1, hq, tq)
+
+
+def _cu_args(cu_q, cu_k) -> dict:
+    cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
+    return dict(
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=int((cu_q[1:] - cu_q[:-1]).max()),
+        max_seqlen_k=int((cu_k[1:] - cu_k[:-1]).max()),
+    )
+
+
+def varlen_forward(q, k, v, cu_q, cu_k, causal, scale):
+    fwd, params, _, _ = _varlen_interface()
+    d = q.shape[-1]
+    kwargs = _kwargs(params, scale, causal, return_softmax=False, **_cu_args(cu_q, cu_k))
+    q2, k2, v2 = (_pad8(t[0]).contiguous() for t in (q, k, v))
+    res = fwd(q2, k2, v2, **kwargs)
+    return res[0][None, ..., :d], res[1][None]
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
+    _, _, bwd, params = _varlen_interface()
+    d = q.shape[-1]
+    qp, kp, vp = (_pad8(t[0]).contiguous() for t in (q, k, v))
+    dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
+    kwargs = _kwargs(
+        params, scale, causal, deterministic=False, rng_state=None, **_cu_args(cu_q, cu_k)
+    )
+    bwd(
+        _pad8(dout[0]).contiguous(),
+        qp,
+        kp,
+        vp,
+        _pad8(out[0].to(q.dtype)).contiguous(),
+        lse[0].float().contiguous(),
+        dq,
+        dk,
+        dv,
+        **kwargs,
+    )
+    return dq[None, ..., :d], dk[None, ..., :d], dv[None, ..., :d]

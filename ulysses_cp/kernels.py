@@ -176,13 +176,55 @@ _FORWARD = {"math": _math_forward, "torch": _torch_forward, "flash_attn": flash_
 _BACKWARD = {"math": _math_backward, "torch": _torch_backward, "flash_attn": flash_backend.backward}
 
 
+def _docs(cu_q, cu_k):
+    """Per-document (q slice, k slice) pairs of a packed block, empty pairs dropped."""
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    assert len(bq) == len(bk), "cu_q and cu_k must list the same documents"
+    return [
+        (slice(a, b), slice(c, d))
+        for a, b, c, d in zip(bq[:-1], bq[1:], bk[:-1], bk[1:])
+        if b > a and d > c
+    ]
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend):
+    if backend == "flash_attn":
+        return flash_backend.varlen_forward(q, k, v, cu_q, cu_k, causal, scale)
+    out = torch.zeros_like(q)
+    lse = torch.full(
+        (1, q.shape[2], q.shape[1]), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device
+    )  # rows outside every document: empty (0, -inf)
+    for qs, ks in _docs(cu_q, cu_k):
+        _check_causal(q[:, qs], k[:, ks], causal)
+        out[:, qs], lse[:, :, qs] = _FORWARD[backend](q[:, qs], k[:, ks], v[:, ks], causal, scale)
+    return out, lse
+
+
+def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend):
+    if backend == "flash_attn":
+        return flash_backend.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for qs, ks in _docs(cu_q, cu_k):
+        dq[:, qs], dk[:, ks], dv[:, ks] = _BACKWARD[backend](
+            dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], causal, scale
+        )
+    return dq, dk, dv
+
+
 def attn_forward(
-    q, k, v, *, causal: bool, softmax_scale: float | None, backend: str
+    q, k, v, *, causal: bool, softmax_scale: float | None, backend: str, cu_q=None, cu_k=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32/fp64)``; no autograd."""
-    _check_causal(q, k, causal)
+    """``(out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32/fp64)``; no autograd.
+
+    Packed (``cu_q``/``cu_k`` given, batch 1): document i's queries
+    ``q[:, cu_q[i]:cu_q[i+1]]`` attend only its keys ``k[:, cu_k[i]:cu_k[i+1]]``; rows in
+    no document come back empty (out 0, lse -inf). Causal documents must be square."""
+    scale = default_scale(q, softmax_scale)
     with torch.no_grad():
-        return _FORWARD[backend](q, k, v, causal, default_scale(q, softmax_scale))
+        if cu_q is not None:
+            return _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend)
+        _check_causal(q, k, causal)
+        return _FORWARD[backend](q, k, v, causal, scale)
 
 
 def attn_backward(
@@ -197,37 +239,40 @@ def attn_backward(
     softmax_scale: float | None,
     backend: str,
     accumulate: bool = False,
+    cu_q=None,
+    cu_k=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` from the final ``out`` and ``lse``, in the inputs' dtypes.
 
     ``accumulate=True`` (ring attention, which sums block gradients): for bf16/fp16 inputs
     on the CPU the block is computed on float32 copies and its gradients come back in
     float32, so they are not rounded to 16 bits before they are summed. flash-attn and the
-    CUDA kernels return the input dtype either way."""
-    _check_causal(q, k, causal)
+    CUDA kernels return the input dtype either way. ``cu_q``/``cu_k``: as in
+    :func:`attn_forward`."""
     scale = default_scale(q, softmax_scale)
     low = q.dtype in (torch.bfloat16, torch.float16)
     if accumulate and low and q.device.type == "cpu" and backend in ("math", "torch"):
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
     with torch.no_grad():
+        if cu_q is not None:
+            return _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend)
+        _check_causal(q, k, causal)
         return _BACKWARD[backend](dout, q, k, v, out, lse, causal, scale)
 
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, backend):
-        out, lse = attn_forward(
-            q, k, v, causal=causal, softmax_scale=softmax_scale, backend=backend
-        )
+    def forward(ctx, q, k, v, opts):
+        out, lse = attn_forward(q, k, v, **opts)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+        ctx.opts = opts
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = attn_backward(dout, q, k, v, out, lse, **ctx.opts)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None
 
 
 def local_attention(
@@ -238,7 +283,14 @@ def local_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Differentiable single-device attention, ``(b, s, hq, d)`` in and out."""
+    """Differentiable single-device attention, ``(b, s, hq, d)`` in and out.
+
+    ``cu_seqlens``: int32 document boundaries of a packed row (batch 1); attention stays
+    inside each document."""
     backend = resolve_backend(backend, q.device)
-    return _LocalAttention.apply(q, k, v, causal, softmax_scale, backend)
+    opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+    if cu_seqlens is not None:
+        opts.update(cu_q=cu_seqlens, cu_k=cu_seqlens)
+    return _LocalAttention.apply(q, k, v, opts)

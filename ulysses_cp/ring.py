@@ -73,27 +73,38 @@ def merge(out, lse, out_b, lse_b):
     return out, new
 
 
-def _blocks(step: int, rank: int, P: int, s_l: int, causal: bool, layout: str):
-    """(q slice, kv slice, causal kernel) for this step, or None when fully masked."""
+def _blocks(step: int, rank: int, P: int, s_l: int, causal: bool, layout: str, docs=None):
+    """``(q sel, kv sel, causal kernel, kernel kwargs)`` for this step, or None when fully
+    masked. Packed rows (``docs``, a :class:`~ulysses_cp.varlen.Docs`): the same rule per
+    document, so the halves are every document's halves (index tensors) and the kernel
+    gets the matching ``cu_q``/``cu_k``."""
     everything = slice(0, s_l)
+    whole = {} if docs is None else dict(cu_q=docs.cu, cu_k=docs.cu)
     if step == 0:
-        return everything, everything, causal
+        return everything, everything, causal, whole
     if not causal:
-        return everything, everything, False
+        return everything, everything, False, whole
     src = (rank - step) % P
     if layout == "contiguous":
-        return (everything, everything, False) if src < rank else None
-    half = s_l // 2
+        return (everything, everything, False, whole) if src < rank else None
+    if docs is None:
+        half = s_l // 2
+        first, second = slice(0, half), slice(half, s_l)
+        if src < rank:
+            return everything, first, False, {}
+        return second, everything, False, {}
     if src < rank:
-        return everything, slice(0, half), False
-    return slice(half, s_l), everything, False
+        return everything, docs.first, False, dict(cu_q=docs.cu, cu_k=docs.cu_half)
+    return docs.second, everything, False, dict(cu_q=docs.cu_half, cu_k=docs.cu)
 
 
 def _pack(k, v):
     return torch.stack([k, v])  # (2, b, s_l, hkv, d): one send per step
 
 
-def ring_forward(q, k, v, *, group, causal, softmax_scale, backend, layout, overlap=True):
+def ring_forward(
+    q, k, v, *, group, causal, softmax_scale, backend, layout, overlap=True, docs=None
+):
     P, rank = group_size(group), group_rank(group)
     b, s_l, hq, d = q.shape
     acc = lse_dtype(q.dtype)
@@ -105,9 +116,9 @@ def ring_forward(q, k, v, *, group, causal, softmax_scale, backend, layout, over
         if step + 1 < P:
             comm.send_recv(kv)  # posted before the compute so they overlap
             nxt = None if overlap else comm.wait()  # the no-overlap variant, for benchmarks
-        blk = _blocks(step, rank, P, s_l, causal, layout)
+        blk = _blocks(step, rank, P, s_l, causal, layout, docs)
         if blk is not None:
-            qs, ks, is_causal = blk
+            qs, ks, is_causal, cu = blk
             o_b, l_b = attn_forward(
                 q[:, qs],
                 kv[0][:, ks],
@@ -115,6 +126,7 @@ def ring_forward(q, k, v, *, group, causal, softmax_scale, backend, layout, over
                 causal=is_causal,
                 softmax_scale=softmax_scale,
                 backend=backend,
+                **cu,
             )
             out[:, qs], lse[:, :, qs] = merge(out[:, qs], lse[:, :, qs], o_b.to(acc), l_b.to(acc))
         if step + 1 < P:
@@ -123,7 +135,20 @@ def ring_forward(q, k, v, *, group, causal, softmax_scale, backend, layout, over
 
 
 def ring_backward(
-    dout, q, k, v, out, lse, *, group, causal, softmax_scale, backend, layout, overlap=True
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    group,
+    causal,
+    softmax_scale,
+    backend,
+    layout,
+    overlap=True,
+    docs=None,
 ):
     P, rank = group_size(group), group_rank(group)
     s_l = q.shape[1]
@@ -137,9 +162,9 @@ def ring_backward(
         if step + 1 < P:
             kv_comm.send_recv(kv)
             nxt = None if overlap else kv_comm.wait()
-        blk = _blocks(step, rank, P, s_l, causal, layout)
+        blk = _blocks(step, rank, P, s_l, causal, layout, docs)
         if blk is not None:
-            qs, ks, is_causal = blk
+            qs, ks, is_causal, cu = blk
             dq_b, dk_b, dv_b = attn_backward(
                 dout[:, qs],
                 q[:, qs],
@@ -151,6 +176,7 @@ def ring_backward(
                 softmax_scale=softmax_scale,
                 backend=backend,
                 accumulate=True,
+                **cu,
             )
             dq[:, qs] += dq_b
         if step > 0:
@@ -194,12 +220,14 @@ def ring_attention(
     backend: str,
     layout: str,
     overlap: bool = True,
+    docs=None,
 ) -> torch.Tensor:
     """Ring attention over ``group``; inputs validated by the caller.
 
     q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` in ``layout`` over the ring ->
     ``(b, s_l, hq, d)`` in q's dtype. ``overlap=False`` waits for each kv transfer before
-    computing (only to measure what the overlap buys)."""
+    computing (only to measure what the overlap buys). ``docs``: the packed row's documents
+    in this ring's document-wise layout (:class:`~ulysses_cp.varlen.Docs`), batch 1."""
     opts = dict(
         group=group,
         causal=causal,
@@ -207,5 +235,6 @@ def ring_attention(
         backend=backend,
         layout=layout,
         overlap=overlap,
+        docs=docs,
     )
     return _RingAttention.apply(q, k, v, opts)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import group_rank, group_size
+from .varlen import Permute, check_cu_seqlens, doc_layout_indices, inverse_permutation
 
 Layout = Literal["zigzag", "contiguous"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
@@ -125,23 +126,52 @@ class _Gather(torch.autograd.Function):
         return _shard(grad, group_size(group), group_rank(group), layout, dim), None, None, None
 
 
-def shard_sequence(x: torch.Tensor, topo, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
-    """This SP rank's tokens of ``x``, a tensor every SP rank holds in full."""
+def _packed(cu_seqlens, seq_len: int, P: int, layout: str) -> list[int] | None:
+    if cu_seqlens is None:
+        return None
+    return check_cu_seqlens(cu_seqlens, seq_len, sequence_multiple(P, layout))
+
+
+def shard_sequence(
+    x: torch.Tensor,
+    topo,
+    dim: int = 1,
+    layout: str = "zigzag",
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This SP rank's tokens of ``x``, a tensor every SP rank holds in full.
+
+    ``cu_seqlens``: ``x`` is a packed row; every document is split on its own
+    (document-wise layout, see :mod:`ulysses_cp.varlen`)."""
     check_layout(layout)
     P = topo.sp_world_size
+    bounds = _packed(cu_seqlens, x.shape[dim], P, layout)
+    if bounds is not None:
+        idx = doc_layout_indices(bounds, P, topo.sp_rank, layout).to(x.device)
+        return x.index_select(dim, idx)
     check_sequence_length(x.shape[dim], P, layout)
     return _shard(x, P, topo.sp_rank, layout, dim)
 
 
 def gather_sequence(
-    x_local: torch.Tensor, topo, dim: int = 1, layout: str = "zigzag"
+    x_local: torch.Tensor,
+    topo,
+    dim: int = 1,
+    layout: str = "zigzag",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact inverse of :func:`shard_sequence` (all-gather over the SP group).
 
     Differentiable: the backward returns this rank's slice of the incoming gradient, which
     is right when every SP rank computes the same function of the gathered tensor."""
     check_layout(layout)
-    return _Gather.apply(x_local, topo.sp_group, layout, dim)
+    P = topo.sp_world_size
+    bounds = _packed(cu_seqlens, x_local.shape[dim] * P, P, layout)
+    if bounds is None or P == 1:
+        return _Gather.apply(x_local, topo.sp_group, layout, dim)
+    held = torch.cat([doc_layout_indices(bounds, P, p, layout) for p in range(P)])
+    full = _Gather.apply(x_local, topo.sp_group, "contiguous", dim)  # rank order
+    return Permute.apply(full, inverse_permutation(held), held, dim)
 
 
 def pad_to_multiple(

@@ -18,6 +18,7 @@ import torch
 
 from .comm import group_size, head_to_seq, seq_to_head
 from .sharding import natural_to_pairs, pairs_to_natural
+from .varlen import Permute
 
 
 def _divisors(n: int) -> list[int]:
@@ -52,7 +53,14 @@ def _pack_heads(tensors: list[torch.Tensor], P: int) -> torch.Tensor:
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, layout: str, inner: Callable
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group,
+    layout: str,
+    inner: Callable,
+    perm: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """All-to-all over ``group`` around ``inner(q, k, v) -> out`` on head-sharded tensors.
 
@@ -60,7 +68,9 @@ def ulysses_attention(
     (hybrid mode); it sees q ``(b, s/r, hq/P, d)`` and k/v ``(b, s/r, hk/P, d)`` in token
     order (zigzag: the ring rank's two chunks in order). Inputs validated by the caller.
 
-    q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` -> ``(b, s_l, hq, d)``."""
+    q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` -> ``(b, s_l, hq, d)``. Packed rows:
+    ``perm = (perm, inverse)`` from :func:`~ulysses_cp.varlen.ulysses_permutation` replaces
+    the zigzag reorder (it puts every document's pieces in order)."""
     P = group_size(group)
     if P == 1:
         return inner(q, k, v)
@@ -73,10 +83,14 @@ def ulysses_attention(
     # no names are kept for the staging tensors, so each is freed as soon as it is used
     # (b, s_l, hq + 2*hk, d) -> (b, s_l * P, (hq + 2*hk)/P, d), in rank order
     heads = seq_to_head(_pack_heads([q, k, v], P), group)
-    if layout == "zigzag":
+    if perm is not None:
+        heads = Permute.apply(heads, perm[0], perm[1], 1)  # rank order -> document order
+    elif layout == "zigzag":
         heads = pairs_to_natural(heads, P, dim=1)  # rank order -> token order
     qh, kh, vh = heads.split([hq // P, hk // P, hk // P], dim=2)
     out = inner(qh, kh, vh)  # (b, s_l * P, hq/P, d)
-    if layout == "zigzag":
+    if perm is not None:
+        out = Permute.apply(out, perm[1], perm[0], 1)
+    elif layout == "zigzag":
         out = natural_to_pairs(out, P, dim=1)
     return head_to_seq(out, group)  # (b, s_l, hq, d)

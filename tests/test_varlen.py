@@ -1,0 +1,222 @@
+"""Packed variable-length rows: attention stays inside documents in every mode."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import ulysses_cp as ucp
+from tests.helpers import make_qkv, reference, topology
+from ulysses_cp.varlen import doc_layout_indices, ulysses_permutation
+
+TOL64 = dict(rtol=1e-10, atol=1e-10)
+MODES = [(4, 1), (1, 4), (2, 2)]  # u4, r4, hybrid u2r2
+
+# real document lengths; every row is padded per document to the layout's multiple (8)
+DOC_SETS = {
+    "one": [64],  # one document spanning every rank: the unpacked case
+    "length_one": [1] * 6,
+    "many_short": [3, 5, 8, 2, 7, 1, 9, 4],
+    "need_padding": [13, 30, 5],
+    "mixed": [40, 8, 16],
+}
+
+
+def packed_reference(q, k, v, dout, bounds, causal):
+    """float64 attention with an explicit block-diagonal (and causal) mask: (out, grads)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    hq, hkv, n = q.shape[2], k.shape[2], q.shape[1]
+    kk, vv = (t.repeat_interleave(hq // hkv, dim=2) for t in (k, v))
+    doc = torch.zeros(n, dtype=torch.long)
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        doc[a:b] = i
+    mask = doc[:, None] == doc[None, :]
+    if causal:
+        mask &= torch.ones(n, n, dtype=torch.bool).tril()
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) / q.shape[-1] ** 0.5
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout.double())]
+
+
+def padded_bounds(lengths, multiple):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n + (-n % multiple))
+    return cu
+
+
+def packed_run(q, k, v, dout, topo, cu, *, causal, layout, backend):
+    """Shard document-wise, run ucp.attention + backward, gather out and grads."""
+    kw = dict(layout=layout, cu_seqlens=cu)
+    ql, kl, vl = (ucp.shard_sequence(t, topo, **kw).detach().requires_grad_() for t in (q, k, v))
+    out = ucp.attention(ql, kl, vl, topo, causal=causal, backend=backend, **kw)
+    out.backward(ucp.shard_sequence(dout, topo, **kw))
+    return [ucp.gather_sequence(t, topo, **kw).detach() for t in (out, ql.grad, kl.grad, vl.grad)]
+
+
+def _check(rank, u, r, lengths, causal, layout, hq, hkv, backend):
+    topo = topology(u, r)
+    bounds = padded_bounds(lengths, ucp.sequence_multiple(u * r, layout))
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    q, k, v, dout = make_qkv(seed=31, b=1, s=bounds[-1], hq=hq, hkv=hkv, d=16)
+    real = torch.cat([torch.arange(a, a + n) for a, n in zip(bounds, lengths)])
+    pad = torch.ones(bounds[-1], dtype=torch.bool)
+    pad[real] = False
+    dout[:, pad] = 0  # as in training: padding has no target, so no gradient flows into it
+    got = packed_run(q, k, v, dout, topo, cu, causal=causal, layout=layout, backend=backend)
+    ref = packed_reference(q, k, v, dout, bounds, causal)
+    errs = []
+    for name, g, x in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(g, x, **TOL64, msg=lambda m, n=name: f"{n}: {m}")
+        errs.append((g - x).abs().max().item())
+    if causal:
+        # end-of-document padding changes nothing for the real tokens: compare them with
+        # attention over the unpadded documents
+        unpadded = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        sub = [t[:, real] for t in (q, k, v, dout)]
+        ref_real = packed_reference(*sub, unpadded, causal)
+        for g, x in zip(got, ref_real):
+            torch.testing.assert_close(g[:, real], x, **TOL64)
+    return errs
+
+
+@pytest.mark.parametrize("u,r", MODES)
+@pytest.mark.parametrize("docs", list(DOC_SETS))
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_matches_masked_reference_float64(pools, u, r, docs, causal):
+    pools(u * r).run(_check, u, r, DOC_SETS[docs], causal, "zigzag", 8, 2, "math")
+
+
+@pytest.mark.parametrize("u,r", [(1, 4), (2, 2), (2, 1)])
+@pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 8)])
+def test_packed_contiguous_layout_and_heads(pools, u, r, hq, hkv):
+    pools(u * r).run(_check, u, r, DOC_SETS["mixed"], True, "contiguous", hq, hkv, "math")
+
+
+@pytest.mark.parametrize("u,r", MODES)
+def test_packed_torch_backend_float64(pools, u, r):
+    pools(u * r).run(_check, u, r, DOC_SETS["need_padding"], True, "zigzag", 8, 2, "torch")
+
+
+def _one_doc_equals_unpacked(rank, u, r):
+    topo = topology(u, r)
+    q, k, v, dout = make_qkv(seed=5, b=1, s=64, hq=4, hkv=2, d=8)
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    packed = packed_run(q, k, v, dout, topo, cu, causal=True, layout="zigzag", backend="torch")
+    ref = reference(q, k, v, dout, True)
+    for a, b in zip(packed, ref):
+        torch.testing.assert_close(a, b, **TOL64)
+    # and the document-wise layout of one document is the unpacked layout
+    assert torch.equal(ucp.shard_sequence(q, topo, cu_seqlens=cu), ucp.shard_sequence(q, topo))
+
+
+@pytest.mark.parametrize("u,r", MODES)
+def test_one_document_equals_unpacked(pools, u, r):
+    pools(u * r).run(_one_doc_equals_unpacked, u, r)
+
+
+def _leakage(rank, u, r, backend):
+    """Changing document A leaves document B's outputs and gradients bit-identical."""
+    topo = topology(u, r)
+    bounds = [0, 24, 56, 64]  # documents A = [0, 24), B = [24, 56), C = [56, 64)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    q, k, v, dout = make_qkv(seed=9, b=1, s=64, hq=4, hkv=2, d=8)
+    first = packed_run(q, k, v, dout, topo, cu, causal=True, layout="zigzag", backend=backend)
+    g = torch.Generator().manual_seed(99)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[:, :24] = torch.randn(t[:, :24].shape, generator=g, dtype=t.dtype) * 3
+    second = packed_run(q2, k2, v2, dout, topo, cu, causal=True, layout="zigzag", backend=backend)
+    for a, b in zip(first, second):
+        assert torch.equal(a[:, 24:], b[:, 24:]), "document A leaked into B or C"
+        assert not torch.equal(a[:, :24], b[:, :24])  # A itself did change
+
+
+@pytest.mark.parametrize("u,r", MODES)
+@pytest.mark.parametrize("backend", ["math", "torch"])
+def test_documents_do_not_leak(pools, u, r, backend):
+    pools(u * r).run(_leakage, u, r, backend)
+
+
+def _bad_packed_inputs(rank):
+    topo = topology(2, 2)
+    q = torch.zeros(1, 16, 4, 8)
+    errors = []
+    for cu, msg in (
+        (torch.tensor([0, 32, 48], dtype=torch.int32), "packed row length 64"),  # wrong end
+        (torch.tensor([0, 20, 64]), "not a multiple of 8"),
+        (torch.tensor([0, 0, 64]), "strictly increasing"),
+        (torch.tensor([0.0, 64.0]), "integer tensor"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            ucp.attention(q, q, q, topo, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="batch must be 1"):
+        x = torch.zeros(2, 16, 4, 8)
+        ucp.attention(x, x, x, topo, cu_seqlens=torch.tensor([0, 64]))
+    errors.append(True)
+    return errors
+
+
+def test_bad_packed_inputs_raise_before_communicating(pools):
+    assert pools(4).run(_bad_packed_inputs) == [[True]] * 4
+
+
+# ------------------------------------------------------------------ no processes needed
+
+
+def test_doc_layout_partitions_every_document():
+    bounds = [0, 16, 24, 56]
+    for P, layout in ((4, "contiguous"), (4, "zigzag"), (2, "zigzag"), (1, "zigzag")):
+        held = [doc_layout_indices(bounds, P, p, layout) for p in range(P)]
+        assert sorted(torch.cat(held).tolist()) == list(range(56))
+        for h in held:  # every rank holds len/P of every document, in increasing order
+            assert torch.all(h[1:] > h[:-1])
+            for a, b in itertools.pairwise(bounds):
+                assert ((h >= a) & (h < b)).sum() == (b - a) // P
+
+
+def test_ulysses_permutation_yields_ring_layout():
+    bounds = [0, 16, 48, 64]
+    cases = ((2, 2, "zigzag"), (4, 1, "zigzag"), (2, 2, "contiguous"), (4, 2, "zigzag"))
+    for u, r, layout in cases:
+        for j in range(r):
+            pieces = [doc_layout_indices(bounds, u * r, j * u + i, layout) for i in range(u)]
+            held = torch.cat(pieces)
+            perm = ulysses_permutation(bounds, u, r, j, layout)
+            assert torch.equal(held[perm], doc_layout_indices(bounds, r, j, layout))
+
+
+def test_pack_documents_and_cu_from_position_ids():
+    docs = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10, 11, 12, 13])]
+    b = ucp.pack_documents(docs, multiple=4, pad_token_id=0)
+    assert b["cu_seqlens"].tolist() == [0, 4, 8, 16]
+    assert b["cu_seqlens"].dtype == torch.int32
+    assert b["input_ids"].tolist() == [[5, 6, 7, 0, 8, 0, 0, 0, 9, 10, 11, 12, 13, 0, 0, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]]
+    I = -100
+    assert b["shift_labels"].tolist() == [[6, 7, I, I, I, I, I, I, 10, 11, 12, 13, I, I, I, I]]
+    assert torch.equal(ucp.cu_seqlens_from_position_ids(b["position_ids"]), b["cu_seqlens"])
+    with pytest.raises(ValueError, match="start at 0"):
+        ucp.cu_seqlens_from_position_ids(torch.tensor([1, 2, 0]))
+    with pytest.raises(ValueError, match="non-empty"):
+        ucp.pack_documents([torch.tensor([], dtype=torch.long)])
+
+
+def test_local_packed_kernel_gives_empty_rows_outside_documents():
+    q, k, v, _ = make_qkv(seed=3, b=1, s=12, hq=2, hkv=1, d=4)
+    cu_q = torch.tensor([0, 4, 8], dtype=torch.int32)  # rows 8..11 belong to no document
+    cu_k = torch.tensor([0, 6, 12], dtype=torch.int32)
+    for backend in ("math", "torch"):
+        out, lse = ucp.attn_forward(
+            q, k, v, causal=False, softmax_scale=None, backend=backend, cu_q=cu_q, cu_k=cu_k
+        )
+        assert torch.equal(out[:, 8:], torch.zeros_like(out[:, 8:]))
+        assert torch.isneginf(lse[:, :, 8:]).all()
+        ref, ref_lse = ucp.attn_forward(
+            q[:, 4:8], k[:, 6:], v[:, 6:], causal=False, softmax_scale=None, backend="math"
+        )
+        torch.testing.assert_close(out[:, 4:8], ref, **TOL64)
+        torch.testing.assert_close(lse[:, :, 4:8], ref_lse, **TOL64)
