@@ -63,6 +63,12 @@ def validate(sp: ucp.SequenceParallelConfig, mc: ModelConfig, dc: DataConfig) ->
             f"data.seq_len {dc.seq_len} must be a multiple of {m} for "
             f"u{sp.ulysses_degree} x r{sp.ring_degree} in the {sp.layout!r} layout"
         )
+    if dc.packing and dc.pack_multiple % m:
+        raise ValueError(
+            f"data.pack_multiple {dc.pack_multiple} must be a multiple of {m}: every packed "
+            f"document is split over u{sp.ulysses_degree} x r{sp.ring_degree} ranks in the "
+            f"{sp.layout!r} layout"
+        )
 
 
 def build_optimizer(config: dict, model: torch.nn.Module):
@@ -104,9 +110,16 @@ def main() -> None:
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     topo = ucp.topology_from_config(config)
 
-    def attn(q, k, v):
+    def attn(q, k, v, cu_seqlens=None):
         return ucp.attention(
-            q, k, v, topo, causal=True, layout=sp.layout, backend=sp.attention_backend
+            q,
+            k,
+            v,
+            topo,
+            causal=True,
+            layout=sp.layout,
+            backend=sp.attention_backend,
+            cu_seqlens=cu_seqlens,
         )
 
     torch.manual_seed(tc.seed)
@@ -174,7 +187,7 @@ def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out) -> li
                 dp_degree=topo.dp_degree,
             )
             local = {k: t.to(device) for k, t in shard_batch(full, topo, layout).items()}
-            logits = engine(local["input_ids"], local["position_ids"])
+            logits = engine(local["input_ids"], local["position_ids"], local.get("cu_seqlens"))
             loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
             engine.backward(loss)
             engine.step()

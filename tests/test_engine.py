@@ -155,3 +155,65 @@ def _checkpointed_grads(rank):
 
 def test_activation_checkpointing_same_gradients(pools):
     pools(4).run(_checkpointed_grads)
+
+
+def _packed_step(rank, u, r, stage):
+    """One DeepSpeed step on a packed row equals one process training the same documents
+    one per row (unpadded, end-padded to a common length with ignored labels)."""
+    import deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "sequence_parallel": {"ulysses_degree": u, "ring_degree": r, "attention_backend": "torch"},
+    }
+    topo = ucp.topology_from_config(cfg)
+    g = torch.Generator().manual_seed(11)
+    lengths = [1, 23, 8, 40, 3, 17]
+    docs = [torch.randint(2, 256, (n,), generator=g) for n in lengths]
+    packed = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(u * r, "zigzag"))
+    torch.manual_seed(0)
+
+    def attn(q, k, v, cu_seqlens=None):
+        return ucp.attention(q, k, v, topo, backend="torch", cu_seqlens=cu_seqlens)
+
+    model = Decoder(TINY, attn)
+    ref = Decoder(TINY, lambda q, k, v: ucp.local_attention(q, k, v, backend="torch"))
+    ref.load_state_dict(model.state_dict())
+    engine = ucp.initialize(
+        model=model, config=cfg, topo=topo, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)
+    )
+    local = shard_batch(packed, topo, "zigzag")
+    logits = engine(local["input_ids"], local["position_ids"], local["cu_seqlens"])
+    loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
+    engine.backward(loss)
+    engine.step()
+    # one process, one document per row, end-padded with ignored labels
+    pad = torch.nn.utils.rnn.pad_sequence
+    ids = pad(docs, batch_first=True)
+    labels = pad(
+        [torch.cat([d[1:], torch.tensor([-100])]) for d in docs],
+        batch_first=True,
+        padding_value=-100,
+    )
+    pos = torch.arange(max(lengths)).expand(len(docs), -1)
+    ref_logits = ref(ids, pos)
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten())
+    ref_loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        err = max((p - q).abs().max().item() for p, q in zip(params, ref.parameters()))
+    return loss.item(), ref_loss.item(), err
+
+
+@pytest.mark.parametrize("u,r,stage", [(2, 2, 2), (4, 1, 3), (1, 4, 1)])
+def test_packed_training_step_equals_one_document_per_row(pools, u, r, stage):
+    for loss, ref_loss, err in pools(4).run(_packed_step, u, r, stage):
+        assert abs(loss - ref_loss) < 1e-5, (loss, ref_loss)
+        assert err < 1e-6, f"updated parameters differ by {err}"

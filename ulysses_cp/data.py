@@ -11,6 +11,12 @@ back to its start, i.e. across every SP shard.
 
 ``text``: bytes of local ``.txt`` files (whole file) and ``.jsonl`` files (the ``"text"``
 field of each line), concatenated; vocabulary 256.
+
+``packing``: each row is several documents packed back to back (kv_recall: instances of
+random length in ``[min_doc_len, max_doc_len]``; text: consecutive files/records, the last
+one cut to fit), each padded at its end to a multiple of ``pack_multiple``, with position
+ids restarting per document, no target across a border, and ``cu_seqlens``. The rows of a
+micro batch are joined into one packed row (attention over packed rows takes batch 1).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 
 from .config import from_block
 from .sharding import sequence_multiple, shard_sequence
+from .varlen import check_cu_seqlens, pack_documents
 
 IGNORE = -100
 TASKS = ("kv_recall", "text")
@@ -38,6 +45,10 @@ class DataConfig:
     n_queries: int = 48  # kv_recall: queries at the end
     n_keys: int = 4
     n_values: int = 8
+    packing: bool = False  # several documents per row, attention kept inside each
+    min_doc_len: int = 32  # packed kv_recall document lengths
+    max_doc_len: int = 128
+    pack_multiple: int = 16  # documents padded to this (a multiple of 2 * SP degree)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> DataConfig:
@@ -46,9 +57,23 @@ class DataConfig:
             raise ValueError(f"data.task {dc.task!r} is not one of {list(TASKS)}")
         if dc.task == "text" and not dc.files:
             raise ValueError("data.task 'text' needs data.files: a list of .txt/.jsonl paths")
+        if dc.packing:
+            if dc.pack_multiple < 1 or dc.seq_len % dc.pack_multiple:
+                raise ValueError(
+                    f"data.seq_len {dc.seq_len} must be a multiple of data.pack_multiple "
+                    f"{dc.pack_multiple} (>= 1) when packing"
+                )
+            if dc.task == "kv_recall" and not (
+                dc.n_pairs + 3 <= dc.min_doc_len <= dc.max_doc_len <= dc.seq_len
+            ):
+                raise ValueError(
+                    f"packed kv_recall needs n_pairs + 3 <= min_doc_len <= max_doc_len <= "
+                    f"seq_len, got {dc.n_pairs + 3}, {dc.min_doc_len}, {dc.max_doc_len}, "
+                    f"{dc.seq_len}"
+                )
         if dc.task == "kv_recall":
             need = 1 + dc.n_pairs + 2 * dc.n_queries
-            if dc.seq_len < need:
+            if dc.seq_len < need and not dc.packing:
                 raise ValueError(
                     f"kv_recall needs seq_len >= 1 + 2*n_pairs + 2*n_queries = "
                     f"{need}, got {dc.seq_len}"
@@ -80,18 +105,58 @@ class KVRecall:
         """(tokens (s,), shift_labels (s,)): label t is the target of token t."""
         c = self.cfg
         g = torch.Generator().manual_seed(c.seed * 1_000_003 + index)
+        return self._document(g, c.seq_len, c.n_queries)
+
+    def _document(self, g: torch.Generator, length: int, n_queries: int):
+        c = self.cfg
         keys = torch.randperm(c.n_keys, generator=g)[: c.n_pairs]
         vals = torch.randint(c.n_values, (c.n_pairs,), generator=g)
-        tokens = torch.randint(2, 18, (c.seq_len,), generator=g)  # filler
-        labels = torch.full((c.seq_len,), IGNORE)
+        tokens = torch.randint(2, 18, (length,), generator=g)  # filler
+        labels = torch.full((length,), IGNORE)
         tokens[0] = 0
         tokens[1 : 1 + c.n_pairs] = self.pair0 + keys * c.n_values + vals  # bindings
-        pick = torch.randint(c.n_pairs, (c.n_queries,), generator=g)
-        start = c.seq_len - 2 * c.n_queries
+        pick = torch.randint(c.n_pairs, (n_queries,), generator=g)
+        start = length - 2 * n_queries
         tokens[start::2] = self.key0 + keys[pick]  # query: a key ...
         tokens[start + 1 :: 2] = self.val0 + vals[pick]  # ... then its value
         labels[start::2] = self.val0 + vals[pick]  # the target after a queried key
         return tokens, labels
+
+    def packed_sample(self, index: int) -> dict[str, torch.Tensor]:
+        """One packed row of instances of random length (see the module docstring)."""
+        c = self.cfg
+        g = torch.Generator().manual_seed(c.seed * 1_000_003 + index)
+
+        def doc(length: int):
+            return self._document(g, length, min(c.n_queries, (length - 1 - c.n_pairs) // 2))
+
+        def draw(room: int):
+            length = int(torch.randint(c.min_doc_len, c.max_doc_len + 1, (1,), generator=g))
+            return doc(length) if _padded(length, c.pack_multiple) <= room else None
+
+        def last(room: int):  # fill the row: an instance if it fits one, else no target
+            if room >= c.n_pairs + 3:
+                return doc(room)
+            return torch.randint(2, 18, (room,), generator=g), torch.full((room,), IGNORE)
+
+        return _pack_row(c, draw, last)
+
+
+def _padded(n: int, multiple: int) -> int:
+    return n + (-n % multiple)
+
+
+def _pack_row(c: DataConfig, draw, last) -> dict[str, torch.Tensor]:
+    """Documents from ``draw(room)`` until one does not fit, then ``last(room)``."""
+    tokens, labels, used = [], [], 0
+    while used < c.seq_len:
+        room = c.seq_len - used
+        d = draw(room) or last(room)
+        tokens.append(d[0])
+        labels.append(d[1])
+        used += _padded(d[0].numel(), c.pack_multiple)
+    row = pack_documents(tokens, labels=labels, multiple=c.pack_multiple)
+    return {k: (v if k == "cu_seqlens" else v[0]) for k, v in row.items()}
 
 
 class ByteText:
@@ -110,7 +175,11 @@ class ByteText:
                         chunks.append(json.loads(line)["text"].encode("utf-8"))
             else:
                 chunks.append(path.read_bytes())
+        chunks = [c for c in chunks if c]
         self.data = torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8).long()
+        # document d is data[starts[d] : starts[d] + lengths[d]] (one newline between)
+        self.lengths = [len(c) for c in chunks]
+        self.starts = [sum(self.lengths[:i]) + i for i in range(len(chunks))]
         if self.data.numel() < cfg.seq_len + 2:
             raise ValueError(
                 f"data files hold {self.data.numel()} bytes, fewer than "
@@ -123,6 +192,21 @@ class ByteText:
         off = int(torch.randint(self.data.numel() - s - 1, (1,), generator=g))
         window = self.data[off : off + s + 1]
         return window[:-1].clone(), window[1:].clone()  # shifted on the full sequence
+
+    def packed_sample(self, index: int) -> dict[str, torch.Tensor]:
+        """Consecutive documents from a random one on; the one that does not fit is cut."""
+        c = self.cfg
+        g = torch.Generator().manual_seed(c.seed * 1_000_003 + index)
+        nxt = [int(torch.randint(len(self.lengths), (1,), generator=g))]
+
+        def take(room: int):
+            d = nxt[0] % len(self.lengths)
+            nxt[0] += 1
+            start, n = self.starts[d], min(self.lengths[d], room)
+            tokens = self.data[start : start + n].clone()
+            return tokens, torch.cat([tokens[1:], tokens.new_full((1,), IGNORE)])
+
+        return _pack_row(c, take, take)
 
 
 def make_dataset(cfg: DataConfig) -> KVRecall | ByteText:
@@ -141,6 +225,19 @@ def global_batch(
 ) -> dict[str, torch.Tensor]:
     """Full ``(micro_batch, s)`` tensors for one micro step of one data-parallel replica."""
     first = ((step * grad_accum + micro_step) * dp_degree + dp_rank) * micro_batch
+    if dataset.cfg.packing:  # the micro batch's rows joined into one packed row
+        rows = [dataset.packed_sample(first + i) for i in range(micro_batch)]
+        s = dataset.cfg.seq_len
+        cu = torch.cat(
+            [rows[0]["cu_seqlens"][:1]] + [r["cu_seqlens"][1:] + i * s for i, r in enumerate(rows)]
+        )
+        return {
+            **{
+                k: torch.cat([r[k] for r in rows])[None]
+                for k in ("input_ids", "shift_labels", "position_ids")
+            },
+            "cu_seqlens": cu.to(torch.int32),
+        }
     tokens, labels = zip(*(dataset.sample(first + i) for i in range(micro_batch)))
     ids = torch.stack(tokens)
     return {
@@ -163,27 +260,35 @@ def shard_batch(
 
     ``batch`` holds full ``(b, s)`` tensors: ``input_ids`` and either ``shift_labels`` or
     ``labels`` (shifted here, on the full sequence); ``position_ids`` default to
-    ``0..s-1``."""
+    ``0..s-1``. A packed row (``cu_seqlens`` in ``batch``, b = 1) is sharded document-wise,
+    ``labels`` are shifted inside each document, and ``cu_seqlens`` is passed on."""
     ids = batch["input_ids"]
     s = ids.shape[1]
-    if s % sequence_multiple(topo.sp_world_size, layout):
-        m = sequence_multiple(topo.sp_world_size, layout)
+    m = sequence_multiple(topo.sp_world_size, layout)
+    cu = batch.get("cu_seqlens")
+    if cu is None and s % m:
         raise ValueError(
             f"sequence length {s} must be a multiple of {m} for "
             f"{topo.sp_world_size} SP ranks in the {layout!r} layout; pad with "
             f"ucp.pad_batch(batch, {m})"
         )
+    if cu is not None:
+        check_cu_seqlens(cu, s, m, what="batch['cu_seqlens']")
     if "shift_labels" in batch:
         targets = batch["shift_labels"]
-    elif "labels" in batch:
-        targets = shift_labels(batch["labels"])
     else:
-        targets = shift_labels(ids)
+        targets = shift_labels(batch.get("labels", ids))
+        if cu is not None:
+            targets[:, cu[1:].long() - 1] = IGNORE  # no target across a document border
     pos = batch.get("position_ids")
     if pos is None:
         pos = torch.arange(s, device=ids.device).expand_as(ids)
-    return {
-        "input_ids": shard_sequence(ids, topo, layout=layout),
-        "position_ids": shard_sequence(pos, topo, layout=layout),
-        "shift_labels": shard_sequence(targets, topo, layout=layout),
+    kw = dict(layout=layout, cu_seqlens=cu)
+    out = {
+        "input_ids": shard_sequence(ids, topo, **kw),
+        "position_ids": shard_sequence(pos, topo, **kw),
+        "shift_labels": shard_sequence(targets, topo, **kw),
     }
+    if cu is not None:
+        out["cu_seqlens"] = cu
+    return out

@@ -1,9 +1,9 @@
 """A small Llama-style decoder (RMSNorm, RoPE, SwiGLU, GQA) with pluggable attention.
 
 The model holds no parallel code: attention is a callable ``attn(q, k, v) -> out`` on
-``(b, s, h, d)`` tensors (``ucp.attention`` bound to a topology, or a local kernel), and
-RoPE is driven by the position ids it is given, which must be GLOBAL positions of the
-tokens this rank holds (``data.shard_batch`` makes them).
+``(b, s, h, d)`` tensors (``ucp.attention`` bound to a topology, or a local kernel; packed
+rows add ``cu_seqlens=``), and RoPE is driven by the position ids it is given, which must
+be GLOBAL positions of the tokens this rank holds (``data.shard_batch`` makes them).
 
 Legend: b batch, s tokens held (local under SP), D model dim, h/hkv heads, d head dim.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -87,7 +88,8 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """``forward(input_ids (b, s), position_ids (b, s)) -> logits (b, s, vocab)``."""
+    """``forward(input_ids (b, s), position_ids (b, s), cu_seqlens=None) -> logits
+    (b, s, vocab)``."""
 
     def __init__(self, cfg: ModelConfig, attn: Callable) -> None:
         super().__init__()
@@ -103,11 +105,18 @@ class Decoder(nn.Module):
         if isinstance(m, nn.Linear | nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``cu_seqlens``: a packed row (b = 1); passed to ``attn`` as a keyword."""
         x = self.embed(input_ids)  # (b, s, D)
+        attn = self.attn if cu_seqlens is None else partial(self.attn, cu_seqlens=cu_seqlens)
         for layer in self.layers:
             if self.cfg.activation_checkpointing and self.training:
-                x = checkpoint(layer, x, position_ids, self.attn, use_reentrant=False)
+                x = checkpoint(layer, x, position_ids, attn, use_reentrant=False)
             else:
-                x = layer(x, position_ids, self.attn)
+                x = layer(x, position_ids, attn)
         return self.head(self.norm(x))  # (b, s, V)
