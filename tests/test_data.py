@@ -83,3 +83,79 @@ def test_shard_batch_shifts_before_sharding():
             Topology(rank=0, world_size=4, ulysses_degree=4, ring_degree=1),
         )
     assert ucp.sequence_multiple(4, "zigzag") == 8
+
+
+def _check_packed_row(row, seq_len, multiple):
+    cu = row["cu_seqlens"].tolist()
+    assert cu[0] == 0 and cu[-1] == seq_len
+    pos, ids, tgt = row["position_ids"], row["input_ids"], row["shift_labels"]
+    for a, b in zip(cu[:-1], cu[1:]):
+        assert (b - a) % multiple == 0
+        assert torch.equal(pos[a:b], torch.arange(b - a))  # positions restart per document
+        assert tgt[b - 1] == -100  # no target across the border
+    assert torch.equal(ucp.cu_seqlens_from_position_ids(pos), row["cu_seqlens"])
+    return ids, tgt
+
+
+def test_packed_kv_recall_rows(tmp_path):
+    cfg = DataConfig(seq_len=256, packing=True, min_doc_len=20, max_doc_len=70, pack_multiple=8)
+    ds = KVRecall(cfg)
+    row = ds.packed_sample(3)
+    ids, tgt = _check_packed_row(row, 256, 8)
+    assert len(row["cu_seqlens"]) > 4  # several documents
+    for b in row["cu_seqlens"][1:-1].tolist():
+        assert ids[b] == 0  # every document starts with BOS
+    assert torch.equal(ds.packed_sample(3)["input_ids"], ids)  # deterministic
+    # a micro batch of packed rows is one packed row
+    batch = global_batch(
+        ds, step=0, micro_step=0, grad_accum=1, micro_batch=2, dp_rank=0, dp_degree=1
+    )
+    assert batch["input_ids"].shape == (1, 512)
+    _check_packed_row({k: (v if k == "cu_seqlens" else v[0]) for k, v in batch.items()}, 512, 8)
+    with pytest.raises(ValueError, match="pack_multiple"):
+        DataConfig.from_dict({"packing": True, "seq_len": 100})
+    with pytest.raises(ValueError, match="min_doc_len"):
+        DataConfig.from_dict({"packing": True, "min_doc_len": 4})
+
+
+def test_packed_text_rows_follow_documents(tmp_path):
+    docs = [f"document number {i} " * (i + 1) for i in range(6)]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    cfg = DataConfig(
+        task="text", seq_len=128, files=[str(tmp_path / "d.jsonl")], packing=True, pack_multiple=4
+    )
+    row = ByteText(cfg).packed_sample(0)
+    ids, tgt = _check_packed_row(row, 128, 4)
+    texts = [d.encode() for d in docs]
+    cu = row["cu_seqlens"].tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        real = bytes(ids[a:b].tolist()).rstrip(b"\0")
+        assert any(t.startswith(real) for t in texts)  # a (possibly cut) whole document
+        n = len(real)
+        assert torch.equal(tgt[a : a + n - 1], ids[a + 1 : a + n])  # next byte inside it
+
+
+def test_shard_batch_packed_row():
+    docs = [torch.arange(10, 15), torch.arange(20, 23)]
+    packed = ucp.pack_documents(docs, multiple=8)
+    full_pos = packed["position_ids"][0]
+    seen = []
+    for r in range(4):
+        t = Topology(rank=r, world_size=4, ulysses_degree=2, ring_degree=2)
+        p = shard_batch(packed, t, "zigzag")
+        assert torch.equal(p["cu_seqlens"], packed["cu_seqlens"]) and p["input_ids"].shape == (1, 4)
+        seen.append(p["input_ids"])
+    assert sorted(torch.cat(seen, 1)[0].tolist()) == sorted(packed["input_ids"][0].tolist())
+    # labels given unshifted are shifted inside each document only
+    lab = shard_batch(
+        {
+            "input_ids": packed["input_ids"],
+            "labels": packed["input_ids"],
+            "position_ids": packed["position_ids"],
+            "cu_seqlens": packed["cu_seqlens"],
+        },
+        Topology(rank=0, world_size=1, ulysses_degree=1, ring_degree=1),
+        "zigzag",
+    )
+    assert lab["shift_labels"][0, 7] == -100 and lab["shift_labels"][0, 0] == 11
+    assert torch.equal(full_pos, lab["position_ids"][0])

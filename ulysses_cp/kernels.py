@@ -176,27 +176,43 @@ _FORWARD = {"math": _math_forward, "torch": _torch_forward, "flash_attn": flash_
 _BACKWARD = {"math": _math_backward, "torch": _torch_backward, "flash_attn": flash_backend.backward}
 
 
-def _docs(cu_q, cu_k):
-    """Per-document (q slice, k slice) pairs of a packed block, empty pairs dropped."""
+def _doc_groups(cu_q, cu_k):
+    """Documents of a packed block grouped by (q length, k length), so each group is one
+    batched kernel call: ``[(q index, k index, n docs, lq, lk)]``; empty documents dropped."""
     bq, bk = cu_q.tolist(), cu_k.tolist()
     assert len(bq) == len(bk), "cu_q and cu_k must list the same documents"
-    return [
-        (slice(a, b), slice(c, d))
-        for a, b, c, d in zip(bq[:-1], bq[1:], bk[:-1], bk[1:])
-        if b > a and d > c
-    ]
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for a, b, c, d in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
+        if b > a and d > c:
+            groups.setdefault((b - a, d - c), []).append((a, c))
+    device = cu_q.device
+    out = []
+    for (lq, lk), starts in groups.items():
+        sq, sk = (torch.tensor(x, device=device)[:, None] for x in zip(*starts))
+        qi = (sq + torch.arange(lq, device=device)).flatten()
+        ki = (sk + torch.arange(lk, device=device)).flatten()
+        out.append((qi, ki, len(starts), lq, lk))
+    return out
+
+
+def _take(x, idx, n, length):
+    # (1, t, h, d) rows idx -> (n, length, h, d)
+    return x[0].index_select(0, idx).view(n, length, *x.shape[2:])
 
 
 def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend):
     if backend == "flash_attn":
         return flash_backend.varlen_forward(q, k, v, cu_q, cu_k, causal, scale)
     out = torch.zeros_like(q)
-    lse = torch.full(
-        (1, q.shape[2], q.shape[1]), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device
-    )  # rows outside every document: empty (0, -inf)
-    for qs, ks in _docs(cu_q, cu_k):
-        _check_causal(q[:, qs], k[:, ks], causal)
-        out[:, qs], lse[:, :, qs] = _FORWARD[backend](q[:, qs], k[:, ks], v[:, ks], causal, scale)
+    hq = q.shape[2]
+    lse = torch.full((1, hq, q.shape[1]), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+    for qi, ki, n, lq, lk in _doc_groups(cu_q, cu_k):  # rows in no document stay (0, -inf)
+        assert not causal or lq == lk, "causal documents must be square"
+        o, lg = _FORWARD[backend](
+            _take(q, qi, n, lq), _take(k, ki, n, lk), _take(v, ki, n, lk), causal, scale
+        )
+        out[0].index_copy_(0, qi, o.reshape(n * lq, hq, -1).to(out.dtype))
+        lse[0].index_copy_(1, qi, lg.transpose(0, 1).reshape(hq, n * lq).to(lse.dtype))
     return out, lse
 
 
@@ -204,10 +220,22 @@ def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend
     if backend == "flash_attn":
         return flash_backend.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for qs, ks in _docs(cu_q, cu_k):
-        dq[:, qs], dk[:, ks], dv[:, ks] = _BACKWARD[backend](
-            dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs], causal, scale
+    hq = q.shape[2]
+    for qi, ki, n, lq, lk in _doc_groups(cu_q, cu_k):
+        lg = lse[0].index_select(1, qi).view(hq, n, lq).transpose(0, 1)  # (n, hq, lq)
+        gq, gk, gv = _BACKWARD[backend](
+            _take(dout, qi, n, lq),
+            _take(q, qi, n, lq),
+            _take(k, ki, n, lk),
+            _take(v, ki, n, lk),
+            _take(out, qi, n, lq),
+            lg.contiguous(),
+            causal,
+            scale,
         )
+        dq[0].index_copy_(0, qi, gq.reshape(n * lq, *q.shape[2:]).to(dq.dtype))
+        dk[0].index_copy_(0, ki, gk.reshape(n * lk, *k.shape[2:]).to(dk.dtype))
+        dv[0].index_copy_(0, ki, gv.reshape(n * lk, *v.shape[2:]).to(dv.dtype))
     return dq, dk, dv
 
 
