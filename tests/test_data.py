@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -89,7 +90,7 @@ def _check_packed_row(row, seq_len, multiple):
     cu = row["cu_seqlens"].tolist()
     assert cu[0] == 0 and cu[-1] == seq_len
     pos, ids, tgt = row["position_ids"], row["input_ids"], row["shift_labels"]
-    for a, b in zip(cu[:-1], cu[1:]):
+    for a, b in itertools.pairwise(cu):
         assert (b - a) % multiple == 0
         assert torch.equal(pos[a:b], torch.arange(b - a))  # positions restart per document
         assert tgt[b - 1] == -100  # no target across the border
@@ -101,7 +102,7 @@ def test_packed_kv_recall_rows(tmp_path):
     cfg = DataConfig(seq_len=256, packing=True, min_doc_len=20, max_doc_len=70, pack_multiple=8)
     ds = KVRecall(cfg)
     row = ds.packed_sample(3)
-    ids, tgt = _check_packed_row(row, 256, 8)
+    ids, _tgt = _check_packed_row(row, 256, 8)
     assert len(row["cu_seqlens"]) > 4  # several documents
     for b in row["cu_seqlens"][1:-1].tolist():
         assert ids[b] == 0  # every document starts with BOS
@@ -128,7 +129,7 @@ def test_packed_text_rows_follow_documents(tmp_path):
     ids, tgt = _check_packed_row(row, 128, 4)
     texts = [d.encode() for d in docs]
     cu = row["cu_seqlens"].tolist()
-    for a, b in zip(cu[:-1], cu[1:]):
+    for a, b in itertools.pairwise(cu):
         real = bytes(ids[a:b].tolist()).rstrip(b"\0")
         assert any(t.startswith(real) for t in texts)  # a (possibly cut) whole document
         n = len(real)

@@ -103,3 +103,31 @@ def test_train_metrics_wandb_checkpoint_and_resume(tmp_path):
     for a, b in zip(rows, resumed):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), (a, b)
         assert a["lr"] == pytest.approx(b["lr"])
+
+
+@pytest.mark.slow
+def test_train_packed_rows(tmp_path):
+    cfg = json.loads(json.dumps(CONFIG))
+    cfg["data"] = {
+        "task": "kv_recall",
+        "seq_len": 128,
+        "packing": True,
+        "min_doc_len": 16,
+        "max_doc_len": 48,
+        "n_queries": 8,
+        "pack_multiple": 4,
+    }
+    cfg["wandb"]["enabled"] = False
+    cfg["training"] = {"max_steps": 2, "log_interval": 1}
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    launch(path, tmp_path / "run")
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0 < r["loss"] < 10 for r in rows)
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step2"
+    # a pack_multiple the layout cannot split is refused before training starts
+    cfg["data"]["pack_multiple"] = 2
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(AssertionError, match="pack_multiple 2 must be a multiple of 4"):
+        launch(path, tmp_path / "bad")

@@ -200,7 +200,14 @@ def _take(x, idx, n, length):
     return x[0].index_select(0, idx).view(n, length, *x.shape[2:])
 
 
+def _one_document(q, k, cu_q, cu_k) -> bool:
+    """A block that is one whole document on both sides: the dense call, no gathers."""
+    return len(cu_q) == 2 and cu_q.tolist() == [0, q.shape[1]] and cu_k.tolist() == [0, k.shape[1]]
+
+
 def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend):
+    if _one_document(q, k, cu_q, cu_k):
+        return _FORWARD[backend](q, k, v, causal, scale)
     if backend == "flash_attn":
         return flash_backend.varlen_forward(q, k, v, cu_q, cu_k, causal, scale)
     out = torch.zeros_like(q)
@@ -217,6 +224,8 @@ def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend):
 
 
 def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend):
+    if _one_document(q, k, cu_q, cu_k):
+        return _BACKWARD[backend](dout, q, k, v, out, lse, causal, scale)
     if backend == "flash_attn":
         return flash_backend.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

@@ -114,8 +114,8 @@ class Docs:
     ``cu_half``: cumulative half lengths."""
 
     cu: torch.Tensor
-    first: torch.Tensor
-    second: torch.Tensor
+    first: torch.Tensor | slice
+    second: torch.Tensor | slice
     cu_half: torch.Tensor
 
     @classmethod
@@ -127,6 +127,9 @@ class Docs:
         first = torch.cat([torch.arange(s, s + h) for s, h in zip(starts.tolist(), half.tolist())])
         second = first + torch.repeat_interleave(half, half)
         cu_half = torch.cat([torch.zeros(1, dtype=torch.int32), half.cumsum(0).int()])
+        if len(bounds) == 2:  # one document: the halves are plain slices (views, no gathers)
+            h = int(half[0])
+            return cls(local.to(device), slice(0, h), slice(h, 2 * h), cu_half.to(device))
         return cls(local.to(device), first.to(device), second.to(device), cu_half.to(device))
 
 
