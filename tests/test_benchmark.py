@@ -48,3 +48,22 @@ def test_benchmark_quick(tmp_path):
     p1, p4 = data["worlds"]["1"], data["worlds"]["4"]
     assert max(p4["max_len_attention"].values()) > p1["max_len_attention"]["full"] > 0
     assert (tmp_path / "benchmark_attention.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_benchmark_packing_quick(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_packing.py"), "--quick"]
+    res = subprocess.run(
+        [*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = json.loads((tmp_path / "benchmark_packing.json").read_text())["rows"]
+    cases = {(r["mode"], r["case"]) for r in rows}
+    for mode in ("ulysses", "ring_zigzag", "hybrid_zigzag"):
+        for case in ("unpacked", "packed_1", "packed_8", "packed_64"):
+            assert (mode, case) in cases
+    for r in rows:
+        assert r["time_s"] > 0 and 0 < r["work_fraction"] <= 1
+        if r["case"] == "unpacked":
+            assert r["ratio_to_unpacked"] == 1.0
+    assert "x unpacked" in res.stdout

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ulysses_cp as ucp
 from ulysses_cp.sharding import _shard, natural_to_pairs, pairs_to_natural
+from ulysses_cp.varlen import doc_layout_indices, ulysses_permutation
 
 layouts = st.sampled_from(["zigzag", "contiguous"])
 
@@ -64,3 +67,26 @@ def test_hybrid_reorder_gives_each_ring_rank_its_zigzag_pair(u, r, per):
             range((2 * r - 1 - j) * half, (2 * r - j) * half)
         )
         assert got == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    u=st.integers(1, 4),
+    r=st.integers(1, 3),
+    layout=layouts,
+    docs=st.lists(st.integers(1, 4), min_size=1, max_size=6),
+)
+def test_document_wise_layout_and_ulysses_permutation(u, r, layout, docs):
+    """Packed rows: each rank holds 1/P of every document in increasing order, the ranks
+    partition the row, and the Ulysses permutation yields the ring level's layout."""
+    P = u * r
+    m = ucp.sequence_multiple(P, layout)
+    bounds = [0, *itertools.accumulate(n * m for n in docs)]
+    held = [doc_layout_indices(bounds, P, p, layout) for p in range(P)]
+    assert sorted(torch.cat(held).tolist()) == list(range(bounds[-1]))
+    for h in held:
+        assert h.numel() == bounds[-1] // P and bool((h[1:] > h[:-1]).all())
+    for j in range(r):
+        group = torch.cat(held[j * u : (j + 1) * u])
+        perm = ulysses_permutation(bounds, u, r, j, layout)
+        assert torch.equal(group[perm], doc_layout_indices(bounds, r, j, layout))
