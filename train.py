@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import resource
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +22,16 @@ import torch
 import torch.distributed as dist
 
 import ulysses_cp as ucp
+from ulysses_cp import checkpoint, faults
 from ulysses_cp.config import from_block
 from ulysses_cp.data import DataConfig, global_batch, make_dataset, shard_batch
 from ulysses_cp.log import get_logger
 from ulysses_cp.model import Decoder, ModelConfig
+from ulysses_cp.nonfinite import any_rank, gradients_finite, skip_update
 from ulysses_cp.tracking import Tracker
 
 log = get_logger("train")
+log_all = get_logger("train.ranks", all_ranks=True)
 
 
 @dataclass
@@ -35,10 +40,27 @@ class TrainingConfig:
     log_interval: int = 10
     save_interval: int = 0  # 0: save at the end only
     seed: int = 0
+    on_nonfinite: str = "skip"  # non-finite loss or gradients: "skip" the step or "stop"
+    check_gradients: bool = True  # look for non-finite gradients before every update
+    save_on_signal: bool = True  # SIGTERM/SIGINT: save at the end of the step, exit 0
 
     @classmethod
     def from_dict(cls, cfg: dict) -> TrainingConfig:
-        return from_block(cls, cfg, "training")
+        tc = from_block(cls, cfg, "training")
+        for name in ("max_steps", "log_interval", "save_interval", "seed"):
+            value = getattr(tc, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"training.{name} must be an integer >= 0, got {value!r}")
+        if tc.log_interval < 1:
+            raise ValueError(f"training.log_interval must be >= 1, got {tc.log_interval}")
+        if tc.on_nonfinite not in ("skip", "stop"):
+            raise ValueError(
+                f"training.on_nonfinite must be 'skip' or 'stop', got {tc.on_nonfinite!r}"
+            )
+        for name in ("check_gradients", "save_on_signal"):
+            if not isinstance(getattr(tc, name), bool):
+                raise ValueError(f"training.{name} must be true or false")
+        return tc
 
 
 def parse_args() -> argparse.Namespace:
@@ -97,7 +119,7 @@ def peak_memory_mb() -> float:
 
 def main() -> None:
     args = parse_args()
-    ucp.init_distributed()
+    # every config error is raised here, identically on every rank, before any collective
     config = ucp.engine.load_config(args.deepspeed_config)
     original = ucp.engine.load_config(config)  # as written, for the wandb run's config
     mc = ModelConfig.from_dict(config.get("model", {}))
@@ -106,6 +128,7 @@ def main() -> None:
     if args.max_steps is not None:
         tc.max_steps = args.max_steps
     sp = ucp.SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
+    ucp.init_distributed(timeout_s=sp.collective_timeout_s)
     validate(sp, mc, dc)
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     topo = ucp.topology_from_config(config)
@@ -128,12 +151,12 @@ def main() -> None:
     engine = ucp.initialize(model=model, config=config, topo=topo, optimizer=optimizer)
     start = 0
     if args.resume:
-        path, client = engine.load_checkpoint(str(out))
-        if path is None:
+        step = checkpoint.load(engine, out, zero_loss=lambda: zero_loss(engine, topo, sp, dc))
+        if step is None:
             log.info(f"--resume: no checkpoint in {out}, starting at step 0")
         else:
-            start = client["step"]
-            log.info(f"resumed from {path} at step {start}")
+            start = step
+            log.info(f"resumed from {out / checkpoint.latest_tag(out)} at step {start}")
     info = {
         "world_size": topo.world_size,
         "dp": topo.dp_degree,
@@ -148,34 +171,97 @@ def main() -> None:
         topo_info=info,
         is_main=dist.get_rank() == 0,
         resume=args.resume,
+        start_step=start,
     )
     log.info(
         f"training {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
         f"{info}, seq_len {dc.seq_len}, steps {start}..{tc.max_steps}, output {out}"
     )
-    losses = train_loop(engine, topo, sp.layout, make_dataset(dc), dc, tc, start, tracker, out)
-    if tc.max_steps > start:
-        engine.save_checkpoint(
-            str(out), tag=f"step{tc.max_steps}", client_state={"step": tc.max_steps}
+    signals = SignalFlag(tc.save_on_signal)
+    try:
+        losses, end = train_loop(
+            engine, topo, sp.layout, make_dataset(dc), dc, tc, start, tracker, out, signals
         )
+    except TrainingStopped as stop:
+        log.error(str(stop))
+        tracker.finish({"stopped": str(stop)})
+        sys.exit(stop.exit_code)
+    except Exception as exc:
+        # every rank says where it failed (a dead peer shows up as a CollectiveError naming
+        # the op and group); the process exits non-zero so the launcher stops the rest
+        log_all.error(f"training failed: {type(exc).__name__}: {exc}")
+        raise
+    if end > start and not signals.seen:
+        checkpoint.save(engine, out, end)
     summary = {
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
-        "steps": tc.max_steps,
+        "steps": end,
     }
     tracker.finish(summary)
     log.info(f"done: {summary}, metrics in {out / 'metrics.jsonl'}")
     dist.barrier()
 
 
-def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out) -> list[float]:
+def zero_loss(engine, topo, sp, dc):
+    """A loss with zero gradient: one real batch, every label ignored."""
+    full = global_batch(
+        make_dataset(dc),
+        step=0,
+        micro_step=0,
+        grad_accum=1,
+        micro_batch=engine.train_micro_batch_size_per_gpu(),
+        dp_rank=topo.dp_rank,
+        dp_degree=topo.dp_degree,
+    )
+    local = {k: t.to(engine.device) for k, t in shard_batch(full, topo, sp.layout).items()}
+    logits = engine(local["input_ids"], local["position_ids"], local.get("cu_seqlens"))
+    ignored = torch.full_like(local["shift_labels"], -100)
+    return ucp.sequence_parallel_cross_entropy(logits, ignored, topo)
+
+
+class TrainingStopped(Exception):
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class SignalFlag:
+    """SIGTERM/SIGINT set a flag; the ranks agree on it at the end of every step, save,
+    and leave the loop. A second signal exits at once."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.raised, self.seen = enabled, False, False
+        if enabled:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._handle)
+
+    def enabled_and_agreed(self, device) -> bool:
+        """True on every rank once any rank has received a signal (one all-reduce)."""
+        if self.enabled and any_rank(self.raised, device):
+            self.seen = True
+        return self.seen
+
+    def _handle(self, signum, frame) -> None:
+        if self.raised:
+            raise KeyboardInterrupt
+        self.raised = True
+        log_all.warning(f"{signal.Signals(signum).name}: saving at the end of this step")
+
+
+def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out, signals):
+    """Returns (logged losses, the step the loop ended at)."""
     gas = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
     tokens_per_step = micro * gas * topo.dp_degree * dc.seq_len
     device = engine.device  # inputs and the loss accumulator live where the model does
     losses, acc, since, t0 = [], torch.zeros((), device=device), 0, time.perf_counter()
+    skipped = 0
     ucp.comm_stats.reset()
     for step in range(start, tc.max_steps):
+        n = step + 1  # the step being taken, as logged
+        faults.point("kill", n)
+        bad = None
         for m in range(gas):
             full = global_batch(
                 dataset,
@@ -189,34 +275,75 @@ def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out) -> li
             local = {k: t.to(device) for k, t in shard_batch(full, topo, layout).items()}
             logits = engine(local["input_ids"], local["position_ids"], local.get("cu_seqlens"))
             loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
+            loss = faults.corrupt_loss(loss, n)
+            if any_rank(not torch.isfinite(loss).item(), device):
+                bad = bad or f"non-finite loss at step {n} (micro step {m})"
+                handle_nonfinite(engine, tc, bad, out, step)
+                # the micro batch contributes nothing: a no-target loss keeps DeepSpeed's
+                # backward/step sequence (and its gradient reduction) in line
+                loss = ucp.sequence_parallel_cross_entropy(
+                    logits, torch.full_like(local["shift_labels"], -100), topo
+                )
+                logits = None
             engine.backward(loss)
-            engine.step()
-            acc += loss.detach().float() / gas
-        done, since = step + 1, since + 1
+            boundary = m == gas - 1
+            check = boundary and bad is None and tc.check_gradients
+            if check and any_rank(not gradients_finite(engine), device):
+                bad = f"non-finite gradients at step {n}"
+                handle_nonfinite(engine, tc, bad, out, step)
+            if boundary and bad is not None:
+                skip_update(engine)
+                skipped += 1
+                log.warning(f"{bad}: update skipped ({skipped} so far)")
+            else:
+                engine.step()
+                if bad is None:
+                    acc += loss.detach().float() / gas
+        done, since = n, since + (bad is None)
         if done % tc.log_interval == 0 or done == tc.max_steps:
             dist.all_reduce(acc, group=topo.dp_group)  # mean over data-parallel replicas
-            mean_loss = acc.item() / (topo.dp_degree * since)
+            # None when every step since the last log was skipped
+            mean_loss = acc.item() / (topo.dp_degree * since) if since else None
             dt = time.perf_counter() - t0
             metrics = {
                 "loss": mean_loss,
                 "lr": engine.get_lr()[0],
-                "tokens_per_s": tokens_per_step * since / dt,
+                "tokens_per_s": tokens_per_step * max(since, 1) / dt,
                 "peak_mem_mb": peak_memory_mb(),
-                "comm_bytes_per_step": ucp.comm_stats.total() / since,
+                "comm_bytes_per_step": ucp.comm_stats.total() / max(since, 1),
+                "skipped_steps": skipped,
             }
             tracker.log(done, metrics)
+            shown = "skipped" if mean_loss is None else f"{mean_loss:.4f}"
             log.info(
-                f"step {done:5d}  loss {mean_loss:.4f}  lr {metrics['lr']:.2e}  "
+                f"step {done:5d}  loss {shown}  lr {metrics['lr']:.2e}  "
                 f"tok/s {metrics['tokens_per_s']:.0f}  peak {metrics['peak_mem_mb']:.0f}MB"
             )
-            losses.append(mean_loss)
+            if mean_loss is not None:
+                losses.append(mean_loss)
             acc.zero_()
             since = 0
             ucp.comm_stats.reset()
             t0 = time.perf_counter()
+        if signals.enabled_and_agreed(device):
+            checkpoint.save(engine, out, done)
+            log.info(f"stopped by signal after step {done}; saved {out / f'step{done}'}")
+            return losses, done
         if tc.save_interval and done % tc.save_interval == 0 and done < tc.max_steps:
-            engine.save_checkpoint(str(out), tag=f"step{done}", client_state={"step": done})
-    return losses
+            checkpoint.save(engine, out, done)
+    return losses, tc.max_steps
+
+
+def handle_nonfinite(engine, tc, what: str, out, step: int) -> None:
+    """``stop``: save the state before this step's update, then stop (exit code 3)."""
+    if tc.on_nonfinite == "stop":
+        checkpoint.save(engine, out, step)
+        raise TrainingStopped(
+            f"{what}; training.on_nonfinite is 'stop': saved {out / f'step{step}'} (the "
+            f"state before this step) and stopped. Lower the learning rate or inspect the "
+            f"data of this step, then --resume.",
+            exit_code=3,
+        )
 
 
 if __name__ == "__main__":

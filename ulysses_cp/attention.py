@@ -5,10 +5,12 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
-from .kernels import local_attention, resolve_backend
+from .comm import collective
+from .kernels import BACKENDS, local_attention, resolve_backend
 from .ring import ring_attention
-from .sharding import check_layout, sequence_multiple
+from .sharding import LAYOUTS, check_layout, sequence_multiple
 from .topology import Topology
 from .ulysses import kv_replication, ulysses_attention
 from .varlen import Docs, check_cu_seqlens, inverse_permutation, ulysses_permutation
@@ -68,11 +70,13 @@ def attention(
     Attention stays inside each document."""
     validate_qkv(q, k, v, topo, layout)
     backend = resolve_backend(backend, q.device)
+    bounds = None if cu_seqlens is None else validate_packed(q, cu_seqlens, topo, layout)
+    if topo.check_inputs and topo.sp_world_size > 1:
+        check_across_ranks(q, k, topo, causal=causal, layout=layout, backend=backend, bounds=bounds)
     opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     u, r = topo.ulysses_degree, topo.ring_degree
     perm, docs = None, None
-    if cu_seqlens is not None:
-        bounds = validate_packed(q, cu_seqlens, topo, layout)
+    if bounds is not None:
         if u > 1:
             fwd = ulysses_permutation(bounds, u, r, topo.ring_rank, layout)
             perm = (fwd.to(q.device), inverse_permutation(fwd).to(q.device))
@@ -86,6 +90,71 @@ def attention(
     # ulysses: a2a around the local kernel; ring: no a2a (degree 1); hybrid: a2a around ring
     return ulysses_attention(
         q, k, v, group=topo.ulysses_group, layout=layout, inner=inner, perm=perm
+    )
+
+
+_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def _signature(q, k, *, causal, layout, backend, bounds) -> list[int]:
+    cu_hash = 0
+    for i, b in enumerate(bounds or []):
+        cu_hash = (cu_hash * 1_000_003 + b * (i + 1)) % (2**61 - 1)
+    dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
+    return [
+        *q.shape,
+        k.shape[2],
+        dtype,
+        int(causal),
+        LAYOUTS.index(layout),
+        BACKENDS.index(backend),
+        -1 if bounds is None else len(bounds),
+        cu_hash,
+    ]
+
+
+_FIELDS = [
+    "batch",
+    "local seq",
+    "q heads",
+    "head dim",
+    "kv heads",
+    "dtype",
+    "causal",
+    "layout",
+    "backend",
+    "cu_seqlens entries",
+    "cu_seqlens hash",
+]
+
+
+def check_across_ranks(q, k, topo: Topology, *, causal, layout, backend, bounds) -> None:
+    """One all-gather of a few integers over the SP group: every rank must call attention
+    with the same shapes, dtype, options and documents, or the all-to-all would hang or mix
+    data. Raises the same ``ValueError`` on every rank, naming what differs."""
+    sig = torch.tensor(
+        _signature(q, k, causal=causal, layout=layout, backend=backend, bounds=bounds),
+        dtype=torch.int64,
+        device=q.device,
+    )
+    parts = [torch.empty_like(sig) for _ in range(topo.sp_world_size)]
+    with collective("all_gather", "input check", topo.sp_group):
+        dist.all_gather(parts, sig, group=topo.sp_group)
+    rows = [p.tolist() for p in parts]
+    if all(row == rows[0] for row in rows):
+        return
+    diff = [i for i, name in enumerate(_FIELDS) if len({row[i] for row in rows}) > 1]
+    detail = "; ".join(
+        f"{_FIELDS[i]}: " + ", ".join(f"rank {r} {row[i]}" for r, row in enumerate(rows))
+        for i in diff
+    )
+    raise ValueError(
+        f"sequence-parallel ranks called ucp.attention with different inputs ({detail}); "
+        f"every SP rank must pass its shard of the same sequence (same batch, local length, "
+        f"heads, dtype, options and cu_seqlens). Shard with ucp.shard_sequence / "
+        f"data.shard_batch on every rank. (SP ranks are numbered within the SP group; the "
+        f"dtype index is into {[str(d) for d in _DTYPES]}, layout into {list(LAYOUTS)}, "
+        f"backend into {list(BACKENDS)}.)"
     )
 
 

@@ -14,6 +14,7 @@ stays local and is not counted), per op and per phase (``forward`` / ``backward`
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,45 @@ class CommStats:
 stats = CommStats()
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, hung past the timeout, or the link broke."""
+
+
+_GROUP_NAMES: dict[int, str] = {}
+
+
+def name_group(group, name: str) -> None:
+    """Register a readable name (``"ulysses"``, ``"ring"``, ...) for error messages."""
+    if group is not None:
+        _GROUP_NAMES[id(group)] = name
+
+
+def describe_group(group) -> str:
+    name = _GROUP_NAMES.get(id(group), "process")
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except Exception:  # pragma: no cover - a destroyed group
+        ranks = "?"
+    return f"{name} group (global ranks {ranks})"
+
+
+@contextmanager
+def collective(op: str, phase: str, group):
+    """Re-raise any failure inside as :class:`CollectiveError` naming the op and group."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except Exception as exc:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveError(
+            f"rank {rank}: {op} ({phase}) on the {describe_group(group)} failed: "
+            f"{type(exc).__name__}: {str(exc).strip()[:300]}. A peer rank died, hung "
+            f"past the collective timeout (sequence_parallel.collective_timeout_s) or lost "
+            f"its link; resume from the last checkpoint with --resume."
+        ) from exc
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -63,7 +103,8 @@ def _all_to_all(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     P = x.shape[0]
     x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    with collective("all_to_all", phase, group):
+        dist.all_to_all_single(out, x, group=group)
     stats.add("all_to_all", phase, x.numel() * x.element_size() * (P - 1) // P)
     return out
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -37,6 +38,8 @@ class SequenceParallelConfig:
     ring_degree: int = 1
     layout: str = "zigzag"
     attention_backend: str = "auto"
+    check_inputs: bool = True  # compare input shapes across SP ranks before communicating
+    collective_timeout_s: float = 1800.0  # a dead or hung peer ends the run after this
 
     @classmethod
     def from_dict(cls, cfg: dict | None) -> SequenceParallelConfig:
@@ -50,6 +53,16 @@ class SequenceParallelConfig:
         if sp.layout not in LAYOUTS:
             raise ValueError(
                 f"sequence_parallel.layout {sp.layout!r} is not one of {list(LAYOUTS)}"
+            )
+        if not isinstance(sp.check_inputs, bool):
+            raise ValueError(
+                f"sequence_parallel.check_inputs must be true or false, got {sp.check_inputs!r}"
+            )
+        t = sp.collective_timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or t <= 0:
+            raise ValueError(
+                f"sequence_parallel.collective_timeout_s must be a positive number of "
+                f"seconds, got {t!r}"
             )
         if sp.attention_backend not in BACKENDS:
             raise ValueError(
@@ -74,19 +87,28 @@ def deepspeed_part(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in NOT_FOR_DEEPSPEED}
 
 
-def init_distributed() -> None:
-    """``deepspeed.init_distributed`` with nccl on CUDA machines, gloo elsewhere."""
+def init_distributed(timeout_s: float | None = None) -> None:
+    """``deepspeed.init_distributed`` with nccl on CUDA machines, gloo elsewhere;
+    ``timeout_s``: the collective timeout (DeepSpeed's default when None)."""
     import deepspeed
 
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        deepspeed.init_distributed(
+            dist_backend="nccl" if torch.cuda.is_available() else "gloo", **kwargs
+        )
 
 
 def topology_from_config(config: dict) -> Topology:
     """Validate the ``"sequence_parallel"`` block against the world, then build groups."""
     sp = SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
     validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
-    return init_topology(sp.ulysses_degree, sp.ring_degree)
+    return init_topology(
+        sp.ulysses_degree,
+        sp.ring_degree,
+        timeout_s=sp.collective_timeout_s,
+        check_inputs=sp.check_inputs,
+    )
 
 
 class SequenceParallelMPU:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import group_size
+from .comm import collective, group_size
 
 
 class _SumKeepGrad(torch.autograd.Function):
@@ -25,7 +25,8 @@ class _SumKeepGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.clone()
-        dist.all_reduce(x, group=group)
+        with collective("all_reduce", "loss", group):
+            dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
@@ -63,6 +64,7 @@ def sequence_parallel_cross_entropy(
     if group_size(group) > 1:
         ce = _SumKeepGrad.apply(ce, group)
         count = count.clone()
-        dist.all_reduce(count, group=group)
+        with collective("all_reduce", "loss", group):
+            dist.all_reduce(count, group=group)
     loss = ce / count.clamp(min=1)  # no target anywhere -> 0, not NaN
     return scale_gradient(loss, getattr(topo, "grad_scale", 1))

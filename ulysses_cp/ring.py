@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import group_rank, group_size, stats
+from .comm import collective, group_rank, group_size, stats
 from .kernels import attn_backward, attn_forward, lse_dtype
 
 
@@ -49,13 +49,15 @@ class RingComm:
             dist.P2POp(dist.isend, x, self.next, self.group, self.tag),
             dist.P2POp(dist.irecv, self._recv, self.prev, self.group, self.tag),
         ]
-        self._reqs = dist.batch_isend_irecv(ops)
+        with collective(self.op, self.phase, self.group):
+            self._reqs = dist.batch_isend_irecv(ops)
         self._sent = x  # keep the send buffer alive until wait()
         stats.add(self.op, self.phase, x.numel() * x.element_size())
 
     def wait(self) -> torch.Tensor:
-        for req in self._reqs:
-            req.wait()
+        with collective(self.op, self.phase, self.group):
+            for req in self._reqs:
+                req.wait()
         self._reqs, self._sent = [], None
         out, self._recv = self._recv, None
         return out

@@ -17,7 +17,7 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
-from .comm import group_rank, group_size
+from .comm import collective, group_rank, group_size
 from .varlen import Permute, check_cu_seqlens, doc_layout_indices, inverse_permutation
 
 Layout = Literal["zigzag", "contiguous"]
@@ -109,7 +109,8 @@ def _gather(x: torch.Tensor, group, layout: str, dim: int) -> torch.Tensor:
     if P == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(P)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    with collective("all_gather", "gather_sequence", group):
+        dist.all_gather(parts, x.contiguous(), group=group)
     full = torch.cat(parts, dim=dim)  # the ranks' pieces in SP-rank order
     return pairs_to_natural(full, P, dim) if layout == "zigzag" else full
 

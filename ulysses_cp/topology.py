@@ -16,8 +16,11 @@ Example, 8 ranks, u=4, r=2: ulysses {0-3}, {4-7}; ring {0,4}, {1,5}, {2,6}, {3,7
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
+
+from .comm import name_group
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,9 @@ class Topology:
     dp_group: object | None = None
     # multiplies the SP loss gradient; ucp.initialize sets it where ZeRO averages over SP too
     grad_scale: float = 1.0
+    # ucp.attention compares every SP rank's input shapes/dtypes (one tiny all-gather)
+    # before its first all-to-all or ring pass, so a mismatch raises instead of hanging
+    check_inputs: bool = True
     _owned: list = field(default_factory=list, repr=False)
 
     @property
@@ -133,11 +139,18 @@ class Topology:
         self.ulysses_group = self.ring_group = self.sp_group = self.dp_group = None
 
 
-def init_topology(ulysses_degree: int = 1, ring_degree: int = 1) -> Topology:
+def init_topology(
+    ulysses_degree: int = 1,
+    ring_degree: int = 1,
+    *,
+    timeout_s: float | None = None,
+    check_inputs: bool = True,
+) -> Topology:
     """Build the groups of ``shared/API.md`` on the default process group.
 
     Every rank must call this with the same degrees (group creation is collective).
     Without an initialised ``torch.distributed`` only ``1 x 1`` is allowed (a local topology).
+    ``timeout_s``: collective timeout of the new groups (default: the default group's).
     """
     if not dist.is_available() or not dist.is_initialized():
         validate_degrees(1, ulysses_degree, ring_degree)
@@ -145,8 +158,13 @@ def init_topology(ulysses_degree: int = 1, ring_degree: int = 1) -> Topology:
     world, rank = dist.get_world_size(), dist.get_rank()
     plan = plan_groups(world, ulysses_degree, ring_degree)
     topo = Topology(
-        rank=rank, world_size=world, ulysses_degree=ulysses_degree, ring_degree=ring_degree
+        rank=rank,
+        world_size=world,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
+        check_inputs=check_inputs,
     )
+    kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     for attr, groups in (
         ("ulysses_group", plan.ulysses_groups),
         ("ring_group", plan.ring_groups),
@@ -154,7 +172,8 @@ def init_topology(ulysses_degree: int = 1, ring_degree: int = 1) -> Topology:
         ("dp_group", plan.dp_groups),
     ):
         for ranks in groups:  # every rank creates every group, in the same order
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, **kwargs)
+            name_group(group, attr.removesuffix("_group"))
             topo._owned.append(group)
             if rank in ranks:
                 setattr(topo, attr, group)

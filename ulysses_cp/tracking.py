@@ -19,7 +19,14 @@ log = get_logger(__name__)
 
 class Tracker:
     def __init__(
-        self, *, output_dir: str | Path, config: dict, topo_info: dict, is_main: bool, resume: bool
+        self,
+        *,
+        output_dir: str | Path,
+        config: dict,
+        topo_info: dict,
+        is_main: bool,
+        resume: bool,
+        start_step: int = 0,
     ) -> None:
         self.is_main = is_main
         self.run = None
@@ -29,6 +36,11 @@ class Tracker:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not resume and self.path.exists():
             self.path.unlink()
+        if resume and self.path.exists():
+            # rows logged after the checkpoint we resume from are logged again: drop them
+            rows = [r for r in self.path.read_text().splitlines() if r.strip()]
+            kept = [r for r in rows if json.loads(r)["step"] <= start_step]
+            self.path.write_text("".join(r + "\n" for r in kept))
         block = config.get("wandb") or {}
         if block.get("enabled"):
             self.run = _start_wandb(
@@ -42,12 +54,19 @@ class Tracker:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.run is not None:
-            self.run.log(metrics, step=step)
+            try:
+                self.run.log(metrics, step=step)
+            except Exception as exc:  # a wandb failure mid-run must not stop training
+                log.warning(f"wandb.log failed ({type(exc).__name__}: {exc}); tracking off")
+                self.run = None
 
     def finish(self, summary: dict) -> None:
         if self.run is not None:
-            self.run.summary.update(summary)
-            self.run.finish()
+            try:
+                self.run.summary.update(summary)
+                self.run.finish()
+            except Exception as exc:
+                log.warning(f"wandb finish failed ({type(exc).__name__}: {exc})")
 
 
 def _start_wandb(block: dict, run_config: dict, output_dir: Path):

@@ -1,0 +1,156 @@
+"""Bad input is reported on every rank before it can hang; collective failures are named."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ulysses_cp as ucp
+from tests.helpers import topology
+from ulysses_cp.comm import CollectiveError, collective
+
+
+def _mismatch(rank, u, r, what):
+    """Every rank must raise the same ValueError, quickly, when one rank's input differs."""
+    topo = topology(u, r)
+    s_l, dtype, cu = 8, torch.float32, None
+    if what == "length" and rank == 1:
+        s_l = 16
+    if what == "dtype" and rank == 1:
+        dtype = torch.float64
+    if what == "documents":
+        cu = torch.tensor([0, 16, 32] if rank != 1 else [0, 24, 32], dtype=torch.int32)
+    x = torch.zeros(1, s_l, 4, 8, dtype=dtype)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        ucp.attention(x, x, x, topo, backend="math", cu_seqlens=cu)
+    return str(info.value), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("u,r", [(4, 1), (1, 4), (2, 2)])
+@pytest.mark.parametrize(
+    "what,field", [("length", "local seq"), ("dtype", "dtype"), ("documents", "cu_seqlens")]
+)
+def test_rank_dependent_inputs_raise_on_every_rank(pools, u, r, what, field):
+    results = pools(u * r).run(_mismatch, u, r, what)
+    for msg, seconds in results:
+        assert "different inputs" in msg and field in msg and "rank 1" in msg, msg
+        assert seconds < 5, seconds
+    assert len({msg for msg, _ in results}) == 1  # the same message everywhere
+
+
+def _check_off(rank):
+    topo = ucp.init_topology(2, 1, check_inputs=False)
+    try:
+        calls = []
+        real = ucp.attention.__globals__["check_across_ranks"]
+        ucp.attention.__globals__["check_across_ranks"] = lambda *a, **k: calls.append(1)
+        try:
+            x = torch.randn(1, 8, 4, 8, dtype=torch.float64)
+            ucp.attention(x, x, x, topo, backend="math")
+        finally:
+            ucp.attention.__globals__["check_across_ranks"] = real
+        return len(calls)
+    finally:
+        topo.destroy()
+
+
+def test_input_check_can_be_switched_off(pools):
+    assert pools(2).run(_check_off) == [0, 0]
+
+
+def _named_failure(rank):
+    topo = topology(2, 1)
+    with (
+        pytest.raises(CollectiveError) as info,
+        collective("all_to_all", "forward", topo.ulysses_group),
+    ):
+        raise RuntimeError("Connection closed by peer")
+    return str(info.value)
+
+
+def test_collective_errors_name_the_op_and_group(pools):
+    for rank, msg in enumerate(pools(2).run(_named_failure)):
+        assert (
+            f"rank {rank}: all_to_all (forward) on the ulysses group (global ranks [0, 1])" in msg
+        )
+        assert "Connection closed by peer" in msg and "--resume" in msg
+
+
+def test_sequence_parallel_block_types():
+    with pytest.raises(ValueError, match="check_inputs must be true or false"):
+        ucp.SequenceParallelConfig.from_dict({"check_inputs": "yes"})
+    with pytest.raises(ValueError, match="collective_timeout_s must be a positive"):
+        ucp.SequenceParallelConfig.from_dict({"collective_timeout_s": 0})
+
+
+def _skip_nonfinite(rank, stage):
+    import os
+
+    import deepspeed
+
+    from tests.test_engine import TINY
+    from ulysses_cp import faults
+    from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
+    from ulysses_cp.model import Decoder
+    from ulysses_cp.nonfinite import any_rank, gradients_finite, skip_update
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "sequence_parallel": {"ulysses_degree": 2, "ring_degree": 1, "attention_backend": "torch"},
+    }
+    topo = ucp.topology_from_config(cfg)
+    torch.manual_seed(0)
+    model = Decoder(TINY, lambda q, k, v: ucp.attention(q, k, v, topo, backend="torch"))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    engine = ucp.initialize(model=model, config=cfg, topo=topo, optimizer=opt)
+    data = KVRecall(DataConfig(seq_len=64, n_queries=8))
+
+    def loss_of(step):
+        full = global_batch(
+            data, step=step, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1
+        )
+        local = shard_batch(full, topo)
+        logits = engine(local["input_ids"], local["position_ids"])
+        return ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
+
+    def params():
+        ps = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(ps, enabled=stage == 3):
+            return [p.detach().clone() for p in ps]
+
+    engine.backward(loss_of(0))
+    engine.step()
+    before = params()
+    os.environ["UCP_FAULT"] = "nan_grad:step=2"
+    try:
+        loss = faults.corrupt_loss(loss_of(1), 2)
+    finally:
+        del os.environ["UCP_FAULT"]
+    assert torch.isfinite(loss)  # a finite loss whose gradients are NaN
+    engine.backward(loss)
+    seen = any_rank(not gradients_finite(engine), torch.device("cpu"))
+    skip_update(engine)
+    after = params()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+    engine.backward(loss_of(2))
+    engine.step()
+    later = params()
+    moved = max((a - b).abs().max().item() for a, b in zip(after, later))
+    finite = all(torch.isfinite(p).all() for p in later)
+    return seen, unchanged, moved, finite
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_nonfinite_gradients_detected_and_update_skipped(pools, stage):
+    for seen, unchanged, moved, finite in pools(2).run(_skip_nonfinite, stage):
+        assert seen, "non-finite gradients not detected"
+        assert unchanged, "a skipped update moved parameters"
+        assert finite and moved > 1e-4, "training did not continue normally"

@@ -1,0 +1,254 @@
+"""Atomic checkpoints around DeepSpeed's ``save_checkpoint``/``load_checkpoint``.
+
+A checkpoint ``DIR/stepK`` is written as ``DIR/stepK.tmp`` by every rank (DeepSpeed's
+files plus one ``rng_rank{r}.pt`` per rank), and only after every rank has finished does
+global rank 0 rename it to ``DIR/stepK`` (one ``os.replace``) and then replace ``DIR/latest``
+through a temporary file. A crash at any point leaves ``latest`` naming a complete
+checkpoint; a left-over ``*.tmp`` is ignored and removed by the next save.
+
+The client state holds the step (the data position: every sample is a function of the step)
+and each rank's RNG states (torch CPU and CUDA, Python, NumPy when installed) are saved in
+its own file, so a resumed run draws the same random numbers.
+
+Layouts. Parameters are replicated over the sequence-parallel ranks; only ZeRO partitions
+them and their optimizer state, over every rank (``engine.SequenceParallelMPU``). So the
+(ulysses, ring) split and the token layout never enter a checkpoint: on the same number of
+ranks and ZeRO stage, DeepSpeed's own files load under any other split (u4 -> u2r2 -> r4,
+dp2 x u2 -> u4). A different number of ranks or ZeRO stage changes the partitioning, which
+DeepSpeed refuses; for that every checkpoint also holds ``portable.pt`` (written by rank 0:
+full fp32 parameters, Adam moments and step, scheduler state), which ``load`` uses when the
+world size or stage differs (``portable=False`` in ``save`` skips it: it gathers the full
+model and optimizer state on rank 0's CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import faults
+from .log import get_logger
+
+log = get_logger(__name__)
+LATEST = "latest"
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _stage(engine) -> int:
+    return int(engine.zero_optimization_stage())
+
+
+def _base_optimizer(engine):
+    opt = engine.optimizer
+    return getattr(opt, "optimizer", opt)
+
+
+def _adam_step(engine) -> int:
+    for state in _base_optimizer(engine).state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def _portable_state(engine) -> dict:
+    """Full fp32 parameters and optimizer moments by parameter name (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    stage, params = _stage(engine), {}
+    opt_state = _base_optimizer(engine).state
+    for name, p in engine.module.named_parameters():
+        if stage == 0:
+            entry = {"param": p.detach().float().cpu()}
+            for key, value in opt_state.get(p, {}).items():
+                if key != "step":
+                    entry[key] = value.detach().float().cpu()
+        else:
+            entry = {"param": safe_get_full_fp32_param(p).cpu()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = safe_get_full_optimizer_state(p, key)
+                if value is not None:
+                    entry[key] = value.cpu()
+        params[name] = entry
+    sched = engine.lr_scheduler
+    return {
+        "params": params,
+        "adam_step": _adam_step(engine),
+        "scheduler": None if sched is None else sched.state_dict(),
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+    }
+
+
+def _load_portable(engine, path: Path, zero_loss) -> None:
+    import deepspeed
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    from .nonfinite import skip_update
+
+    state = torch.load(path, weights_only=False)
+    stage = _stage(engine)
+    if stage != 0:
+        # ZeRO creates Adam's state (and links it to the parameters) in its first step:
+        # take one step on a zero gradient with learning rate 0, then overwrite everything
+        engine.backward(zero_loss())
+        skip_update(engine)
+    opt = _base_optimizer(engine)
+    named = dict(engine.module.named_parameters())
+    missing = sorted(set(named) ^ set(state["params"]))
+    if missing:
+        raise ValueError(f"{path}: parameter names differ from the model's: {missing[:5]}")
+    for name, p in named.items():
+        entry = state["params"][name]
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=stage == 3):
+            p.data.copy_(entry["param"].to(p.device, p.dtype))
+        if stage == 0:
+            slot = opt.state[p]
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in entry:
+                    slot[key] = entry[key].to(p.device, p.dtype)
+            slot["step"] = torch.tensor(float(state["adam_step"]))
+        else:
+            safe_set_full_fp32_param(p, entry["param"].to(p.device))
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in entry:
+                    safe_set_full_optimizer_state(p, entry[key].to(p.device), key)
+    if stage != 0:
+        for slot in opt.state.values():
+            if "step" in slot:
+                slot["step"] = (
+                    torch.tensor(float(state["adam_step"]))
+                    if torch.is_tensor(slot["step"])
+                    else state["adam_step"]
+                )
+    sched = engine.lr_scheduler
+    if state["scheduler"] is not None and sched is not None:
+        sched.load_state_dict(state["scheduler"])
+        # the learning rate in the param groups is the scheduler's output: set it again
+        if hasattr(sched, "last_batch_iteration"):  # DeepSpeed's schedulers
+            sched.step(sched.last_batch_iteration)
+        elif hasattr(sched, "_last_lr"):  # torch's
+            for group, lr in zip(engine.optimizer.param_groups, sched._last_lr):
+                group["lr"] = lr
+    engine.global_steps = state["global_steps"]
+    engine.global_samples = state["global_samples"]
+
+
+def save(engine, out_dir: str | Path, step: int, *, portable: bool = True) -> Path:
+    """Save the engine (model, optimizer, scheduler), ``step`` and RNG states atomically as
+    ``out_dir/step{step}``; every rank must call it. Returns the checkpoint path."""
+    out = Path(out_dir)
+    tag = f"step{step}"
+    tmp_tag = f"{tag}.tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(out / tmp_tag, ignore_errors=True)  # a crashed earlier attempt
+    dist.barrier()
+    engine.save_checkpoint(str(out), tag=tmp_tag, client_state={"step": step}, save_latest=False)
+    torch.save(_rng_state(), out / tmp_tag / f"rng_rank{rank}.pt")
+    portable_state = _portable_state(engine) if portable else None  # collective
+    if rank == 0:
+        meta = {"world_size": dist.get_world_size(), "zero_stage": _stage(engine), "step": step}
+        (out / tmp_tag / "meta.json").write_text(json.dumps(meta))
+        if portable_state is not None:
+            torch.save(portable_state, out / tmp_tag / "portable.pt")
+    faults.point("crash_in_save", step)
+    dist.barrier()  # every rank's files are complete
+    if rank == 0:
+        final = out / tag
+        if final.exists():  # saving the same step again: replace it
+            shutil.rmtree(final)
+        os.replace(out / tmp_tag, final)
+        _write_atomic(out / LATEST, tag)
+    dist.barrier()
+    return out / tag
+
+
+def latest_tag(out_dir: str | Path) -> str | None:
+    path = Path(out_dir) / LATEST
+    if not path.is_file():
+        return None
+    tag = path.read_text().strip()
+    return tag if tag and (Path(out_dir) / tag).is_dir() else None
+
+
+def load(engine, out_dir: str | Path, *, zero_loss=None) -> int | None:
+    """Load the checkpoint ``latest`` names; returns its step, or None when there is none.
+
+    Restores model, optimizer and scheduler (DeepSpeed), the step, and this rank's RNG
+    states (when the checkpoint has a file for this rank, i.e. same or larger world).
+    ``zero_loss()``: a differentiable loss of the model whose gradient is zero (for example
+    the SP cross-entropy of one batch with every label ignored); needed to load a portable
+    state under ZeRO 1-3, whose optimizer state only exists after a first step."""
+    tag = latest_tag(out_dir)
+    if tag is None:
+        return None
+    ckpt = Path(out_dir) / tag
+    meta = json.loads((ckpt / "meta.json").read_text())
+    now = {"world_size": dist.get_world_size(), "zero_stage": _stage(engine)}
+    if all(meta[k] == v for k, v in now.items()):
+        path, client = engine.load_checkpoint(str(out_dir), tag=tag)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt}")
+        step = int(client["step"])
+    else:
+        if not (ckpt / "portable.pt").is_file():
+            raise ValueError(
+                f"{ckpt} was written on {meta['world_size']} ranks with ZeRO-"
+                f"{meta['zero_stage']}; this run has {now['world_size']} ranks with ZeRO-"
+                f"{now['zero_stage']}, so DeepSpeed's partitioned files do not fit and the "
+                f"checkpoint has no portable.pt (it was saved with portable=False)"
+            )
+        log.info(
+            f"{tag}: written on {meta['world_size']} ranks / ZeRO-{meta['zero_stage']}, "
+            f"loading its portable state on {now['world_size']} ranks / ZeRO-"
+            f"{now['zero_stage']}"
+        )
+        if zero_loss is None and now["zero_stage"] != 0:
+            raise ValueError("checkpoint.load needs zero_loss= to load a portable state")
+        _load_portable(engine, ckpt / "portable.pt", zero_loss)
+        step = int(meta["step"])
+    rng = ckpt / f"rng_rank{dist.get_rank()}.pt"
+    if rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    else:
+        log.warning(f"{rng.name} not in {tag} (the world grew): RNG states not restored")
+    return step
