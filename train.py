@@ -261,6 +261,7 @@ def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out, signa
     for step in range(start, tc.max_steps):
         n = step + 1  # the step being taken, as logged
         faults.point("kill", n)
+        faults.point("hang", n)
         bad = None
         for m in range(gas):
             full = global_batch(

@@ -154,3 +154,45 @@ def test_nonfinite_gradients_detected_and_update_skipped(pools, stage):
         assert seen, "non-finite gradients not detected"
         assert unchanged, "a skipped update moved parameters"
         assert finite and moved > 1e-4, "training did not continue normally"
+
+
+def _bad_inputs(rank):
+    """Each bad input raises ValueError on this rank, before any collective, in seconds."""
+    topo = topology(2, 2)
+    x = torch.zeros(1, 8, 4, 8)
+    cases = {
+        "degrees vs world": lambda: ucp.init_topology(3, 1),
+        "heads vs ulysses degree": lambda: ucp.attention(
+            torch.zeros(1, 8, 3, 8), torch.zeros(1, 8, 3, 8), torch.zeros(1, 8, 3, 8), topo
+        ),
+        "length vs layout": lambda: ucp.shard_sequence(torch.zeros(1, 12, 4, 8), topo),
+        "unknown key": lambda: ucp.SequenceParallelConfig.from_dict({"ulysess_degree": 2}),
+        "wrong type": lambda: ucp.SequenceParallelConfig.from_dict({"ring_degree": 2.0}),
+        "backend not installed": lambda: ucp.attention(x, x, x, topo, backend="flash_attn"),
+        "dtype mismatch": lambda: ucp.attention(x, x.double(), x, topo),
+        "odd zigzag shard": lambda: ucp.attention(x[:, :7], x[:, :7], x[:, :7], topo),
+    }
+    out = {}
+    for name, fn in cases.items():
+        t0 = time.monotonic()
+        with pytest.raises(ValueError) as info:
+            fn()
+        out[name] = (str(info.value), time.monotonic() - t0)
+    return out
+
+
+def test_bad_inputs_raise_on_every_rank_within_seconds(pools):
+    results = pools(4).run(_bad_inputs)
+    for name in results[0]:
+        messages = {r[name][0] for r in results}
+        assert len(messages) == 1, (name, messages)  # identical on every rank
+        assert max(r[name][1] for r in results) < 5, name
+    first = results[0]
+    assert "does not divide WORLD_SIZE(4)" in first["degrees vs world"][0]
+    assert "Ulysses degrees that work" in first["heads vs ulysses degree"][0]
+    assert "pad to 16" in first["length vs layout"][0]
+    assert "ulysess_degree" in first["unknown key"][0]
+    assert "positive integer" in first["wrong type"][0]
+    assert "flash_attn" in first["backend not installed"][0]
+    assert "dtypes differ" in first["dtype mismatch"][0]
+    assert "must be even" in first["odd zigzag shard"][0]

@@ -43,13 +43,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cfg_path: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+def launch(
+    cfg_path: Path, out: Path, *extra: str, num_gpus: int = 2
+) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
         "deepspeed.launcher.runner",
         "--num_gpus",
-        "2",
+        str(num_gpus),
         "--master_port",
         str(_free_port()),
         str(ROOT / "train.py"),

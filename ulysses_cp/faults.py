@@ -3,6 +3,7 @@
 ``UCP_FAULT="KIND:step=N[,rank=R]"`` with KIND one of
 
 - ``kill``: the rank SIGKILLs itself at the start of step N (a dead peer);
+- ``hang``: the rank sleeps for an hour at the start of step N (a hung peer);
 - ``crash_in_save``: the rank exits while writing the checkpoint of step N (after
   DeepSpeed's files, before the checkpoint is published);
 - ``nan_loss``: the loss of step N is NaN;
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
 
-KINDS = ("kill", "crash_in_save", "nan_loss", "nan_grad")
+KINDS = ("kill", "hang", "crash_in_save", "nan_loss", "nan_grad")
 
 
 def _spec() -> tuple[str, int, int | None] | None:
@@ -43,11 +45,13 @@ def active(kind: str, step: int) -> bool:
 
 
 def point(kind: str, step: int) -> None:
-    """Act on ``kill`` / ``crash_in_save`` faults."""
+    """Act on ``kill`` / ``hang`` / ``crash_in_save`` faults."""
     if not active(kind, step):
         return
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        time.sleep(3600)
     os._exit(17)
 
 
