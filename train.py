@@ -26,6 +26,7 @@ from ulysses_cp import checkpoint, faults
 from ulysses_cp.config import from_block
 from ulysses_cp.data import DataConfig, global_batch, make_dataset, shard_batch
 from ulysses_cp.log import get_logger
+from ulysses_cp.memory import tiled_cross_entropy
 from ulysses_cp.model import Decoder, ModelConfig
 from ulysses_cp.nonfinite import any_rank, gradients_finite, skip_update
 from ulysses_cp.tracking import Tracker
@@ -75,10 +76,11 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def validate(sp: ucp.SequenceParallelConfig, mc: ModelConfig, dc: DataConfig) -> None:
+def validate(sp: ucp.SequenceParallelConfig, mc, dc: DataConfig) -> None:
     """Everything that can be checked before any collective, identically on every rank."""
     ucp.validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
-    ucp.kv_replication(mc.n_heads, mc.n_kv_heads, sp.ulysses_degree)
+    hq, hkv = mc.heads() if hasattr(mc, "heads") else (mc.n_heads, mc.n_kv_heads)
+    ucp.kv_replication(hq, hkv, sp.ulysses_degree)
     m = ucp.sequence_multiple(sp.ulysses_degree * sp.ring_degree, sp.layout)
     if dc.seq_len % m:
         raise ValueError(
@@ -122,7 +124,13 @@ def main() -> None:
     # every config error is raised here, identically on every rank, before any collective
     config = ucp.engine.load_config(args.deepspeed_config)
     original = ucp.engine.load_config(config)  # as written, for the wandb run's config
-    mc = ModelConfig.from_dict(config.get("model", {}))
+    model_block = config.get("model", {})
+    if "hf_config" in model_block:
+        from ulysses_cp import hf
+
+        mc = hf.HFModelConfig.from_dict(model_block)
+    else:
+        mc = ModelConfig.from_dict(model_block)
     dc = DataConfig.from_dict(config.get("data", {}))
     tc = TrainingConfig.from_dict(config.get("training", {}))
     if args.max_steps is not None:
@@ -133,20 +141,8 @@ def main() -> None:
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     topo = ucp.topology_from_config(config)
 
-    def attn(q, k, v, cu_seqlens=None):
-        return ucp.attention(
-            q,
-            k,
-            v,
-            topo,
-            causal=True,
-            layout=sp.layout,
-            backend=sp.attention_backend,
-            cu_seqlens=cu_seqlens,
-        )
-
     torch.manual_seed(tc.seed)
-    model = Decoder(mc, attn)
+    model = build_model(mc, topo, sp)
     optimizer = build_optimizer(config, model)
     engine = ucp.initialize(model=model, config=config, topo=topo, optimizer=optimizer)
     start = 0
@@ -180,7 +176,17 @@ def main() -> None:
     signals = SignalFlag(tc.save_on_signal)
     try:
         losses, end = train_loop(
-            engine, topo, sp.layout, make_dataset(dc), dc, tc, start, tracker, out, signals
+            engine,
+            topo,
+            sp.layout,
+            make_dataset(dc),
+            dc,
+            tc,
+            start,
+            tracker,
+            out,
+            signals,
+            mc.tiled_loss,
         )
     except TrainingStopped as stop:
         log.error(str(stop))
@@ -203,6 +209,49 @@ def main() -> None:
     dist.barrier()
 
 
+def build_model(mc, topo, sp) -> torch.nn.Module:
+    """The reference decoder (ModelConfig) or a Hugging Face model (HFModelConfig)."""
+    if not isinstance(mc, ModelConfig):
+        from ulysses_cp import hf
+
+        return hf.build_model(
+            topo,
+            hf_config=mc.hf_config,
+            hf_weights=mc.hf_weights,
+            backend=sp.attention_backend,
+            layout=sp.layout,
+            dtype=hf.DTYPES[mc.dtype],
+            tiled_mlp=mc.tiled_mlp,
+            activation_checkpointing=mc.activation_checkpointing,
+            offload_activations=mc.offload_activations,
+        )
+
+    def attn(q, k, v, cu_seqlens=None):
+        return ucp.attention(
+            q,
+            k,
+            v,
+            topo,
+            causal=True,
+            layout=sp.layout,
+            backend=sp.attention_backend,
+            cu_seqlens=cu_seqlens,
+        )
+
+    return Decoder(mc, attn)
+
+
+def model_loss(engine, local: dict, topo, tiled_loss: int) -> torch.Tensor:
+    """SP cross-entropy of this rank's shard; LM head + loss tiled when tiled_loss > 1."""
+    args = (local["input_ids"], local["position_ids"], local.get("cu_seqlens"))
+    if tiled_loss > 1:
+        hidden = engine(*args, return_hidden=True)
+        return tiled_cross_entropy(
+            hidden, engine.module.head, local["shift_labels"], topo, chunks=tiled_loss
+        )
+    return ucp.sequence_parallel_cross_entropy(engine(*args), local["shift_labels"], topo)
+
+
 def zero_loss(engine, topo, sp, dc):
     """A loss with zero gradient: one real batch, every label ignored."""
     full = global_batch(
@@ -215,9 +264,8 @@ def zero_loss(engine, topo, sp, dc):
         dp_degree=topo.dp_degree,
     )
     local = {k: t.to(engine.device) for k, t in shard_batch(full, topo, sp.layout).items()}
-    logits = engine(local["input_ids"], local["position_ids"], local.get("cu_seqlens"))
-    ignored = torch.full_like(local["shift_labels"], -100)
-    return ucp.sequence_parallel_cross_entropy(logits, ignored, topo)
+    local["shift_labels"] = torch.full_like(local["shift_labels"], -100)
+    return model_loss(engine, local, topo, 0)
 
 
 class TrainingStopped(Exception):
@@ -249,7 +297,7 @@ class SignalFlag:
         log_all.warning(f"{signal.Signals(signum).name}: saving at the end of this step")
 
 
-def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out, signals):
+def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out, signals, tiled_loss):
     """Returns (logged losses, the step the loop ended at)."""
     gas = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
@@ -274,18 +322,16 @@ def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out, signa
                 dp_degree=topo.dp_degree,
             )
             local = {k: t.to(device) for k, t in shard_batch(full, topo, layout).items()}
-            logits = engine(local["input_ids"], local["position_ids"], local.get("cu_seqlens"))
-            loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
+            loss = model_loss(engine, local, topo, tiled_loss)
             loss = faults.corrupt_loss(loss, n)
             if any_rank(not torch.isfinite(loss).item(), device):
                 bad = bad or f"non-finite loss at step {n} (micro step {m})"
                 handle_nonfinite(engine, tc, bad, out, step)
                 # the micro batch contributes nothing: a no-target loss keeps DeepSpeed's
                 # backward/step sequence (and its gradient reduction) in line
-                loss = ucp.sequence_parallel_cross_entropy(
-                    logits, torch.full_like(local["shift_labels"], -100), topo
-                )
-                logits = None
+                loss = None  # frees the bad graph before the second forward
+                ignored = torch.full_like(local["shift_labels"], -100)
+                loss = model_loss(engine, {**local, "shift_labels": ignored}, topo, 0)
             engine.backward(loss)
             boundary = m == gas - 1
             check = boundary and bad is None and tc.check_gradients

@@ -133,3 +133,24 @@ def test_train_packed_rows(tmp_path):
     path.write_text(json.dumps(cfg))
     with pytest.raises(AssertionError, match="pack_multiple 2 must be a multiple of 4"):
         launch(path, tmp_path / "bad")
+
+
+@pytest.mark.slow
+def test_train_hugging_face_model(tmp_path):
+    pytest.importorskip("transformers")
+    cfg = json.loads(json.dumps(CONFIG))
+    cfg["model"] = {
+        "hf_config": str(ROOT / "configs" / "hf" / "tiny_qwen3.json"),
+        "tiled_mlp": 2,
+        "tiled_loss": 2,
+        "activation_checkpointing": True,
+    }
+    cfg["wandb"]["enabled"] = False
+    cfg["training"] = {"max_steps": 2, "log_interval": 1}
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    res = launch(path, tmp_path / "run")
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and all(0 < r["loss"] < 10 for r in rows)
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step2"
+    assert "training 0." in res.stdout  # the parameter count line

@@ -59,7 +59,14 @@ def sequence_parallel_cross_entropy(
     ce = F.cross_entropy(
         logits.flatten(0, 1), labels_local.flatten(), ignore_index=ignore_index, reduction="sum"
     )
-    count = (labels_local != ignore_index).sum().to(ce.dtype)
+    return sequence_parallel_loss_from_sums(ce, (labels_local != ignore_index).sum(), topo)
+
+
+def sequence_parallel_loss_from_sums(ce: torch.Tensor, count: torch.Tensor, topo) -> torch.Tensor:
+    """The token mean over the SP group from this rank's summed loss and target count
+    (value: the global mean on every rank; gradient: this rank's share, times
+    ``topo.grad_scale``)."""
+    count = count.to(ce.dtype)
     group = topo.sp_group
     if group_size(group) > 1:
         ce = _SumKeepGrad.apply(ce, group)

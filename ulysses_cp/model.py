@@ -17,9 +17,9 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from .config import from_block
+from .memory import TiledMLP, checkpointed
 
 
 @dataclass
@@ -33,10 +33,14 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     activation_checkpointing: bool = False
+    offload_activations: bool = False  # checkpointed layer inputs wait on CPU (needs the above)
+    tiled_mlp: int = 0  # > 1: the MLP runs in this many sequence pieces (ulysses_cp.memory)
+    tiled_loss: int = 0  # > 1: LM head + loss in this many pieces, no full logits (train.py)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
         mc = from_block(cls, cfg, "model")
+        check_memory_options(mc)
         if mc.dim % mc.n_heads or mc.n_heads % mc.n_kv_heads or (mc.dim // mc.n_heads) % 2:
             raise ValueError(
                 f"model: dim ({mc.dim}) must split into n_heads ({mc.n_heads}) "
@@ -48,6 +52,33 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+
+def check_memory_options(block) -> None:
+    """The ALST switches shared by the reference decoder and Hugging Face models."""
+    for name in ("tiled_mlp", "tiled_loss"):
+        value = getattr(block, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"model.{name} must be a number of pieces >= 0, got {value!r}")
+    for name in ("activation_checkpointing", "offload_activations"):
+        if not isinstance(getattr(block, name), bool):
+            raise ValueError(f"model.{name} must be true or false")
+    if block.offload_activations and not block.activation_checkpointing:
+        raise ValueError(
+            "model.offload_activations moves the checkpointed layer inputs to CPU: it needs "
+            "model.activation_checkpointing: true"
+        )
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(dim, 2 * ffn_dim, bias=False)
+        self.down = nn.Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (b, s, ffn) x2
+        return self.down(F.silu(gate) * up)
 
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
@@ -71,8 +102,8 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.dim, (h + 2 * hkv) * d, bias=False)
         self.proj = nn.Linear(h * d, cfg.dim, bias=False)
         self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.gate_up = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
-        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.mlp = TiledMLP(mlp, cfg.tiled_mlp) if cfg.tiled_mlp > 1 else mlp
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attn: Callable) -> torch.Tensor:
         cfg = self.cfg
@@ -83,8 +114,7 @@ class Block(nn.Module):
         k = rope(k.view(b, s, hkv, d), position_ids, cfg.rope_theta)  # (b, s, hkv, d)
         v = v.view(b, s, hkv, d)
         x = x + self.proj(attn(q, k, v).reshape(b, s, h * d))  # (b, s, D)
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # (b, s, ffn) x2
-        return x + self.down(F.silu(gate) * up)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class Decoder(nn.Module):
@@ -110,13 +140,18 @@ class Decoder(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
-        """``cu_seqlens``: a packed row (b = 1); passed to ``attn`` as a keyword."""
+        """``cu_seqlens``: a packed row (b = 1); passed to ``attn`` as a keyword.
+        ``return_hidden``: the final normed hidden states ``(b, s, D)`` instead of logits
+        (for ``memory.tiled_cross_entropy`` with ``self.head``)."""
         x = self.embed(input_ids)  # (b, s, D)
         attn = self.attn if cu_seqlens is None else partial(self.attn, cu_seqlens=cu_seqlens)
         for layer in self.layers:
             if self.cfg.activation_checkpointing and self.training:
-                x = checkpoint(layer, x, position_ids, attn, use_reentrant=False)
+                run = partial(layer, position_ids=position_ids, attn=attn)
+                x = checkpointed(run, x, offload=self.cfg.offload_activations)
             else:
                 x = layer(x, position_ids, attn)
-        return self.head(self.norm(x))  # (b, s, V)
+        x = self.norm(x)
+        return x if return_hidden else self.head(x)  # (b, s, D) or (b, s, V)

@@ -1,0 +1,143 @@
+"""Hugging Face causal LMs under SP equal the single-process sdpa model; refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import topology
+
+transformers = pytest.importorskip("transformers")
+from ulysses_cp import hf  # noqa: E402
+from ulysses_cp.data import shard_batch  # noqa: E402
+
+TOL = dict(rtol=1e-9, atol=1e-10)
+
+
+def tiny_config(family: str, **extra):
+    common = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attention_dropout=0.0,
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(**{**common, **extra})
+    # Qwen3: explicit head_dim (16 * 4 heads != hidden 32) and q/k norms
+    return transformers.Qwen3Config(**{**common, "head_dim": 16, **extra})
+
+
+def models(family: str, topo, backend="math", **extra):
+    """(SP model, single-process sdpa reference) with the same float64 weights."""
+    cfg = tiny_config(family, **extra)
+    hf.register_attention(topo, backend=backend)
+    torch.manual_seed(0)
+    sp = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), attn_implementation="ulysses_cp", dtype=torch.float64
+    )
+    ref = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float64
+    )
+    ref.load_state_dict(sp.state_dict())
+    return sp, ref
+
+
+def _equal_to_single_process(rank, u, r, family):
+    topo = topology(u, r)
+    sp, ref = models(family, topo)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(96, (2, 64), generator=g)
+    # transformers' own loss casts logits to float32; compute the float64 loss here
+    logits = ref(input_ids=ids).logits
+    ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    ref_loss.backward()
+    model = hf.HFCausalLM(sp)
+    local = shard_batch({"input_ids": ids, "labels": ids}, topo, "zigzag")
+    loss = model.loss(local["input_ids"], local["position_ids"], local["shift_labels"], topo)
+    loss.backward()
+    errs = {"loss": abs(loss.item() - ref_loss.item())}
+    worst = 0.0
+    for (name, p), q in zip(sp.named_parameters(), ref.parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=topo.sp_group)  # SP ranks' shares sum to the gradient
+        torch.testing.assert_close(grad, q.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        worst = max(worst, (grad - q.grad).abs().max().item())
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    errs["grad"] = worst
+    return errs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("u,r", [(4, 1), (1, 4), (2, 2)])
+def test_hf_model_under_sp_equals_single_process_sdpa(pools, family, u, r):
+    pools(u * r).run(_equal_to_single_process, u, r, family)
+
+
+def _refusals(rank):
+    topo = topology(2, 1)
+    ids = torch.randint(96, (1, 16))
+    local = shard_batch({"input_ids": ids}, topo, "zigzag")
+    args = (local["input_ids"], local["position_ids"])
+    out = {}
+
+    def error(fn):
+        with pytest.raises(ValueError) as info:
+            fn()
+        return str(info.value)
+
+    sw, _ = models("qwen3", topo, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    out["sliding"] = error(lambda: hf.HFCausalLM(sw)(*args))
+    drop, _ = models("llama", topo, attention_dropout=0.1)
+    out["dropout"] = error(lambda: hf.HFCausalLM(drop.train())(*args))
+    plain, _ = models("llama", topo)
+    out["position_ids"] = error(lambda: hf.HFCausalLM(plain)(local["input_ids"]))
+    q = torch.zeros(1, 4, 8, 8)
+    fn = transformers.AttentionInterface()["ulysses_cp"]
+    out["softcap"] = error(lambda: fn(plain.model.layers[0].self_attn, q, q, q, None, softcap=30.0))
+    out["sinks"] = error(lambda: fn(plain.model.layers[0].self_attn, q, q, q, None, s_aux=q))
+    out["mask"] = error(
+        lambda: fn(plain.model.layers[0].self_attn, q, q, q, torch.ones(1, 1, 8, 8))
+    )
+    bloom = transformers.AutoModelForCausalLM.from_config(
+        transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=1, n_head=4)
+    )
+    out["alibi"] = error(lambda: hf.HFCausalLM(bloom))
+    sdpa = transformers.AutoModelForCausalLM.from_config(
+        tiny_config("llama"), attn_implementation="sdpa"
+    )
+    out["implementation"] = error(lambda: hf.HFCausalLM(sdpa))
+    return out
+
+
+def test_what_cannot_be_honoured_is_refused(pools):
+    out = pools(2).run(_refusals)[0]
+    assert "sliding_window=4" in out["sliding"]
+    assert "attention dropout 0.1" in out["dropout"]
+    assert "position_ids are required" in out["position_ids"]
+    assert "softcap=30.0" in out["softcap"]
+    assert "attention sinks" in out["sinks"]
+    assert "an attention mask" in out["mask"]
+    assert "BloomForCausalLM computes attention itself" in out["alibi"]
+    assert "attn_implementation='sdpa'" in out["implementation"]
+
+
+def test_hf_config_block_and_local_configs(tmp_path):
+    mc = hf.HFModelConfig.from_dict({"hf_config": "configs/hf/tiny_qwen3.json", "tiled_mlp": 2})
+    assert mc.heads() == (4, 2)
+    cfg = hf.load_config({"model_type": "llama", "num_attention_heads": 8, "hidden_size": 64})
+    assert cfg.num_attention_heads == 8
+    with pytest.raises(ValueError, match="not found"):
+        hf.load_config(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="model_type"):
+        hf.load_config({"hidden_size": 8})
+    with pytest.raises(ValueError, match="unknown keys"):
+        hf.HFModelConfig.from_dict({"hf_config": "x", "tiled": 2})
+    with pytest.raises(ValueError, match=r"needs model\.activation_checkpointing"):
+        hf.HFModelConfig.from_dict({"hf_config": "x", "offload_activations": True})

@@ -1,0 +1,105 @@
+"""ALST memory features change nothing but memory: tiled MLP, tiled LM head + loss and
+activation checkpointing (with CPU offload) give the untiled loss and update under ZeRO."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ulysses_cp as ucp
+from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
+from ulysses_cp.memory import TiledMLP, tiled_cross_entropy
+from ulysses_cp.model import Decoder, ModelConfig
+
+FEATURES = dict(tiled_mlp=3, tiled_loss=4, activation_checkpointing=True, offload_activations=True)
+OFF = dict(tiled_mlp=0, tiled_loss=0, activation_checkpointing=False, offload_activations=False)
+
+
+def _step(rank, kind, stage, features):
+    import deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "sequence_parallel": {"ulysses_degree": 2, "ring_degree": 2, "attention_backend": "torch"},
+    }
+    topo = ucp.topology_from_config(cfg)
+    torch.manual_seed(0)
+    if kind == "hf":
+        from ulysses_cp import hf
+
+        model = hf.build_model(
+            topo,
+            hf_config="configs/hf/tiny_llama.json",
+            backend="torch",
+            tiled_mlp=features["tiled_mlp"],
+            activation_checkpointing=features["activation_checkpointing"],
+            offload_activations=features["offload_activations"],
+        )
+    else:
+        mc = ModelConfig(dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, **features)
+        model = Decoder(mc, lambda q, k, v: ucp.attention(q, k, v, topo, backend="torch"))
+    engine = ucp.initialize(
+        model=model, config=cfg, topo=topo, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)
+    )
+    data = KVRecall(DataConfig(seq_len=128, n_queries=16))
+    full = global_batch(
+        data, step=0, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1
+    )
+    local = shard_batch(full, topo)
+    args = (local["input_ids"], local["position_ids"])
+    if features["tiled_loss"] > 1:
+        hidden = engine(*args, return_hidden=True)
+        loss = tiled_cross_entropy(
+            hidden, engine.module.head, local["shift_labels"], topo, chunks=features["tiled_loss"]
+        )
+    else:
+        loss = ucp.sequence_parallel_cross_entropy(engine(*args), local["shift_labels"], topo)
+    engine.backward(loss)
+    engine.step()
+    tiled = sum(isinstance(m, TiledMLP) for m in engine.module.modules())
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        return loss.item(), [p.detach().clone() for p in params], tiled
+
+
+@pytest.mark.parametrize("kind", ["reference", "hf"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_memory_features_give_the_untiled_loss_and_update(pools, kind, stage):
+    if kind == "hf":
+        pytest.importorskip("transformers")
+    plain = pools(4).run(_step, kind, stage, OFF)
+    saved = pools(4).run(_step, kind, stage, FEATURES)
+    for (loss_a, params_a, n_a), (loss_b, params_b, n_b) in zip(plain, saved):
+        assert n_a == 0 and n_b == 2  # the features really were on (2 layers)
+        assert abs(loss_a - loss_b) < 1e-6, (loss_a, loss_b)
+        err = max((a - b).abs().max().item() for a, b in zip(params_a, params_b))
+        assert err < 1e-6, f"updated parameters differ by {err}"
+
+
+def test_tiled_pieces_match_untiled_without_processes():
+    topo = ucp.init_topology(1, 1)
+    torch.manual_seed(1)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    head = torch.nn.Linear(8, 11)
+    x = torch.randn(2, 13, 8, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(11, (2, 13))
+    labels[0, :5] = -100
+    mlp, head = mlp.double(), head.double()
+    results = []
+    for chunks in (1, 4):
+        for p in (*mlp.parameters(), *head.parameters()):
+            p.grad = None
+        x.grad = None
+        h = TiledMLP(mlp, chunks)(x)
+        loss = tiled_cross_entropy(h, head, labels, topo, chunks=chunks)
+        loss.backward()
+        results.append([loss.detach(), x.grad.clone(), *(p.grad.clone() for p in mlp.parameters())])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

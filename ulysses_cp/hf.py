@@ -1,0 +1,293 @@
+"""Hugging Face causal LMs under sequence parallelism (``pip install .[hf]``).
+
+``register_attention(topo)`` puts ``ucp.attention`` behind transformers' attention
+interface under the key ``"ulysses_cp"``, so every attention layer of a model built with
+``attn_implementation="ulysses_cp"`` runs Ulysses, ring or hybrid attention on its local
+shard. transformers calls it with ``(module, query, key, value, attention_mask, scaling=,
+dropout=, **kwargs)``, ``(b, h, s, d)`` tensors with RoPE applied and GQA heads not
+expanded, and expects ``((b, s, h, d), None)``. A key without "flash"/"sdpa" in it skips
+transformers' kernel checks, and without a registered mask function the model passes
+``attention_mask=None``: causality is our kernel's.
+
+What the kernels cannot do is refused, never approximated: sliding windows, logit softcap,
+attention sinks (``s_aux``), attention dropout, a padding mask, and models that bypass the
+attention interface (ALiBi models such as Bloom and Falcon; detected from the class and,
+as a safety net, by counting calls in the first forward).
+
+``prepare_model`` also refuses a forward without ``position_ids``: the model would number
+each shard's tokens from 0 and RoPE would be wrong on every rank but the first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .attention import attention
+from .config import from_block
+from .data import shard_batch  # noqa: F401  (re-exported: full batch -> this rank's shard)
+from .memory import checkpointed, tile_mlps, tiled_cross_entropy
+from .model import check_memory_options
+from .topology import Topology
+
+KEY = "ulysses_cp"
+_CALLS = {"n": 0}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass
+class HFModelConfig:
+    """The ``"model"`` block for a Hugging Face model (``hf_config`` present)."""
+
+    hf_config: str | dict = ""  # local config.json / folder, or inline fields + model_type
+    hf_weights: str | None = None  # local folder for from_pretrained; None: random init
+    dtype: str = "float32"
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
+    tiled_mlp: int = 0
+    tiled_loss: int = 0
+
+    @classmethod
+    def from_dict(cls, block: dict) -> HFModelConfig:
+        mc = from_block(cls, block, "model")
+        if not mc.hf_config:
+            raise ValueError("model.hf_config must name a local config.json or hold fields")
+        if mc.dtype not in DTYPES:
+            raise ValueError(f"model.dtype {mc.dtype!r} is not one of {list(DTYPES)}")
+        check_memory_options(mc)
+        return mc
+
+    def heads(self) -> tuple[int, int]:
+        """(query heads, kv heads) from the transformers config, for validation."""
+        cfg = load_config(self.hf_config)
+        hq = cfg.num_attention_heads
+        return hq, getattr(cfg, "num_key_value_heads", None) or hq
+
+
+def _transformers():
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError(
+            "Hugging Face models need transformers: `pip install .[hf]` (transformers >= 5)"
+        )
+    import transformers
+
+    return transformers
+
+
+def _refuse(what: str, fix: str) -> None:
+    raise ValueError(f"ulysses_cp attention cannot honour {what}; {fix}")
+
+
+def _attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    *,
+    topo,
+    backend,
+    layout,
+    **kwargs,
+):
+    if kwargs.get("sliding_window") is not None:
+        _refuse(
+            f"sliding_window={kwargs['sliding_window']}",
+            "set config.use_sliding_window = False / sliding_window = None (full attention), "
+            "or train this model without sequence parallelism",
+        )
+    if kwargs.get("softcap") is not None:
+        _refuse(
+            f"softcap={kwargs['softcap']} (logit soft-capping, Gemma 2)", "use a model without it"
+        )
+    if kwargs.get("s_aux") is not None:
+        _refuse("attention sinks (s_aux)", "use a model without attention sinks")
+    if dropout:
+        _refuse(f"attention dropout {dropout}", "set config.attention_dropout = 0.0")
+    if attention_mask is not None:
+        _refuse(
+            "an attention mask",
+            "pad sequences at their end with ignored labels, or pack documents "
+            "(cu_seqlens), instead of masking",
+        )
+    if query.dim() != 4 or query.shape[0] != key.shape[0]:
+        raise ValueError(f"unexpected query shape {tuple(query.shape)} (want (b, h, s, d))")
+    _CALLS["n"] += 1
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, s, h, d)
+    out = attention(
+        q,
+        k,
+        v,
+        topo,
+        causal=causal,
+        layout=layout,
+        softmax_scale=scaling,
+        backend=backend,
+        cu_seqlens=kwargs.get("ucp_cu_seqlens"),
+    )
+    return out, None
+
+
+def register_attention(topo: Topology, backend: str = "auto", layout: str = "zigzag") -> str:
+    """Register ``ucp.attention`` over ``topo`` as ``attn_implementation="ulysses_cp"``
+    (process-wide; registering again replaces the topology). Returns the key."""
+    transformers = _transformers()
+    fn = partial(_attention_forward, topo=topo, backend=backend, layout=layout)
+    transformers.AttentionInterface.register(KEY, fn)
+    return KEY
+
+
+def check_supported(model: nn.Module) -> None:
+    """Refuse models whose attention does not go through the attention interface."""
+    if not getattr(type(model), "_supports_attention_backend", False):
+        raise ValueError(
+            f"{type(model).__name__} computes attention itself (for example ALiBi models "
+            f"such as Bloom or Falcon) instead of through transformers' attention "
+            f"interface, so ulysses_cp cannot replace it; models such as Llama, Mistral, "
+            f"Qwen2/3 and Gemma (without softcap) can"
+        )
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM as ulysses_cp trains it: ``forward(input_ids,
+    position_ids, cu_seqlens=None, return_hidden=False)`` on this rank's shard, returning
+    logits, or the final hidden states for :func:`~ulysses_cp.memory.tiled_cross_entropy`
+    with :attr:`head`. Global ``position_ids`` are required."""
+
+    def __init__(
+        self, model: nn.Module, *, activation_checkpointing=False, offload_activations=False
+    ) -> None:
+        super().__init__()
+        check_supported(model)
+        if getattr(model.config, "_attn_implementation", None) != KEY:
+            raise ValueError(
+                f"the model was built with attn_implementation="
+                f"{model.config._attn_implementation!r}; build it with "
+                f"attn_implementation='{KEY}' after ucp.hf.register_attention(topo)"
+            )
+        if getattr(model.config, "final_logit_softcapping", None):
+            _refuse("final_logit_softcapping", "use a model without it")
+        self.model = model
+        self.checkpointing, self.offload = activation_checkpointing, offload_activations
+        self._checked = False
+        if activation_checkpointing:
+            for layer in self.decoder_layers():
+                layer.forward = partial(_checkpointed_layer, layer.forward, offload_activations)
+
+    def decoder_layers(self) -> list[nn.Module]:
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(f"{type(self.model).__name__}: no model.layers to checkpoint")
+        return list(layers)
+
+    @property
+    def head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def forward(self, input_ids, position_ids=None, cu_seqlens=None, return_hidden=False):
+        if position_ids is None:
+            raise ValueError(
+                "position_ids are required under sequence parallelism: pass the GLOBAL "
+                "positions of this rank's tokens (ucp.hf.shard_batch / data.shard_batch make "
+                "them); local 0..s_local-1 would give every rank but the first the wrong RoPE"
+            )
+        before = _CALLS["n"]
+        kwargs = {} if cu_seqlens is None else {"ucp_cu_seqlens": cu_seqlens}
+        out = self.model.model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs
+        )
+        if not self._checked:
+            if _CALLS["n"] == before:
+                raise ValueError(
+                    f"{type(self.model).__name__} ran without calling the ulysses_cp attention "
+                    f"function: its attention bypasses the attention interface"
+                )
+            self._checked = True
+        hidden = out.last_hidden_state
+        return hidden if return_hidden else self.head(hidden)
+
+    def loss(self, input_ids, position_ids, labels, topo, *, cu_seqlens=None, tiled_loss=0):
+        """SP cross-entropy of shifted ``labels`` (tiled when ``tiled_loss > 1``)."""
+        from .loss import sequence_parallel_cross_entropy
+
+        if tiled_loss > 1:
+            hidden = self(input_ids, position_ids, cu_seqlens, return_hidden=True)
+            return tiled_cross_entropy(hidden, self.head, labels, topo, chunks=tiled_loss)
+        return sequence_parallel_cross_entropy(
+            self(input_ids, position_ids, cu_seqlens), labels, topo
+        )
+
+
+def _checkpointed_layer(forward, offload, hidden_states, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(hidden_states, *args, **kwargs)
+    return checkpointed(partial(forward, *args, **kwargs), hidden_states, offload=offload)
+
+
+def load_config(spec: str | dict):
+    """A transformers config from a local ``config.json`` (or a folder holding one), or a
+    dict with ``model_type`` and the fields; nothing is downloaded."""
+    transformers = _transformers()
+    if not isinstance(spec, dict):
+        path = Path(spec)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model.hf_config: {path} not found (a local config.json is needed)")
+        spec = json.loads(path.read_text())
+    fields = dict(spec)
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("model.hf_config needs a model_type (for example 'llama', 'qwen3')")
+    fields.pop("architectures", None)
+    return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+def build_model(
+    topo: Topology,
+    *,
+    hf_config: str | dict,
+    hf_weights: str | None = None,
+    backend: str = "auto",
+    layout: str = "zigzag",
+    dtype: torch.dtype = torch.float32,
+    tiled_mlp: int = 0,
+    activation_checkpointing: bool = False,
+    offload_activations: bool = False,
+) -> HFCausalLM:
+    """Build (random init) or load (``hf_weights``: a local folder) a causal LM with
+    ulysses_cp attention and the chosen memory features."""
+    transformers = _transformers()
+    register_attention(topo, backend=backend, layout=layout)
+    config = load_config(hf_config)
+    if hf_weights:
+        if not Path(hf_weights).is_dir():
+            raise ValueError(f"model.hf_weights: {hf_weights} is not a local folder")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            hf_weights,
+            config=config,
+            attn_implementation=KEY,
+            dtype=dtype,
+            local_files_only=True,
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=KEY, dtype=dtype
+        )
+    if tiled_mlp > 1:
+        tile_mlps(model, tiled_mlp)
+    return HFCausalLM(
+        model,
+        activation_checkpointing=activation_checkpointing,
+        offload_activations=offload_activations,
+    )

@@ -1,0 +1,128 @@
+"""Memory savers for long sequences (ALST, arXiv:2506.13996), for any model.
+
+- :class:`TiledMLP`: the MLP runs on ``chunks`` pieces of the sequence, each under
+  non-reentrant activation checkpointing, so its ``(b, s, ffn)`` intermediates exist for
+  one piece at a time, in forward and in backward. The MLP is per token, so the result is
+  the untiled one.
+- :func:`tiled_cross_entropy`: the LM head and the loss run per piece of the sequence under
+  checkpointing, so the full ``(b, s, vocab)`` fp32 logits never exist; the sum and the
+  token count go through the sequence-parallel loss as before.
+- :func:`checkpointed`: activation checkpointing of a layer, optionally with the saved
+  layer input (the checkpointed hidden state) moved to CPU until backward.
+
+Why non-reentrant checkpointing: every piece's backward feeds the same parameters inside
+ONE autograd graph, so each parameter's gradient is accumulated once per backward and
+DeepSpeed's ZeRO gradient hooks fire once per parameter (with reentrant checkpointing each
+piece runs its own backward and the hooks fire once per piece, which ALST had to patch
+with ``ds_grad_is_ready``). The same number of pieces on every rank keeps the ZeRO-3
+parameter gathers in step (the local length is the same on every rank).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .loss import sequence_parallel_loss_from_sums
+
+
+class TiledMLP(nn.Module):
+    """Wrap a per-token module (``(b, s, D) -> (b, s, D)``) to run in ``chunks`` pieces of
+    the sequence (dim 1). ``chunks <= 1`` runs it whole."""
+
+    def __init__(self, mlp: nn.Module, chunks: int) -> None:
+        super().__init__()
+        self.mlp, self.chunks = mlp, int(chunks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.chunks <= 1 or not torch.is_grad_enabled():
+            return self.mlp(x)
+        pieces = x.chunk(min(self.chunks, x.shape[1]), dim=1)
+        return torch.cat([checkpoint(self.mlp, p, use_reentrant=False) for p in pieces], dim=1)
+
+
+def tile_mlps(model: nn.Module, chunks: int, attr: str = "mlp") -> int:
+    """Wrap every submodule attribute named ``attr`` in :class:`TiledMLP`; returns how many."""
+    if chunks <= 1:
+        return 0
+    n = 0
+    for module in list(model.modules()):
+        inner = getattr(module, attr, None)
+        if isinstance(inner, nn.Module) and not isinstance(inner, TiledMLP):
+            setattr(module, attr, TiledMLP(inner, chunks))
+            n += 1
+    return n
+
+
+def _ce_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int):
+    logits = head(hidden)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    return F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+
+
+def tiled_cross_entropy(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    labels: torch.Tensor,
+    topo,
+    *,
+    chunks: int,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """``sequence_parallel_cross_entropy(head(hidden), labels, topo)`` without the full
+    logits: ``head`` (the LM head) and the loss run on ``chunks`` pieces of the sequence,
+    each recomputed in backward. hidden ``(b, s_local, D)``, labels ``(b, s_local)``."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must agree in "
+            f"(batch, seq)"
+        )
+    n = max(1, min(int(chunks), hidden.shape[1]))
+    total = None
+    for h, y in zip(hidden.chunk(n, dim=1), labels.chunk(n, dim=1)):
+        if n > 1 and torch.is_grad_enabled():
+            part = checkpoint(_ce_sum, head, h, y, ignore_index, use_reentrant=False)
+        else:
+            part = _ce_sum(head, h, y, ignore_index)
+        total = part if total is None else total + part
+    count = (labels != ignore_index).sum()
+    return sequence_parallel_loss_from_sums(total, count, topo)
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    """Checkpoint whose one saved tensor, the layer input, waits on CPU until backward."""
+
+    @staticmethod
+    def forward(ctx, run, x):
+        ctx.run, ctx.device = run, x.device
+        pin = x.device.type == "cuda"
+        ctx.x_cpu = x.detach().to("cpu", non_blocking=pin, copy=True)
+        if pin:
+            ctx.x_cpu = ctx.x_cpu.pin_memory()
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.x_cpu.to(ctx.device).requires_grad_()
+        ctx.x_cpu = None
+        with torch.enable_grad():
+            out = ctx.run(x)
+        # the layer's parameters are used once in it, so their hooks still fire once
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+def checkpointed(run, x: torch.Tensor, *, offload: bool = False) -> torch.Tensor:
+    """``run(x)`` (a layer, other arguments bound) under activation checkpointing: only its
+    input is kept, the rest is recomputed in backward. ``offload`` keeps that input on CPU
+    until backward (pinned on CUDA). Layers must be deterministic (no dropout)."""
+    if not torch.is_grad_enabled():
+        return run(x)
+    if offload:
+        return _OffloadedCheckpoint.apply(run, x)
+    return checkpoint(run, x, use_reentrant=False)
