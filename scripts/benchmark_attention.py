@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ulysses_cp as ucp
 import ulysses_cp.ring as ring_mod
-from ulysses_cp.profiling import peak_memory
+from ulysses_cp.profiling import longest_fitting, peak_memory
 
 HQ, HKV, D = 8, 4, 64
 
@@ -206,10 +206,6 @@ def bench_lengths(args, topos, P, device, dtype) -> list[dict]:
     return rows
 
 
-def fits(fn_of_n, N: int, budget: int) -> bool:
-    return fn_of_n(N) <= budget
-
-
 def max_length(args, topos, P, device, dtype, what: str) -> dict:
     """Longest N (a multiple of 2P*64) whose per-rank peak fits ``args.budget_mb``."""
     from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
@@ -255,14 +251,7 @@ def max_length(args, topos, P, device, dtype, what: str) -> dict:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             return worst.item()
 
-        unit = 2 * P * 64
-        lo, hi = 0, unit
-        while fits(peak_at, hi, budget):  # doubling, then bisection on multiples of unit
-            lo, hi = hi, hi * 2
-        while hi - lo > unit:
-            mid = (lo + hi) // 2 // unit * unit
-            lo, hi = (mid, hi) if fits(peak_at, mid, budget) else (lo, mid)
-        out[name] = lo
+        out[name] = longest_fitting(peak_at, 2 * P * 64, budget)
     return out
 
 

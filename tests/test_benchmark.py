@@ -67,3 +67,22 @@ def test_benchmark_packing_quick(tmp_path):
         if r["case"] == "unpacked":
             assert r["ratio_to_unpacked"] == 1.0
     assert "x unpacked" in res.stdout
+
+
+@pytest.mark.slow
+def test_benchmark_memory_quick(tmp_path):
+    pytest.importorskip("transformers")
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_memory.py"), "--quick"]
+    res = subprocess.run(
+        [*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = json.loads((tmp_path / "benchmark_memory.json").read_text())["rows"]
+    keys = {(r["ranks"], r["model"], r["features"]) for r in rows}
+    for ranks in (1, 4):
+        for model in ("reference", "hf"):
+            for features in ("none", "tiled", "tiled+ckpt", "tiled+ckpt+offload"):
+                assert (ranks, model, features) in keys
+    for r in rows:
+        assert r["max_len"] > 0 and r["tokens_per_s"] > 0
+    assert "max len" in res.stdout

@@ -37,3 +37,15 @@ def peak_memory(fn: Callable[[], object], device: torch.device | None = None) ->
         live += e.nbytes()
         peak = max(peak, live)
     return peak
+
+
+def longest_fitting(peak_at: Callable[[int], float], unit: int, budget: float) -> int:
+    """The largest multiple of ``unit`` whose ``peak_at(n)`` is within ``budget`` (doubling,
+    then bisection on multiples of ``unit``; peaks are assumed to grow with n); 0 if none."""
+    lo, hi = 0, unit
+    while peak_at(hi) <= budget:
+        lo, hi = hi, hi * 2
+    while hi - lo > unit:
+        mid = (lo + hi) // 2 // unit * unit
+        lo, hi = (mid, hi) if peak_at(mid) <= budget else (lo, mid)
+    return lo

@@ -1,0 +1,204 @@
+"""Longest trainable sequence under a per-rank memory cap, with and without the ALST memory
+features, for the reference decoder and a tiny Hugging Face Llama, on 1 and 4 ranks.
+
+For each (ranks, model, features) it searches the longest sequence (multiples of 2P*64)
+whose training step (forward, SP loss, backward; no optimizer) keeps each rank's peak
+allocation within ``--budget-mb`` (CPU: replayed profiler allocation events,
+``ulysses_cp/profiling.py``; CUDA: ``max_memory_allocated``), then times steps at a common
+length (tokens/s, median of repeats, interleaved). 4 ranks run hybrid Ulysses 2 x ring 2,
+zigzag. Features: ``none``; ``tiled`` (MLP in 4 pieces, LM head + loss in 4 pieces);
+``tiled+ckpt`` (plus activation checkpointing); ``tiled+ckpt+offload`` (checkpointed layer
+inputs on CPU: on a CPU machine they stay in the same memory, so expect no gain here).
+
+    python scripts/benchmark_memory.py --quick    # ~2 min on 2 cores
+    python scripts/benchmark_memory.py            # the docs/benchmarks.md table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ulysses_cp as ucp
+from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
+from ulysses_cp.memory import tiled_cross_entropy
+from ulysses_cp.model import Decoder, ModelConfig
+from ulysses_cp.profiling import longest_fitting, peak_memory
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FEATURES = {
+    "none": dict(
+        tiled_mlp=0, tiled_loss=0, activation_checkpointing=False, offload_activations=False
+    ),
+    "tiled": dict(
+        tiled_mlp=4, tiled_loss=4, activation_checkpointing=False, offload_activations=False
+    ),
+    "tiled+ckpt": dict(
+        tiled_mlp=4, tiled_loss=4, activation_checkpointing=True, offload_activations=False
+    ),
+    "tiled+ckpt+offload": dict(
+        tiled_mlp=4, tiled_loss=4, activation_checkpointing=True, offload_activations=True
+    ),
+}
+
+
+def build(kind: str, features: dict, topo, device):
+    torch.manual_seed(0)
+    if kind == "hf":
+        from ulysses_cp import hf
+
+        model = hf.build_model(
+            topo,
+            hf_config=str(ROOT / "configs" / "hf" / "tiny_llama.json"),
+            backend="torch",
+            tiled_mlp=features["tiled_mlp"],
+            activation_checkpointing=features["activation_checkpointing"],
+            offload_activations=features["offload_activations"],
+        )
+    else:
+        model = Decoder(
+            ModelConfig(**features),
+            lambda q, k, v: ucp.attention(q, k, v, topo, backend="torch"),
+        )
+    return model.to(device).train()
+
+
+def step_fn(model, features: dict, topo, N: int, device):
+    full = global_batch(
+        KVRecall(DataConfig(seq_len=N)),
+        step=0,
+        micro_step=0,
+        grad_accum=1,
+        micro_batch=1,
+        dp_rank=0,
+        dp_degree=1,
+    )
+    local = {k: t.to(device) for k, t in shard_batch(full, topo).items()}
+
+    def step():
+        args = (local["input_ids"], local["position_ids"])
+        if features["tiled_loss"] > 1:
+            hidden = model(*args, return_hidden=True)
+            chunks = features["tiled_loss"]
+            loss = tiled_cross_entropy(
+                hidden, model.head, local["shift_labels"], topo, chunks=chunks
+            )
+        else:
+            loss = ucp.sequence_parallel_cross_entropy(model(*args), local["shift_labels"], topo)
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+def worst(x: float) -> float:
+    t = torch.tensor([float(x)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def worker(rank, world, args, init_file, result_file):
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=900),
+    )
+    try:
+        topo = ucp.init_topology(2, 2) if world == 4 else ucp.init_topology(1, 1)
+        unit, budget = 2 * world * 64, args.budget_mb * 2**20
+        rows = []
+        for kind in args.models:
+            for name, features in FEATURES.items():
+                model = build(kind, features, topo, device)
+
+                def peak_at(N, model=model, features=features):
+                    return worst(peak_memory(step_fn(model, features, topo, N, device), device))
+
+                n_max = longest_fitting(peak_at, unit, budget)
+                rows.append({"ranks": world, "model": kind, "features": name, "max_len": n_max})
+                if rank == 0:
+                    print(f"P={world} {kind:<9} {name:<20} max_len {n_max}", flush=True)
+            # tokens/s of every feature set at one length, interleaved
+            N = args.time_len * world
+            steps = {
+                name: step_fn(build(kind, f, topo, device), f, topo, N, device)
+                for name, f in FEATURES.items()
+            }
+            times = {name: [] for name in FEATURES}
+            for rep in range(args.repeats + 1):
+                for name, step in steps.items():
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    step()
+                    dt = worst(time.perf_counter() - t0)
+                    if rep:
+                        times[name].append(dt)
+            for row in rows:
+                if row["model"] == kind:
+                    row["time_len"] = N
+                    row["tokens_per_s"] = N / statistics.median(times[row["features"]])
+        if rank == 0:
+            Path(result_file).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small budget for CI (~2 min)")
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 4], choices=[1, 4])
+    p.add_argument("--models", nargs="+", default=["reference", "hf"], choices=["reference", "hf"])
+    p.add_argument("--budget-mb", type=float, default=48.0, help="per-rank memory cap")
+    p.add_argument("--time-len", type=int, default=2048, help="tokens per rank for tokens/s")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="bench_results", help="folder for the JSON")
+    args = p.parse_args()
+    if args.quick:
+        args.budget_mb, args.time_len, args.repeats = 8.0, 256, 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for world in args.worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            res = os.path.join(tmp, "result.json")
+            mp.spawn(worker, args=(world, args, os.path.join(tmp, "store"), res), nprocs=world)
+            rows += json.loads(Path(res).read_text())
+    print(f"\nper-rank budget {args.budget_mb} MB")
+    print(f"{'ranks':>5}  {'model':<10}{'features':<21}{'max len':>9}{'x none':>8}{'tok/s':>9}")
+    for r in rows:
+        base = next(
+            x["max_len"]
+            for x in rows
+            if (x["ranks"], x["model"], x["features"]) == (r["ranks"], r["model"], "none")
+        )
+        r["ratio_to_none"] = r["max_len"] / base if base else None
+        ratio = f"{r['ratio_to_none']:.2f}" if base else "-"
+        print(
+            f"{r['ranks']:>5}  {r['model']:<10}{r['features']:<21}{r['max_len']:>9}"
+            f"{ratio:>8}{r['tokens_per_s']:>9.0f}"
+        )
+    (out / "benchmark_memory.json").write_text(json.dumps({"args": vars(args), "rows": rows}))
+    print(f"json: {out / 'benchmark_memory.json'}")
+
+
+if __name__ == "__main__":
+    main()
