@@ -81,6 +81,12 @@ def validate(sp: ucp.SequenceParallelConfig, mc, dc: DataConfig) -> None:
     ucp.validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
     hq, hkv = mc.heads() if hasattr(mc, "heads") else (mc.n_heads, mc.n_kv_heads)
     ucp.kv_replication(hq, hkv, sp.ulysses_degree)
+    vocab = mc.vocab_size() if callable(getattr(mc, "vocab_size", None)) else mc.vocab_size
+    if vocab < 256:
+        raise ValueError(
+            f"the model's vocabulary ({vocab}) is smaller than the data's (256 byte/task "
+            f"tokens); use vocab_size >= 256"
+        )
     m = ucp.sequence_multiple(sp.ulysses_degree * sp.ring_degree, sp.layout)
     if dc.seq_len % m:
         raise ValueError(

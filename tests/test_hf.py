@@ -98,6 +98,10 @@ def _refusals(rank):
     out["dropout"] = error(lambda: hf.HFCausalLM(drop.train())(*args))
     plain, _ = models("llama", topo)
     out["position_ids"] = error(lambda: hf.HFCausalLM(plain)(local["input_ids"]))
+    local_pos = torch.arange(8)[None]
+    out["local_positions"] = error(
+        lambda: hf.HFCausalLM(plain, topo=topo)(local["input_ids"], local_pos)
+    )
     q = torch.zeros(1, 4, 8, 8)
     fn = transformers.AttentionInterface()["ulysses_cp"]
     out["softcap"] = error(lambda: fn(plain.model.layers[0].self_attn, q, q, q, None, softcap=30.0))
@@ -121,6 +125,7 @@ def test_what_cannot_be_honoured_is_refused(pools):
     assert "sliding_window=4" in out["sliding"]
     assert "attention dropout 0.1" in out["dropout"]
     assert "position_ids are required" in out["position_ids"]
+    assert "look local" in out["local_positions"]
     assert "softcap=30.0" in out["softcap"]
     assert "attention sinks" in out["sinks"]
     assert "an attention mask" in out["mask"]
@@ -141,3 +146,40 @@ def test_hf_config_block_and_local_configs(tmp_path):
         hf.HFModelConfig.from_dict({"hf_config": "x", "tiled": 2})
     with pytest.raises(ValueError, match=r"needs model\.activation_checkpointing"):
         hf.HFModelConfig.from_dict({"hf_config": "x", "offload_activations": True})
+
+
+def _packed(rank):
+    """Packed documents under hybrid SP equal the documents run one by one with sdpa."""
+    import ulysses_cp as ucp
+
+    topo = topology(2, 2)
+    sp, ref = models("llama", topo)
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(96, (n,), generator=g) for n in (5, 9, 3, 20)]
+    row = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(4, "zigzag"))
+    local = shard_batch(row, topo, "zigzag")
+    loss = hf.HFCausalLM(sp).loss(
+        local["input_ids"],
+        local["position_ids"],
+        local["shift_labels"],
+        topo,
+        cu_seqlens=local["cu_seqlens"],
+    )
+    loss.backward()
+    total = sum(
+        torch.nn.functional.cross_entropy(
+            ref(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum"
+        )
+        for d in docs
+    )
+    ref_loss = total / sum(len(d) - 1 for d in docs)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    for p, q in zip(sp.parameters(), ref.parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=topo.sp_group)
+        torch.testing.assert_close(grad, q.grad, **TOL)
+
+
+def test_hf_packed_documents_under_hybrid_sp(pools):
+    pools(4).run(_packed)

@@ -27,6 +27,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .attention import attention
@@ -62,6 +63,9 @@ class HFModelConfig:
             raise ValueError(f"model.dtype {mc.dtype!r} is not one of {list(DTYPES)}")
         check_memory_options(mc)
         return mc
+
+    def vocab_size(self) -> int:
+        return load_config(self.hf_config).vocab_size
 
     def heads(self) -> tuple[int, int]:
         """(query heads, kv heads) from the transformers config, for validation."""
@@ -165,7 +169,13 @@ class HFCausalLM(nn.Module):
     with :attr:`head`. Global ``position_ids`` are required."""
 
     def __init__(
-        self, model: nn.Module, *, activation_checkpointing=False, offload_activations=False
+        self,
+        model: nn.Module,
+        *,
+        topo: Topology | None = None,
+        layout: str = "zigzag",
+        activation_checkpointing=False,
+        offload_activations=False,
     ) -> None:
         super().__init__()
         check_supported(model)
@@ -177,7 +187,7 @@ class HFCausalLM(nn.Module):
             )
         if getattr(model.config, "final_logit_softcapping", None):
             _refuse("final_logit_softcapping", "use a model without it")
-        self.model = model
+        self.model, self.topo, self.layout = model, topo, layout
         self.checkpointing, self.offload = activation_checkpointing, offload_activations
         self._checked = False
         if activation_checkpointing:
@@ -190,6 +200,24 @@ class HFCausalLM(nn.Module):
             raise ValueError(f"{type(self.model).__name__}: no model.layers to checkpoint")
         return list(layers)
 
+    def _check_global_positions(self, position_ids: torch.Tensor) -> None:
+        """Local positions 0..s_local-1 are right only on SP rank 0 of the contiguous
+        layout; the verdict is all-reduced so every rank raises (or none does)."""
+        topo = self.topo
+        if topo is None or topo.sp_world_size == 1:
+            return
+        s_l = position_ids.shape[-1]
+        local = bool((position_ids == torch.arange(s_l, device=position_ids.device)).all())
+        right = self.layout == "contiguous" and topo.sp_rank == 0
+        flag = torch.tensor([float(local and not right)], device=position_ids.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topo.sp_group)
+        if flag.item():
+            raise ValueError(
+                "position_ids look local (0..s_local-1) on some sequence-parallel rank: "
+                "RoPE needs the GLOBAL positions of each rank's tokens; build the shards "
+                "with ucp.hf.shard_batch / data.shard_batch"
+            )
+
     @property
     def head(self) -> nn.Module:
         return self.model.get_output_embeddings()
@@ -201,6 +229,8 @@ class HFCausalLM(nn.Module):
                 "positions of this rank's tokens (ucp.hf.shard_batch / data.shard_batch make "
                 "them); local 0..s_local-1 would give every rank but the first the wrong RoPE"
             )
+        if not self._checked and cu_seqlens is None:
+            self._check_global_positions(position_ids)
         before = _CALLS["n"]
         kwargs = {} if cu_seqlens is None else {"ucp_cu_seqlens": cu_seqlens}
         out = self.model.model(
@@ -288,6 +318,8 @@ def build_model(
         tile_mlps(model, tiled_mlp)
     return HFCausalLM(
         model,
+        topo=topo,
+        layout=layout,
         activation_checkpointing=activation_checkpointing,
         offload_activations=offload_activations,
     )

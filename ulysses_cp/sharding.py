@@ -30,9 +30,10 @@ def check_layout(layout: str) -> None:
 
 
 def sequence_multiple(sp_world_size: int, layout: str) -> int:
-    """The multiple a full sequence length must be of: P (contiguous) or 2P (zigzag)."""
+    """The multiple a full sequence length must be of: P (contiguous) or 2P (zigzag);
+    1 without sequence parallelism (P = 1 holds the whole sequence in either layout)."""
     check_layout(layout)
-    return sp_world_size * (2 if layout == "zigzag" else 1)
+    return sp_world_size * (2 if layout == "zigzag" and sp_world_size > 1 else 1)
 
 
 def check_sequence_length(seq_len: int, sp_world_size: int, layout: str) -> None:

@@ -62,7 +62,7 @@ def doc_layout_indices(bounds: list[int], P: int, rank: int, layout: str) -> tor
     ``layout`` is checked by the callers."""
     parts = []
     for a, b in itertools.pairwise(bounds):
-        if layout == "contiguous":
+        if layout == "contiguous" or P == 1:
             n = (b - a) // P
             parts.append(torch.arange(a + rank * n, a + (rank + 1) * n))
         else:
