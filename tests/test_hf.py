@@ -183,3 +183,28 @@ def _packed(rank):
 
 def test_hf_packed_documents_under_hybrid_sp(pools):
     pools(4).run(_packed)
+
+
+def test_local_weights_and_set_attn_implementation(tmp_path):
+    """hf_weights loads a local save_pretrained folder; an existing model can switch to
+    ulysses_cp attention with set_attn_implementation."""
+    import ulysses_cp as ucp
+
+    topo = ucp.init_topology(1, 1)
+    torch.manual_seed(3)
+    saved = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
+    saved.save_pretrained(tmp_path / "weights")
+    (tmp_path / "config.json").write_text(saved.config.to_json_string())
+    model = hf.build_model(
+        topo, hf_config=str(tmp_path), hf_weights=str(tmp_path / "weights"), backend="math"
+    )
+    for (name, a), b in zip(model.model.named_parameters(), saved.parameters()):
+        assert torch.equal(a, b), name
+    ids = torch.randint(96, (1, 16))
+    pos = torch.arange(16)[None]
+    with torch.no_grad():
+        expected = saved(input_ids=ids, position_ids=pos).logits
+        torch.testing.assert_close(model(ids, pos), expected, rtol=1e-5, atol=1e-5)
+    saved.set_attn_implementation("ulysses_cp")
+    with torch.no_grad():
+        torch.testing.assert_close(hf.HFCausalLM(saved)(ids, pos), expected, rtol=1e-5, atol=1e-5)
