@@ -44,6 +44,7 @@ class TrainingConfig:
     on_nonfinite: str = "skip"  # non-finite loss or gradients: "skip" the step or "stop"
     check_gradients: bool = True  # look for non-finite gradients before every update
     save_on_signal: bool = True  # SIGTERM/SIGINT: save at the end of the step, exit 0
+    portable_checkpoint: bool = True  # also save portable.pt (resume on other world sizes)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> TrainingConfig:
@@ -58,7 +59,7 @@ class TrainingConfig:
             raise ValueError(
                 f"training.on_nonfinite must be 'skip' or 'stop', got {tc.on_nonfinite!r}"
             )
-        for name in ("check_gradients", "save_on_signal"):
+        for name in ("check_gradients", "save_on_signal", "portable_checkpoint"):
             if not isinstance(getattr(tc, name), bool):
                 raise ValueError(f"training.{name} must be true or false")
         return tc
@@ -204,7 +205,7 @@ def main() -> None:
         log_all.error(f"training failed: {type(exc).__name__}: {exc}")
         raise
     if end > start and not signals.seen:
-        checkpoint.save(engine, out, end)
+        checkpoint.save(engine, out, end, portable=tc.portable_checkpoint)
     summary = {
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
@@ -379,18 +380,18 @@ def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out, signa
             ucp.comm_stats.reset()
             t0 = time.perf_counter()
         if signals.enabled_and_agreed(device):
-            checkpoint.save(engine, out, done)
+            checkpoint.save(engine, out, done, portable=tc.portable_checkpoint)
             log.info(f"stopped by signal after step {done}; saved {out / f'step{done}'}")
             return losses, done
         if tc.save_interval and done % tc.save_interval == 0 and done < tc.max_steps:
-            checkpoint.save(engine, out, done)
+            checkpoint.save(engine, out, done, portable=tc.portable_checkpoint)
     return losses, tc.max_steps
 
 
 def handle_nonfinite(engine, tc, what: str, out, step: int) -> None:
     """``stop``: save the state before this step's update, then stop (exit code 3)."""
     if tc.on_nonfinite == "stop":
-        checkpoint.save(engine, out, step)
+        checkpoint.save(engine, out, step, portable=tc.portable_checkpoint)
         raise TrainingStopped(
             f"{what}; training.on_nonfinite is 'stop': saved {out / f'step{step}'} (the "
             f"state before this step) and stopped. Lower the learning rate or inspect the "

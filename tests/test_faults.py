@@ -252,3 +252,19 @@ def test_bad_config_fails_on_every_rank_before_training(tmp_path):
     cfg = config(tmp_path, "cfg2", data={"seq_len": 66})
     for code, out in finish(start_ranks(cfg, tmp_path / "out", 2), timeout=60):
         assert code != 0 and "data.seq_len 66 must be a multiple of 4" in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_checkpoint_without_portable_state_refuses_another_world(tmp_path):
+    out = tmp_path / "out"
+    cfg = config(tmp_path, "a", training={"portable_checkpoint": False})
+    run(cfg, out, "--max_steps", "2")
+    assert not (out / "step2" / "portable.pt").exists()
+    _, log = run(
+        config(tmp_path, "b", sequence_parallel={"ulysses_degree": 4}),
+        out,
+        "--resume",
+        ranks=4,
+        ok=False,
+    )
+    assert "written on 2 ranks with ZeRO-2; this run has 4 ranks" in log, log[-2000:]
