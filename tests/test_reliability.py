@@ -18,6 +18,8 @@ def _mismatch(rank, u, r, what):
     s_l, dtype, cu = 8, torch.float32, None
     if what == "length" and rank == 1:
         s_l = 16
+    if what == "odd" and rank == 1:
+        s_l = 7  # only rank 1's local checks would reject this (odd zigzag shard)
     if what == "dtype" and rank == 1:
         dtype = torch.float64
     if what == "documents":
@@ -31,7 +33,13 @@ def _mismatch(rank, u, r, what):
 
 @pytest.mark.parametrize("u,r", [(4, 1), (1, 4), (2, 2)])
 @pytest.mark.parametrize(
-    "what,field", [("length", "local seq"), ("dtype", "dtype"), ("documents", "cu_seqlens")]
+    "what,field",
+    [
+        ("length", "local seq"),
+        ("odd", "local seq"),
+        ("dtype", "dtype"),
+        ("documents", "cu_seqlens"),
+    ],
 )
 def test_rank_dependent_inputs_raise_on_every_rank(pools, u, r, what, field):
     results = pools(u * r).run(_mismatch, u, r, what)

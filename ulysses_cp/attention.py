@@ -68,11 +68,14 @@ def attention(
     ``cu_seqlens``: a packed row (batch 1): int32 global document boundaries, the same on
     every rank; q/k/v sharded document-wise (``shard_sequence(..., cu_seqlens=cu)``).
     Attention stays inside each document."""
+    if topo.check_inputs and topo.sp_world_size > 1:
+        # first, so that input that only some ranks would reject fails on every rank
+        check_across_ranks(
+            q, k, v, topo, causal=causal, layout=layout, backend=backend, cu=cu_seqlens
+        )
     validate_qkv(q, k, v, topo, layout)
     backend = resolve_backend(backend, q.device)
     bounds = None if cu_seqlens is None else validate_packed(q, cu_seqlens, topo, layout)
-    if topo.check_inputs and topo.sp_world_size > 1:
-        check_across_ranks(q, k, topo, causal=causal, layout=layout, backend=backend, bounds=bounds)
     opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     u, r = topo.ulysses_degree, topo.ring_degree
     perm, docs = None, None
@@ -96,30 +99,46 @@ def attention(
 _DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
-def _signature(q, k, *, causal, layout, backend, bounds) -> list[int]:
-    cu_hash = 0
-    for i, b in enumerate(bounds or []):
-        cu_hash = (cu_hash * 1_000_003 + b * (i + 1)) % (2**61 - 1)
-    dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
+def _code(value, options) -> int:
+    return options.index(value) if value in options else -1
+
+
+def _shape(t) -> list[int]:
+    dims = list(t.shape) if isinstance(t, torch.Tensor) else []
+    return [len(dims), *(dims + [-1] * 4)[:4]]
+
+
+def _cu_summary(cu) -> list[int]:
+    if cu is None:
+        return [-1, 0]
+    if not isinstance(cu, torch.Tensor) or cu.dtype.is_floating_point:
+        return [-2, 0]
+    h = 0
+    for i, b in enumerate(cu.flatten().tolist()):
+        h = (h * 1_000_003 + int(b) * (i + 1)) % (2**61 - 1)
+    return [cu.numel(), h]
+
+
+def _signature(q, k, v, *, causal, layout, backend, cu) -> list[int]:
+    dtypes = [_code(t.dtype, _DTYPES) for t in (q, k, v)]
+    devices = [_code(t.device.type, ["cpu", "cuda"]) for t in (q, k, v)]
     return [
-        *q.shape,
-        k.shape[2],
-        dtype,
-        int(causal),
-        LAYOUTS.index(layout),
-        BACKENDS.index(backend),
-        -1 if bounds is None else len(bounds),
-        cu_hash,
+        *_shape(q),
+        *_shape(k),
+        *_shape(v),
+        *dtypes,
+        *devices,
+        int(bool(causal)),
+        _code(layout, list(LAYOUTS)),
+        _code(backend, list(BACKENDS)),
+        *_cu_summary(cu),
     ]
 
 
 _FIELDS = [
-    "batch",
-    "local seq",
-    "q heads",
-    "head dim",
-    "kv heads",
-    "dtype",
+    *(f"{n} {f}" for n in "qkv" for f in ("dims", "batch", "local seq", "heads", "head dim")),
+    *(f"{n} dtype" for n in "qkv"),
+    *(f"{n} device" for n in "qkv"),
     "causal",
     "layout",
     "backend",
@@ -128,14 +147,16 @@ _FIELDS = [
 ]
 
 
-def check_across_ranks(q, k, topo: Topology, *, causal, layout, backend, bounds) -> None:
-    """One all-gather of a few integers over the SP group: every rank must call attention
-    with the same shapes, dtype, options and documents, or the all-to-all would hang or mix
-    data. Raises the same ``ValueError`` on every rank, naming what differs."""
+def check_across_ranks(q, k, v, topo: Topology, *, causal, layout, backend, cu) -> None:
+    """One all-gather of a few integers over the SP group, before any other check: every
+    rank must call attention with the same shapes, dtypes, devices, options and documents,
+    or the all-to-all would hang or mix data (and a check that only some ranks fail would
+    leave the others waiting). Raises the same ``ValueError`` on every rank, naming what
+    differs; identical inputs then meet the same local checks everywhere."""
     sig = torch.tensor(
-        _signature(q, k, causal=causal, layout=layout, backend=backend, bounds=bounds),
+        _signature(q, k, v, causal=causal, layout=layout, backend=backend, cu=cu),
         dtype=torch.int64,
-        device=q.device,
+        device=q.device if isinstance(q, torch.Tensor) else "cpu",
     )
     parts = [torch.empty_like(sig) for _ in range(topo.sp_world_size)]
     with collective("all_gather", "input check", topo.sp_group):
@@ -153,8 +174,8 @@ def check_across_ranks(q, k, topo: Topology, *, causal, layout, backend, bounds)
         f"every SP rank must pass its shard of the same sequence (same batch, local length, "
         f"heads, dtype, options and cu_seqlens). Shard with ucp.shard_sequence / "
         f"data.shard_batch on every rank. (SP ranks are numbered within the SP group; the "
-        f"dtype index is into {[str(d) for d in _DTYPES]}, layout into {list(LAYOUTS)}, "
-        f"backend into {list(BACKENDS)}.)"
+        f"dtype index is into {[str(d) for d in _DTYPES]}, device into ['cpu', 'cuda'], "
+        f"layout into {list(LAYOUTS)}, backend into {list(BACKENDS)}; -1 = other.)"
     )
 
 
