@@ -22,16 +22,15 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchlib import run_ranks
+
 import ulysses_cp as ucp
 import ulysses_cp.ring as ring_mod
 from ulysses_cp.profiling import longest_fitting, peak_memory
@@ -266,35 +265,20 @@ def max_length(args, topos, P, device, dtype, what: str) -> dict:
     return out
 
 
-def worker(rank, world, args, init_file, result_file):
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=600),
-    )
-    try:
-        import deepspeed
+def worker(rank, world, args, device):
+    import deepspeed
 
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
-        topos = {
-            (u, r): ucp.init_topology(u, r)
-            for u, r, _, _ in {(s[0], s[1], 0, 0) for s in impls(world).values()}
-        }
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-        res = {"rows": bench_lengths(args, topos, world, device, dtype)}
-        if not args.skip_max_len:
-            res["max_len_attention"] = max_length(args, topos, world, device, dtype, "attention")
-            res["max_len_model"] = max_length(args, topos, world, device, dtype, "model")
-        if rank == 0:
-            Path(result_file).write_text(json.dumps(res))
-    finally:
-        dist.destroy_process_group()
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    topos = {
+        (u, r): ucp.init_topology(u, r)
+        for u, r, _, _ in {(s[0], s[1], 0, 0) for s in impls(world).values()}
+    }
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    res = {"rows": bench_lengths(args, topos, world, device, dtype)}
+    if not args.skip_max_len:
+        res["max_len_attention"] = max_length(args, topos, world, device, dtype, "attention")
+        res["max_len_model"] = max_length(args, topos, world, device, dtype, "model")
+    return res
 
 
 def print_table(rows):
@@ -361,10 +345,7 @@ def main():
     results = {"args": vars(args), "worlds": {}}
     for world in args.worlds:
         print(f"--- P = {world}", flush=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            res_file = os.path.join(tmp, "result.json")
-            mp.spawn(worker, args=(world, args, os.path.join(tmp, "store"), res_file), nprocs=world)
-            results["worlds"][world] = json.loads(Path(res_file).read_text())
+        results["worlds"][world] = run_ranks(worker, world, args)
     rows = [r for w in results["worlds"].values() for r in w["rows"]]
     print_table(rows)
     for kind in ("max_len_attention", "max_len_model"):

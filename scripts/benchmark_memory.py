@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchlib import run_ranks
+
 import ulysses_cp as ucp
 from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
 from ulysses_cp.memory import tiled_cross_entropy
@@ -111,55 +109,41 @@ def worst(x: float) -> float:
     return t.item()
 
 
-def worker(rank, world, args, init_file, result_file):
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=900),
-    )
-    try:
-        topo = ucp.init_topology(2, 2) if world == 4 else ucp.init_topology(1, 1)
-        unit, budget = 2 * world * 64, args.budget_mb * 2**20
-        rows = []
-        for kind in args.models:
-            for name, features in FEATURES.items():
-                model = build(kind, features, topo, device)
+def worker(rank, world, args, device):
+    topo = ucp.init_topology(2, 2) if world == 4 else ucp.init_topology(1, 1)
+    unit, budget = 2 * world * 64, args.budget_mb * 2**20
+    rows = []
+    for kind in args.models:
+        for name, features in FEATURES.items():
+            model = build(kind, features, topo, device)
 
-                def peak_at(N, model=model, features=features):
-                    return worst(peak_memory(step_fn(model, features, topo, N, device), device))
+            def peak_at(N, model=model, features=features):
+                return worst(peak_memory(step_fn(model, features, topo, N, device), device))
 
-                n_max = longest_fitting(peak_at, unit, budget)
-                rows.append({"ranks": world, "model": kind, "features": name, "max_len": n_max})
-                if rank == 0:
-                    print(f"P={world} {kind:<9} {name:<20} max_len {n_max}", flush=True)
-            # tokens/s of every feature set at one length, interleaved
-            N = args.time_len * world
-            steps = {
-                name: step_fn(build(kind, f, topo, device), f, topo, N, device)
-                for name, f in FEATURES.items()
-            }
-            times = {name: [] for name in FEATURES}
-            for rep in range(args.repeats + 1):
-                for name, step in steps.items():
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    step()
-                    dt = worst(time.perf_counter() - t0)
-                    if rep:
-                        times[name].append(dt)
-            for row in rows:
-                if row["model"] == kind:
-                    row["time_len"] = N
-                    row["tokens_per_s"] = N / statistics.median(times[row["features"]])
-        if rank == 0:
-            Path(result_file).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
+            n_max = longest_fitting(peak_at, unit, budget)
+            rows.append({"ranks": world, "model": kind, "features": name, "max_len": n_max})
+            if rank == 0:
+                print(f"P={world} {kind:<9} {name:<20} max_len {n_max}", flush=True)
+        # tokens/s of every feature set at one length, interleaved
+        N = args.time_len * world
+        steps = {
+            name: step_fn(build(kind, f, topo, device), f, topo, N, device)
+            for name, f in FEATURES.items()
+        }
+        times = {name: [] for name in FEATURES}
+        for rep in range(args.repeats + 1):
+            for name, step in steps.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                dt = worst(time.perf_counter() - t0)
+                if rep:
+                    times[name].append(dt)
+        for row in rows:
+            if row["model"] == kind:
+                row["time_len"] = N
+                row["tokens_per_s"] = N / statistics.median(times[row["features"]])
+    return rows
 
 
 def main():
@@ -178,10 +162,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for world in args.worlds:
-        with tempfile.TemporaryDirectory() as tmp:
-            res = os.path.join(tmp, "result.json")
-            mp.spawn(worker, args=(world, args, os.path.join(tmp, "store"), res), nprocs=world)
-            rows += json.loads(Path(res).read_text())
+        rows += run_ranks(worker, world, args)
     print(f"\nper-rank budget {args.budget_mb} MB")
     print(f"{'ranks':>5}  {'model':<10}{'features':<21}{'max len':>9}{'x none':>8}{'tok/s':>9}")
     for r in rows:

@@ -17,16 +17,15 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchlib import run_ranks
+
 import ulysses_cp as ucp
 
 HQ, HKV, D = 8, 4, 64
@@ -47,58 +46,44 @@ def work_fraction(cu: torch.Tensor | None, N: int) -> float:
     return float((lens * (lens + 1)).sum() / (N * (N + 1)))
 
 
-def worker(rank, world, args, init_file, result_file):
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=600),
-    )
-    try:
-        topos = {m: ucp.init_topology(u, r) for m, (u, r) in MODES.items()}
-        rows = []
-        for N in args.seqs:
-            g = torch.Generator().manual_seed(0)
-            s_l = N // world
-            shapes = [(1, s_l, HQ, D), (1, s_l, HKV, D), (1, s_l, HKV, D), (1, s_l, HQ, D)]
-            inputs = [torch.randn(s, generator=g).to(device) for s in shapes]
-            times = {(m, c): [] for m in MODES for c in cases(N)}
-            for rep in range(args.warmup + args.repeats):
-                for (mode, case), acc in times.items():  # interleaved: same noise for all
-                    cu = cases(N)[case]
-                    q, k, v, dout = (t.detach().requires_grad_(i < 3) for i, t in enumerate(inputs))
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    ucp.attention(
-                        q, k, v, topos[mode], backend=args.backend, cu_seqlens=cu
-                    ).backward(dout)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    dist.barrier()
-                    if rep >= args.warmup:
-                        acc.append(time.perf_counter() - t0)
-            for mode in MODES:
-                base = statistics.median(times[(mode, "unpacked")])
-                for case, cu in cases(N).items():
-                    t = statistics.median(times[(mode, case)])
-                    rows.append(
-                        {
-                            "mode": mode,
-                            "N": N,
-                            "case": case,
-                            "time_s": t,
-                            "ratio_to_unpacked": t / base,
-                            "work_fraction": work_fraction(cu, N),
-                        }
-                    )
-        if rank == 0:
-            Path(result_file).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
+def worker(rank, world, args, device):
+    topos = {m: ucp.init_topology(u, r) for m, (u, r) in MODES.items()}
+    rows = []
+    for N in args.seqs:
+        g = torch.Generator().manual_seed(0)
+        s_l = N // world
+        shapes = [(1, s_l, HQ, D), (1, s_l, HKV, D), (1, s_l, HKV, D), (1, s_l, HQ, D)]
+        inputs = [torch.randn(s, generator=g).to(device) for s in shapes]
+        times = {(m, c): [] for m in MODES for c in cases(N)}
+        for rep in range(args.warmup + args.repeats):
+            for (mode, case), acc in times.items():  # interleaved: same noise for all
+                cu = cases(N)[case]
+                q, k, v, dout = (t.detach().requires_grad_(i < 3) for i, t in enumerate(inputs))
+                dist.barrier()
+                t0 = time.perf_counter()
+                ucp.attention(q, k, v, topos[mode], backend=args.backend, cu_seqlens=cu).backward(
+                    dout
+                )
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                dist.barrier()
+                if rep >= args.warmup:
+                    acc.append(time.perf_counter() - t0)
+        for mode in MODES:
+            base = statistics.median(times[(mode, "unpacked")])
+            for case, cu in cases(N).items():
+                t = statistics.median(times[(mode, case)])
+                rows.append(
+                    {
+                        "mode": mode,
+                        "N": N,
+                        "case": case,
+                        "time_s": t,
+                        "ratio_to_unpacked": t / base,
+                        "work_fraction": work_fraction(cu, N),
+                    }
+                )
+    return rows
 
 
 def main():
@@ -114,10 +99,7 @@ def main():
         args.seqs, args.repeats = [1024], 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        res_file = os.path.join(tmp, "result.json")
-        mp.spawn(worker, args=(4, args, os.path.join(tmp, "store"), res_file), nprocs=4)
-        rows = json.loads(Path(res_file).read_text())
+    rows = run_ranks(worker, 4, args)
     print(f"{'mode':<15}{'N':>7}  {'case':<11}{'ms':>9}{'x unpacked':>12}{'work':>7}")
     for r in rows:
         print(

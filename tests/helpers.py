@@ -51,3 +51,23 @@ def topology(u: int, r: int):
     if (u, r) not in _TOPOS:
         _TOPOS[(u, r)] = ucp.init_topology(u, r)
     return _TOPOS[(u, r)]
+
+
+def ds_config(
+    u: int, r: int, stage: int, *, micro_batch: int = 1, backend: str = "torch", **sp
+) -> dict:
+    """A DeepSpeed config for one-step tests: clipping 1.0 (DeepSpeed's default, explicit),
+    a client optimizer, ZeRO ``stage``, our block with degrees, backend and ``sp`` extras."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "sequence_parallel": {
+            "ulysses_degree": u,
+            "ring_degree": r,
+            "attention_backend": backend,
+            **sp,
+        },
+    }

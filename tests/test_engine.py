@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ulysses_cp as ucp
-from tests.helpers import topology
+from tests.helpers import ds_config, topology
 from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
 from ulysses_cp.model import Decoder, ModelConfig
 
@@ -20,19 +20,7 @@ def _step(rank, u, r, stage, layout):
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": stage},
-        "sequence_parallel": {
-            "ulysses_degree": u,
-            "ring_degree": r,
-            "layout": layout,
-            "attention_backend": "math",
-        },
-    }
+    cfg = ds_config(u, r, stage, micro_batch=2, backend="math", layout=layout)
     topo = ucp.topology_from_config(cfg)
     torch.manual_seed(0)
     model = Decoder(
@@ -163,14 +151,7 @@ def _packed_step(rank, u, r, stage):
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    cfg = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": stage},
-        "sequence_parallel": {"ulysses_degree": u, "ring_degree": r, "attention_backend": "torch"},
-    }
+    cfg = ds_config(u, r, stage)
     topo = ucp.topology_from_config(cfg)
     g = torch.Generator().manual_seed(11)
     lengths = [1, 23, 8, 40, 3, 17]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
+from tests.helpers import ds_config
 from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
 from ulysses_cp.memory import TiledMLP, tiled_cross_entropy
 from ulysses_cp.model import Decoder, ModelConfig
@@ -21,14 +22,7 @@ def _step(rank, kind, stage, features):
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    cfg = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": stage},
-        "sequence_parallel": {"ulysses_degree": 2, "ring_degree": 2, "attention_backend": "torch"},
-    }
+    cfg = ds_config(2, 2, stage)
     topo = ucp.topology_from_config(cfg)
     torch.manual_seed(0)
     if kind == "hf":

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import topology
+from tests.helpers import ds_config, topology
 from ulysses_cp.comm import CollectiveError, collective
 
 
@@ -106,14 +106,7 @@ def _skip_nonfinite(rank, stage):
     from ulysses_cp.nonfinite import any_rank, gradients_finite, skip_update
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    cfg = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": stage},
-        "sequence_parallel": {"ulysses_degree": 2, "ring_degree": 1, "attention_backend": "torch"},
-    }
+    cfg = ds_config(2, 1, stage)
     topo = ucp.topology_from_config(cfg)
     torch.manual_seed(0)
     model = Decoder(TINY, lambda q, k, v: ucp.attention(q, k, v, topo, backend="torch"))

@@ -297,19 +297,23 @@ def attn_backward(
         return _BACKWARD[backend](dout, q, k, v, out, lse, causal, scale)
 
 
-class _LocalAttention(torch.autograd.Function):
+class SavedAttention(torch.autograd.Function):
+    """``fwd(q, k, v, **opts) -> (out, lse)`` in forward, saving q, k, v, out (in q's dtype)
+    and lse; ``bwd(dout, q, k, v, out, lse, **opts) -> (dq, dk, dv)`` in backward. Serves
+    the local kernel and ring attention alike."""
+
     @staticmethod
-    def forward(ctx, q, k, v, opts):
-        out, lse = attn_forward(q, k, v, **opts)
+    def forward(ctx, q, k, v, fwd, bwd, opts):
+        out, lse = fwd(q, k, v, **opts)
+        out = out.to(q.dtype)  # as returned: no extra copy when it already is
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts = opts
+        ctx.bwd, ctx.opts = bwd, opts
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attn_backward(dout, q, k, v, out, lse, **ctx.opts)
-        return dq, dk, dv, None
+        return (*ctx.bwd(dout, q, k, v, out, lse, **ctx.opts), None, None, None)
 
 
 def local_attention(
@@ -330,4 +334,4 @@ def local_attention(
     opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     if cu_seqlens is not None:
         opts.update(cu_q=cu_seqlens, cu_k=cu_seqlens)
-    return _LocalAttention.apply(q, k, v, opts)
+    return SavedAttention.apply(q, k, v, attn_forward, attn_backward, opts)

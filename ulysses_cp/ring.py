@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import collective, group_rank, group_size, stats
-from .kernels import attn_backward, attn_forward, lse_dtype
+from .kernels import SavedAttention, attn_backward, attn_forward, lse_dtype
 
 
 class RingComm:
@@ -195,22 +195,6 @@ def ring_backward(
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, opts):
-        out, lse = ring_forward(q, k, v, **opts)
-        out = out.to(q.dtype)  # saved in q's dtype, as returned: no extra copy for fp32
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts = opts
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, **ctx.opts)
-        return dq, dk, dv, None
-
-
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -239,4 +223,4 @@ def ring_attention(
         overlap=overlap,
         docs=docs,
     )
-    return _RingAttention.apply(q, k, v, opts)
+    return SavedAttention.apply(q, k, v, ring_forward, ring_backward, opts)
