@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -92,6 +93,12 @@ def init_distributed(timeout_s: float | None = None) -> None:
     ``timeout_s``: the collective timeout (DeepSpeed's default when None)."""
     import deepspeed
 
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU shared-memory allreduce (used when the launcher sets LOCAL_SIZE)
+        # creates a 69 MB /dev/shm buffer per rank and run that is never unlinked, not even
+        # on a clean exit (deepspeed 0.19.8): a day of runs filled /dev/shm (19 GB, i.e.
+        # RAM) and the OOM killer took a test rank. gloo's allreduce does the same job.
+        os.environ.pop("LOCAL_SIZE", None)
     if not dist.is_initialized():
         kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         deepspeed.init_distributed(
