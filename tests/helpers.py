@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import ulysses_cp as ucp
+from tests.distributed import COLLECTIVE_TIMEOUT_S
 
 
 def make_qkv(
@@ -49,7 +50,7 @@ _TOPOS: dict = {}
 def topology(u: int, r: int):
     """One topology per degrees per process (group creation is collective and slow)."""
     if (u, r) not in _TOPOS:
-        _TOPOS[(u, r)] = ucp.init_topology(u, r)
+        _TOPOS[(u, r)] = ucp.init_topology(u, r, timeout_s=COLLECTIVE_TIMEOUT_S)
     return _TOPOS[(u, r)]
 
 
