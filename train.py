@@ -26,7 +26,7 @@ from ulysses_cp import checkpoint, faults
 from ulysses_cp.config import from_block
 from ulysses_cp.data import DataConfig, global_batch, make_dataset, shard_batch
 from ulysses_cp.log import get_logger
-from ulysses_cp.memory import tiled_cross_entropy
+from ulysses_cp.memory import lm_loss
 from ulysses_cp.model import Decoder, ModelConfig
 from ulysses_cp.nonfinite import any_rank, gradients_finite, skip_update
 from ulysses_cp.tracking import Tracker
@@ -250,13 +250,16 @@ def build_model(mc, topo, sp) -> torch.nn.Module:
 
 def model_loss(engine, local: dict, topo, tiled_loss: int) -> torch.Tensor:
     """SP cross-entropy of this rank's shard; LM head + loss tiled when tiled_loss > 1."""
-    args = (local["input_ids"], local["position_ids"], local.get("cu_seqlens"))
-    if tiled_loss > 1:
-        hidden = engine(*args, return_hidden=True)
-        return tiled_cross_entropy(
-            hidden, engine.module.head, local["shift_labels"], topo, chunks=tiled_loss
-        )
-    return ucp.sequence_parallel_cross_entropy(engine(*args), local["shift_labels"], topo)
+    return lm_loss(
+        engine,
+        engine.module.head,
+        local["input_ids"],
+        local["position_ids"],
+        local["shift_labels"],
+        topo,
+        cu_seqlens=local.get("cu_seqlens"),
+        tiled_loss=tiled_loss,
+    )
 
 
 def zero_loss(engine, topo, sp, dc):

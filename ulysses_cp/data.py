@@ -29,9 +29,8 @@ import torch
 
 from .config import from_block
 from .sharding import sequence_multiple, shard_sequence
-from .varlen import check_cu_seqlens, pack_documents
+from .varlen import IGNORE, check_cu_seqlens, pack_documents
 
-IGNORE = -100
 TASKS = ("kv_recall", "text")
 
 

@@ -33,7 +33,7 @@ import torch.nn as nn
 from .attention import attention
 from .config import from_block
 from .data import shard_batch  # noqa: F401  (re-exported: full batch -> this rank's shard)
-from .memory import checkpointed, tile_mlps, tiled_cross_entropy
+from .memory import checkpointed, lm_loss, tile_mlps
 from .model import check_memory_options
 from .topology import Topology
 
@@ -248,13 +248,15 @@ class HFCausalLM(nn.Module):
 
     def loss(self, input_ids, position_ids, labels, topo, *, cu_seqlens=None, tiled_loss=0):
         """SP cross-entropy of shifted ``labels`` (tiled when ``tiled_loss > 1``)."""
-        from .loss import sequence_parallel_cross_entropy
-
-        if tiled_loss > 1:
-            hidden = self(input_ids, position_ids, cu_seqlens, return_hidden=True)
-            return tiled_cross_entropy(hidden, self.head, labels, topo, chunks=tiled_loss)
-        return sequence_parallel_cross_entropy(
-            self(input_ids, position_ids, cu_seqlens), labels, topo
+        return lm_loss(
+            self,
+            self.head,
+            input_ids,
+            position_ids,
+            labels,
+            topo,
+            cu_seqlens=cu_seqlens,
+            tiled_loss=tiled_loss,
         )
 
 

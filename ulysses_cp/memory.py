@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .loss import sequence_parallel_loss_from_sums
+from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss_from_sums
 
 
 class TiledMLP(nn.Module):
@@ -91,6 +91,18 @@ def tiled_cross_entropy(
         total = part if total is None else total + part
     count = (labels != ignore_index).sum()
     return sequence_parallel_loss_from_sums(total, count, topo)
+
+
+def lm_loss(forward, head, input_ids, position_ids, labels, topo, *, cu_seqlens=None, tiled_loss=0):
+    """SP cross-entropy of a causal LM on this rank's shard. ``forward(input_ids,
+    position_ids, cu_seqlens, return_hidden=...)`` is the model (or its DeepSpeed engine);
+    with ``tiled_loss > 1`` it returns hidden states and ``head`` + loss run tiled."""
+    if tiled_loss > 1:
+        hidden = forward(input_ids, position_ids, cu_seqlens, return_hidden=True)
+        return tiled_cross_entropy(hidden, head, labels, topo, chunks=tiled_loss)
+    return sequence_parallel_cross_entropy(
+        forward(input_ids, position_ids, cu_seqlens), labels, topo
+    )
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):
