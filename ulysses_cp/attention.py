@@ -74,7 +74,7 @@ def attention(
             q, k, v, topo, causal=causal, layout=layout, backend=backend, cu=cu_seqlens
         )
     validate_qkv(q, k, v, topo, layout)
-    backend = resolve_backend(backend, q.device)
+    backend = resolve_backend(backend, q)
     bounds = None if cu_seqlens is None else validate_packed(q, cu_seqlens, topo, layout)
     opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     u, r = topo.ulysses_degree, topo.ring_degree

@@ -1,137 +1,294 @@
-"""flash-attn 2 adapter (CUDA only, imported lazily on first use).
+"""flash-attn 2 adapter (imported lazily on first use): flash-attn 2.6, 2.7 and 2.8.
 
-flash-attn's internal ``_flash_attn_forward/_backward`` return/take the log-sum-exp that
-ring attention needs, but their signatures changed in 2.7 (``window_size`` became
-``window_size_left/right``); we pass keywords by name after reading the signature, so 2.6
-through 2.8 work. Layout ``(b, s, h, d)``, GQA native, lse ``(b, h, s)`` fp32.
-The kernels need a head dim that is a multiple of 8: we pad with zeros (which changes no
-score) and slice the result.
+We call flash-attn's internal ``_flash_attn_forward/_backward`` (and the varlen pair)
+because they return and take the log-sum-exp that ring attention merges. Their contract
+changed between releases; every difference below was read from each release's
+``flash_attn/flash_attn_interface.py`` and is pinned by ``tests/test_flash_contract.py``
+against stand-ins that copy those interfaces:
+
+============  =====================================  ======================================
+              2.6.x                                  2.7.x and 2.8.x
+============  =====================================  ======================================
+window        ``window_size=(left, right)``          ``window_size_left``, ``_right``
+forward       8-tuple: out, q, k, v, out_padded,     4-tuple: out, lse, S_dmask, rng_state
+returns       lse, S_dmask, rng_state
+wrapping      plain functions                        ``torch.library.custom_op`` when the
+                                                     release's own check passes (torch 2.4
+                                                     to 2.9): ``inspect.signature`` then
+                                                     reads ``(*args, **kwargs)``, so the
+                                                     parameters come from the op's schema
+varlen fwd    2.6.0: ``block_table`` required        defaults, and ``zero_tensors``
+============  =====================================  ======================================
+
+Every call passes keywords by name for exactly the parameters the installed function
+takes. An argument that changes the result (q/k/v, the scale, causal, the window, a
+softcap that is not 0) must be taken or the call is refused naming the version; neutral
+ones (dropout 0, no alibi, no paged KV...) are passed where taken. The lse that comes back
+is checked for its documented shape, so a convention we have not seen fails loudly.
+
+Layout ``(b, s, h, d)``, GQA native, lse ``(b, h, s)`` fp32 (varlen ``(h, total)``).
+flash-attn needs a head dim that is a multiple of 8: we pad with zeros (which changes no
+score; the scale is passed explicitly) and slice the result. Tensors are handed over as
+they are: flash-attn itself rejects what it cannot run (CPU tensors, float32).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+SUPPORTED = "2.6, 2.7 and 2.8"
 
-@functools.cache
-def _interface():
+# neutral values of the arguments we do not use; passed wherever the function takes them
+_NEUTRAL = {
+    "dropout_p": 0.0,
+    "alibi_slopes": None,
+    "return_softmax": False,
+    "deterministic": False,
+    "rng_state": None,
+    "block_table": None,
+    "leftpad_k": None,
+    "seqused_k": None,
+    "zero_tensors": False,
+}
+
+
+@dataclass(frozen=True)
+class _Fn:
+    """One internal flash-attn function and its parameters (name -> has a default)."""
+
+    name: str
+    fn: Callable
+    params: dict[str, bool]
+
+
+@dataclass(frozen=True)
+class Interface:
+    version: str
+    forward: _Fn
+    backward: _Fn
+    varlen_forward: _Fn
+    varlen_backward: _Fn
+
+
+def parameters(fn: Callable) -> dict[str, bool] | None:
+    """Parameter names (in order) -> whether each has a default. A ``torch.library``
+    custom op (``CustomOpDef``) or an ``OpOverload(Packet)`` is read from its schema, since
+    its Python signature is ``(*args, **kwargs)``; None when neither says anything."""
+    overload = getattr(fn, "_opoverload", None)  # CustomOpDef
+    if overload is None and hasattr(fn, "default"):  # OpOverloadPacket
+        overload = fn.default
+    schema = getattr(overload if overload is not None else fn, "_schema", None)
+    if schema is not None:
+        return {a.name: a.has_default_value() for a in schema.arguments}
     try:
-        from flash_attn import flash_attn_interface as fai
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise ValueError("backend 'flash_attn' needs flash-attn: `pip install .[gpu]`") from exc
-    fwd, bwd = fai._flash_attn_forward, fai._flash_attn_backward
-    return fwd, set(inspect.signature(fwd).parameters), bwd, set(inspect.signature(bwd).parameters)
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    kinds = {p.kind for p in sig.parameters.values()}
+    if kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+        return None
+    return {n: p.default is not inspect.Parameter.empty for n, p in sig.parameters.items()}
+
+
+def import_problem() -> str | None:
+    """Why flash-attn 2 cannot be used here, or None when it imports."""
+    try:
+        interface()
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 @functools.cache
-def _varlen_interface():
-    _interface()  # the same import error message
-    from flash_attn import flash_attn_interface as fai
+def interface() -> Interface:
+    """The installed flash-attn's four internal functions; ``ValueError`` if unusable.
+    Cached: call ``interface.cache_clear()`` after swapping the installed module."""
+    if importlib.util.find_spec("flash_attn") is None:
+        hint = ""
+        if importlib.util.find_spec("flash_attn_interface") is not None:
+            hint = (
+                " (a flash-attn 3 `flash_attn_interface` module is installed: flash-attn 3 "
+                f"is not supported; ulysses_cp supports flash-attn {SUPPORTED})"
+            )
+        raise ValueError(
+            f"backend 'flash_attn' needs flash-attn, which is not installed{hint}; install "
+            f"flash-attn {SUPPORTED.replace(' and ', ' or ')} (`pip install .[gpu]`) or use "
+            f"backend='torch'"
+        )
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_interface as fai
+    except Exception as exc:  # a broken install: built for another torch/CUDA, ABI...
+        raise ValueError(
+            f"flash-attn is installed but does not import ({type(exc).__name__}: "
+            f"{str(exc).strip()[:300]}); it was probably built for another torch or CUDA: "
+            f"reinstall it, or use backend='torch'"
+        ) from exc
+    version = str(getattr(flash_attn, "__version__", "unknown"))
+    major_minor = version.split(".")[:2]
+    if not (major_minor[:1] == ["2"] and major_minor[1:2] in (["6"], ["7"], ["8"])):
+        raise ValueError(
+            f"flash-attn {version} is installed; ulysses_cp supports flash-attn {SUPPORTED} "
+            f"(their internal functions are what ring attention needs); install one of "
+            f"those or use backend='torch'"
+        )
+    fns = {}
+    for key, name in (
+        ("forward", "_flash_attn_forward"),
+        ("backward", "_flash_attn_backward"),
+        ("varlen_forward", "_flash_attn_varlen_forward"),
+        ("varlen_backward", "_flash_attn_varlen_backward"),
+    ):
+        fn = getattr(fai, name, None)
+        params = None if fn is None else parameters(fn)
+        if params is None:
+            raise ValueError(
+                f"flash-attn {version}: flash_attn_interface.{name} is missing or its "
+                f"parameters cannot be read; ulysses_cp supports flash-attn {SUPPORTED}"
+            )
+        fns[key] = _Fn(name, fn, params)
+    return Interface(version, **fns)
 
-    fwd, bwd = fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward
-    return fwd, set(inspect.signature(fwd).parameters), bwd, set(inspect.signature(bwd).parameters)
+
+def _call(f: _Fn, version: str, values: dict, window: tuple[int, int], softcap: float):
+    """Call ``f`` with keywords for exactly the parameters it takes."""
+    values = dict(values, softcap=softcap)
+    if "window_size" in f.params:
+        values["window_size"] = window
+    else:
+        values["window_size_left"], values["window_size_right"] = window
+    required = [n for n in values if n != "softcap" or softcap != 0.0]
+    dropped = [n for n in required if n not in f.params]
+    if dropped:
+        raise ValueError(
+            f"flash-attn {version}: {f.name} does not take {sorted(set(dropped))}, which "
+            f"ulysses_cp must pass for a right result; supported: flash-attn {SUPPORTED}"
+        )
+    kwargs = {}
+    for name, has_default in f.params.items():
+        if name in values:
+            kwargs[name] = values[name]
+        elif name in _NEUTRAL:
+            kwargs[name] = _NEUTRAL[name]
+        elif not has_default:
+            raise ValueError(
+                f"flash-attn {version}: {f.name} requires argument {name!r}, which "
+                f"ulysses_cp does not know; supported: flash-attn {SUPPORTED}"
+            )
+    return f.fn(**kwargs)
 
 
-def _window_kwargs(params: set[str]) -> dict:
-    if "window_size_left" in params:
-        return {"window_size_left": -1, "window_size_right": -1}
-    return {"window_size": (-1, -1)}
+def _lse_from(res, version: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The lse from a forward's return tuple, by release convention, shape-checked."""
+    if not isinstance(res, (tuple, list)) or len(res) not in (4, 8):
+        n = len(res) if isinstance(res, (tuple, list)) else type(res).__name__
+        raise ValueError(
+            f"flash-attn {version}: {name} returned {n} values; ulysses_cp knows the "
+            f"8-tuple of 2.6 and the 4-tuple of 2.7/2.8"
+        )
+    lse = res[5] if len(res) == 8 else res[1]
+    if tuple(lse.shape) != shape or lse.dtype != torch.float32:
+        raise ValueError(
+            f"flash-attn {version}: {name} returned an lse of shape {tuple(lse.shape)} "
+            f"{lse.dtype}, expected {shape} float32; this release's convention is unknown"
+        )
+    return lse
 
 
 def _pad8(x: torch.Tensor) -> torch.Tensor:
     pad = -x.shape[-1] % 8
-    return F.pad(x, (0, pad)) if pad else x
+    return (F.pad(x, (0, pad)) if pad else x).contiguous()
 
 
-def _kwargs(params: set[str], scale: float, causal: bool, **extra) -> dict:
-    """The keyword arguments this flash-attn version's internal function takes."""
-    kwargs = dict(
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=causal,
-        softcap=0.0,
-        alibi_slopes=None,
-        **_window_kwargs(params),
-        **extra,
-    )
-    return {name: value for name, value in kwargs.items() if name in params}
+_FULL = (-1, -1)  # flash-attn's "no window"
 
 
 def forward(q, k, v, causal, scale):
-    fwd, params, _, _ = _interface()
-    d = q.shape[-1]
-    kwargs = _kwargs(params, scale, causal, return_softmax=False)
-    res = fwd(_pad8(q).contiguous(), _pad8(k).contiguous(), _pad8(v).contiguous(), **kwargs)
-    out, lse = res[0], res[1]
-    return out[..., :d], lse
+    fa = interface()
+    b, s, h, d = q.shape
+    values = dict(q=_pad8(q), k=_pad8(k), v=_pad8(v), softmax_scale=scale, causal=causal)
+    res = _call(fa.forward, fa.version, values, _FULL, 0.0)
+    lse = _lse_from(res, fa.version, fa.forward.name, (b, h, s))
+    return res[0][..., :d], lse
 
 
 def backward(dout, q, k, v, out, lse, causal, scale):
-    _, _, bwd, params = _interface()
+    fa = interface()
     d = q.shape[-1]
-    qp, kp, vp = _pad8(q).contiguous(), _pad8(k).contiguous(), _pad8(v).contiguous()
+    qp, kp, vp = _pad8(q), _pad8(k), _pad8(v)
     dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-    kwargs = _kwargs(params, scale, causal, deterministic=False, rng_state=None)
-    bwd(
-        _pad8(dout).contiguous(),
-        qp,
-        kp,
-        vp,
-        _pad8(out.to(q.dtype)).contiguous(),
-        lse.float().contiguous(),
-        dq,
-        dk,
-        dv,
-        **kwargs,
+    values = dict(
+        dout=_pad8(dout.to(q.dtype)),
+        q=qp,
+        k=kp,
+        v=vp,
+        out=_pad8(out.to(q.dtype)),
+        softmax_lse=lse.float().contiguous(),  # read by raw layout: must be dense
+        dq=dq,
+        dk=dk,
+        dv=dv,
+        softmax_scale=scale,
+        causal=causal,
     )
+    _call(fa.backward, fa.version, values, _FULL, 0.0)  # writes into dq, dk, dv
     return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
 # ---------------------------------------------------------------- packed rows (varlen)
-# q (1, tq, hq, d) -> flash-attn's (tq, hq, d); lse (hq, tq) in flash-attn >= 2.6 -> (1, hq, tq)
+# q (1, tq, hq, d) -> flash-attn's (tq, hq, d); lse (hq, tq) -> (1, hq, tq)
 
 
-def _cu_args(cu_q, cu_k) -> dict:
-    cu_q, cu_k = cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous()
+def _cu_args(cu_q, cu_k, device) -> dict:
+    lens_q, lens_k = (c.diff().max().item() for c in (cu_q, cu_k))
     return dict(
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        max_seqlen_q=int((cu_q[1:] - cu_q[:-1]).max()),
-        max_seqlen_k=int((cu_k[1:] - cu_k[:-1]).max()),
+        cu_seqlens_q=cu_q.to(device=device, dtype=torch.int32).contiguous(),
+        cu_seqlens_k=cu_k.to(device=device, dtype=torch.int32).contiguous(),
+        max_seqlen_q=int(lens_q),
+        max_seqlen_k=int(lens_k),
     )
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, causal, scale):
-    fwd, params, _, _ = _varlen_interface()
-    d = q.shape[-1]
-    kwargs = _kwargs(params, scale, causal, return_softmax=False, **_cu_args(cu_q, cu_k))
-    q2, k2, v2 = (_pad8(t[0]).contiguous() for t in (q, k, v))
-    res = fwd(q2, k2, v2, **kwargs)
-    return res[0][None, ..., :d], res[1][None]
+    fa = interface()
+    tq, h, d = q.shape[1:]
+    values = dict(
+        q=_pad8(q[0]),
+        k=_pad8(k[0]),
+        v=_pad8(v[0]),
+        softmax_scale=scale,
+        causal=causal,
+        **_cu_args(cu_q, cu_k, q.device),
+    )
+    res = _call(fa.varlen_forward, fa.version, values, _FULL, 0.0)
+    lse = _lse_from(res, fa.version, fa.varlen_forward.name, (h, tq))
+    return res[0][None, ..., :d], lse[None]
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
-    _, _, bwd, params = _varlen_interface()
+    fa = interface()
     d = q.shape[-1]
-    qp, kp, vp = (_pad8(t[0]).contiguous() for t in (q, k, v))
+    qp, kp, vp = _pad8(q[0]), _pad8(k[0]), _pad8(v[0])
     dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-    kwargs = _kwargs(
-        params, scale, causal, deterministic=False, rng_state=None, **_cu_args(cu_q, cu_k)
+    values = dict(
+        dout=_pad8(dout[0].to(q.dtype)),
+        q=qp,
+        k=kp,
+        v=vp,
+        out=_pad8(out[0].to(q.dtype)),
+        softmax_lse=lse[0].float().contiguous(),
+        dq=dq,
+        dk=dk,
+        dv=dv,
+        softmax_scale=scale,
+        causal=causal,
+        **_cu_args(cu_q, cu_k, q.device),
     )
-    bwd(
-        _pad8(dout[0]).contiguous(),
-        qp,
-        kp,
-        vp,
-        _pad8(out[0].to(q.dtype)).contiguous(),
-        lse[0].float().contiguous(),
-        dq,
-        dk,
-        dv,
-        **kwargs,
-    )
+    _call(fa.varlen_backward, fa.version, values, _FULL, 0.0)
     return dq[None, ..., :d], dk[None, ..., :d], dv[None, ..., :d]

@@ -12,50 +12,65 @@ in q's dtype, lse ``(b, hq, sq)`` in float32 (float64 for float64 inputs).
   (FlashAttention-2, Dao 2023, Algorithm 2).
 - :func:`local_attention` is the differentiable wrapper used by the Ulysses mode.
 
-Backends: ``"math"`` (pure PyTorch, any dtype), ``"torch"`` (torch's fused kernels: the CPU
-flash kernel, or the memory-efficient kernel on CUDA), ``"flash_attn"`` (flash-attn 2 on
-CUDA, imported lazily), ``"auto"`` (flash_attn on CUDA when importable, else torch).
+Backends: ``"math"`` (:mod:`.math_backend`, pure PyTorch, any dtype), ``"torch"``
+(:mod:`.torch_backend`, torch's fused kernels), ``"flash_attn"`` (:mod:`.flash_backend`,
+flash-attn 2.6-2.8, imported lazily), ``"auto"`` (:func:`resolve_backend`: flash-attn for
+inputs it can run, else torch).
 Causal masking needs ``sq == sk`` (the diagonal block); callers slice off-diagonal blocks.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Literal, get_args
 
 import torch
 
-from . import flash_backend
+from . import flash_backend, math_backend, torch_backend
+from .log import get_logger
+from .math_backend import lse_dtype
 
 Backend = Literal["auto", "flash_attn", "torch", "math"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map ``"auto"`` to a concrete backend; raise ``ValueError`` for unusable choices."""
+_LOW = (torch.float16, torch.bfloat16)
+_said: set[str] = set()
+
+
+def flash_attn_unusable(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why ``"auto"`` does not pick flash-attn for such inputs, or None when it can run
+    them: CUDA, float16/bfloat16, head dim <= 256, and a flash-attn 2.6-2.8 that imports."""
+    if device_type != "cuda":
+        return f"the tensors are on {device_type}"
+    if dtype not in _LOW:
+        return f"dtype {dtype} (flash-attn takes float16/bfloat16)"
+    if head_dim > 256:
+        return f"head dim {head_dim} > 256"
+    return flash_backend.import_problem()
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """Map ``"auto"`` to a backend that can run ``q``'s device, dtype and head dim (and say
+    why, once, in the log); raise ``ValueError`` for an unknown or unusable choice.
+
+    ``"auto"``: flash-attn for float16/bfloat16 CUDA tensors with a head dim <= 256 when it
+    imports, else ``"torch"``. ``"flash_attn"`` hands the tensors over as they are
+    (flash-attn itself rejects CPU tensors and float32), once the module imports."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {list(BACKENDS)}")
     if backend == "auto":
-        if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attn"
-        return "torch"
+        why = flash_attn_unusable(q.device.type, q.dtype, q.shape[-1])
+        choice = "torch" if why else "flash_attn"
+        note = f"attention backend 'auto' -> {choice!r}"
+        note += f": not flash-attn, {why}" if why else ""
+        if note not in _said:
+            _said.add(note)
+            get_logger().info(note)
+        return choice
     if backend == "flash_attn":
-        if device.type != "cuda":
-            raise ValueError(
-                f"backend 'flash_attn' needs CUDA tensors, got device {device}; "
-                "use backend='torch' or 'math' on CPU"
-            )
-        if importlib.util.find_spec("flash_attn") is None:
-            raise ValueError(
-                "backend 'flash_attn' requested but flash-attn is not installed; "
-                "install it with `pip install .[gpu]` or use backend='torch'"
-            )
+        flash_backend.interface()  # ValueError: not installed, broken, or unsupported
     return backend
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def default_scale(q: torch.Tensor, softmax_scale: float | None) -> float:
@@ -66,114 +81,18 @@ def _check_causal(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
     assert not causal or q.shape[1] == k.shape[1], "causal blocks must be square"
 
 
-# ---------------------------------------------------------------- math (reference) backend
-
-
-def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
-    # (b, sk, hkv, d) -> (b, sk, hq, d): kv head j serves query heads [j*g, (j+1)*g)
-    return x.repeat_interleave(hq // x.shape[2], dim=2)
-
-
-def _reduce_kv(grad: torch.Tensor, hkv: int) -> torch.Tensor:
-    # (b, sk, hq, d) -> (b, sk, hkv, g, d) -> sum over the g query heads of each kv head
-    b, s, hq, d = grad.shape
-    return grad.reshape(b, s, hkv, hq // hkv, d).sum(3)
-
-
-def _math_probs(q, k, lse, causal, scale, cdt):
-    # scores (b, hq, sq, sk) in the compute dtype; probabilities given the row lse
-    s = torch.einsum("bqhd,bkhd->bhqk", q.to(cdt), _expand_kv(k, q.shape[2]).to(cdt)) * scale
-    if causal:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
-    if lse is None:
-        lse = torch.logsumexp(s, dim=-1)  # (b, hq, sq)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # empty rows -> p = 0
-    return torch.exp(s - safe.unsqueeze(-1)), lse
-
-
-def _math_forward(q, k, v, causal, scale):
-    cdt = lse_dtype(q.dtype)
-    p, lse = _math_probs(q, k, None, causal, scale, cdt)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, q.shape[2]).to(cdt))
-    return out.to(q.dtype), lse
-
-
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
-    cdt = lse_dtype(q.dtype)
-    hq, hkv = q.shape[2], k.shape[2]
-    p, _ = _math_probs(q, k, lse.to(cdt), causal, scale, cdt)  # (b, hq, sq, sk)
-    do = dout.to(cdt)
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)  # (b, sk, hq, d)
-    dp = torch.einsum("bqhd,bkhd->bhqk", do, _expand_kv(v, hq).to(cdt))
-    delta = (do * out.to(cdt)).sum(-1).transpose(1, 2)  # (b, hq, sq)
-    ds = p * (dp - delta.unsqueeze(-1)) * scale
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, _expand_kv(k, hq).to(cdt))
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(cdt))
-    return dq.to(q.dtype), _reduce_kv(dk, hkv).to(k.dtype), _reduce_kv(dv, hkv).to(v.dtype)
-
-
-# ---------------------------------------------------------------- torch fused kernels
-
-
-def _bhsd(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2)  # (b, s, h, d) <-> (b, h, s, d)
-
-
-def _torch_forward(q, k, v, causal, scale):
-    if q.device.type == "cuda":
-        kq, vq = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            _bhsd(q), _bhsd(kq), _bhsd(vq), None, True, 0.0, causal, scale=scale
-        )
-        return _bhsd(out), lse[..., : q.shape[1]].float()
-    # CPU flash kernel: (b, h, s, d), GQA native, lse (b, hq, sq) fp32 (fp64 for fp64)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
-    )
-    return _bhsd(out), lse
-
-
-def _torch_backward(dout, q, k, v, out, lse, causal, scale):
-    out = out.to(q.dtype)
-    if q.device.type == "cuda":
-        hq, hkv = q.shape[2], k.shape[2]
-        kq, vq = _expand_kv(k, hq), _expand_kv(v, hq)
-        zero = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            _bhsd(dout).contiguous(),
-            _bhsd(q),
-            _bhsd(kq),
-            _bhsd(vq),
-            None,
-            _bhsd(out),
-            lse.float().contiguous(),
-            zero,
-            zero,
-            0.0,
-            [True, True, True, False],
-            causal,
-            scale=scale,
-        )
-        return _bhsd(dq), _reduce_kv(_bhsd(dk), hkv), _reduce_kv(_bhsd(dv), hkv)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _bhsd(dout).contiguous(),
-        _bhsd(q),
-        _bhsd(k),
-        _bhsd(v),
-        _bhsd(out),
-        lse.to(lse_dtype(q.dtype)).contiguous(),
-        0.0,
-        causal,
-        scale=scale,
-    )
-    return _bhsd(dq), _bhsd(dk), _bhsd(dv)
-
-
 # ---------------------------------------------------------------- dispatch
 
-_FORWARD = {"math": _math_forward, "torch": _torch_forward, "flash_attn": flash_backend.forward}
-_BACKWARD = {"math": _math_backward, "torch": _torch_backward, "flash_attn": flash_backend.backward}
+_FORWARD = {
+    "math": math_backend.forward,
+    "torch": torch_backend.forward,
+    "flash_attn": flash_backend.forward,
+}
+_BACKWARD = {
+    "math": math_backend.backward,
+    "torch": torch_backend.backward,
+    "flash_attn": flash_backend.backward,
+}
 
 
 def _doc_groups(cu_q, cu_k):
@@ -330,7 +249,7 @@ def local_attention(
 
     ``cu_seqlens``: int32 document boundaries of a packed row (batch 1); attention stays
     inside each document."""
-    backend = resolve_backend(backend, q.device)
+    backend = resolve_backend(backend, q)
     opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     if cu_seqlens is not None:
         opts.update(cu_q=cu_seqlens, cu_k=cu_seqlens)
