@@ -89,6 +89,17 @@ def collective(op: str, phase: str, group):
         ) from exc
 
 
+def host_staged(group, device: torch.device) -> bool:
+    """Must point-to-point traffic of ``device`` tensors go through host memory on
+    ``group``? gloo moves CUDA tensors in its collectives (all-to-all, all-gather,
+    all-reduce) but its send/recv read raw host pointers, so ring steps on a gloo group
+    with CUDA tensors (several ranks sharing one GPU, say) are staged through the CPU."""
+    if device.type != "cuda":
+        return False
+    backend = str(dist.get_backend(group)).lower()
+    return "nccl" not in backend and "cuda:" not in backend
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

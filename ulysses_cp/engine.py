@@ -99,6 +99,9 @@ def init_distributed(timeout_s: float | None = None) -> None:
         # on a clean exit (deepspeed 0.19.8): a day of runs filled /dev/shm (19 GB, i.e.
         # RAM) and the OOM killer took a test rank. gloo's allreduce does the same job.
         os.environ.pop("LOCAL_SIZE", None)
+    else:
+        # before any CUDA work: this rank's GPU (the launcher's LOCAL_RANK), not GPU 0
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         deepspeed.init_distributed(

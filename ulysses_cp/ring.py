@@ -25,13 +25,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import collective, group_rank, group_size, stats
+from .comm import collective, group_rank, group_size, host_staged, stats
 from .kernels import SavedAttention, attn_backward, attn_forward, lse_dtype
 
 
 class RingComm:
     """Send to the next rank, receive from the previous one: ``send_recv`` posts,
-    ``wait`` returns what arrived. ``op`` names the byte counter."""
+    ``wait`` returns what arrived. ``op`` names the byte counter. CUDA tensors on a group
+    whose send/recv cannot take them (gloo) travel through host copies
+    (:func:`~ulysses_cp.comm.host_staged`)."""
 
     def __init__(self, group, op: str, phase: str, tag: int = 0) -> None:
         self.group, self.op, self.phase, self.tag = group, op, phase, tag
@@ -40,10 +42,13 @@ class RingComm:
         self.prev = dist.get_global_rank(group, (r - 1) % P)
         self._reqs: list = []
         self._recv: torch.Tensor | None = None
+        self._device: torch.device | None = None  # where the result goes, when staged
 
     def send_recv(self, x: torch.Tensor) -> None:
         assert not self._reqs, "wait() before the next send_recv()"
-        x = x.contiguous()
+        stats.add(self.op, self.phase, x.numel() * x.element_size())
+        self._device = x.device if host_staged(self.group, x.device) else None
+        x = x.contiguous() if self._device is None else x.to("cpu")
         self._recv = torch.empty_like(x)
         ops = [
             dist.P2POp(dist.isend, x, self.next, self.group, self.tag),
@@ -52,7 +57,6 @@ class RingComm:
         with collective(self.op, self.phase, self.group):
             self._reqs = dist.batch_isend_irecv(ops)
         self._sent = x  # keep the send buffer alive until wait()
-        stats.add(self.op, self.phase, x.numel() * x.element_size())
 
     def wait(self) -> torch.Tensor:
         with collective(self.op, self.phase, self.group):
@@ -60,7 +64,7 @@ class RingComm:
                 req.wait()
         self._reqs, self._sent = [], None
         out, self._recv = self._recv, None
-        return out
+        return out if self._device is None else out.to(self._device)
 
 
 def merge(out, lse, out_b, lse_b):
