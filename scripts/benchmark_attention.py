@@ -1,12 +1,13 @@
 """Benchmark the sequence-parallel modes side by side with DeepSpeed-Ulysses.
 
-For each world size P (spawned gloo ranks on CPU; NCCL on GPUs) and sequence length N it
-runs causal attention forward+backward for every implementation, interleaved, after a
-warm-up, and reports medians over repeats and the ratio to DeepSpeed's
-``DistributedAttention`` wrapped around the same local kernel, measured in the same run.
-Per rank: bytes sent (counters) beside the formulas, peak memory (separate run), and the
-spread of per-rank kernel time (load balance). Then the longest sequence each mode fits in
-a per-rank memory budget, for one attention layer and for the reference model.
+For each world size P (spawned ranks: gloo on CPU, NCCL with a GPU per rank, gloo when ranks
+share a GPU; ``scripts/benchlib.py``) and sequence length N it runs causal attention
+forward+backward for every implementation, interleaved, after a warm-up, and reports medians
+over repeats and the ratio to DeepSpeed's ``DistributedAttention`` wrapped around the same
+local kernel, measured in the same run. Per rank: bytes sent (counters) beside the formulas,
+peak memory (separate run), and the spread of per-rank kernel time (load balance; CUDA
+events on GPUs). Then the longest sequence each mode fits in a per-rank memory budget, for
+one attention layer and for the reference model.
 
 FLOPs convention (causal-aware, as flash-attn counts): forward 4*b*N^2*hq*d/2 for causal,
 forward+backward 3.5x forward.
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchlib import run_ranks
+from benchlib import barrier, gather_floats, max_over_ranks, run_ranks, sync
 
 import ulysses_cp as ucp
 import ulysses_cp.ring as ring_mod
@@ -110,11 +111,48 @@ def attention_fn(topos: dict, name: str, spec, backend: str):
 
 class KernelClock:
     """Time spent in the local kernels on this rank (load balance), via the ring module's
-    and the local wrapper's primitives."""
+    and the local wrapper's primitives. CPU: host time around each call. CUDA: the calls
+    only queue kernels, so CUDA events on the current stream around each call; read
+    ``seconds`` after the work is synchronised."""
 
-    def __init__(self) -> None:
-        self.seconds = 0.0
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._host = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._orig = {}
+
+    @property
+    def seconds(self) -> float:
+        if not self._cuda:
+            return self._host
+        total_ms = 0.0
+        for start, end in self._events:
+            end.synchronize()
+            total_ms += start.elapsed_time(end)
+        return total_ms / 1e3
+
+    def _timed(self, f):
+        if self._cuda:
+
+            def timed_cuda(*a, **kw):
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                try:
+                    return f(*a, **kw)
+                finally:
+                    end.record()
+                    self._events.append((start, end))
+
+            return timed_cuda
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                self._host += time.perf_counter() - t
+
+        return timed
 
     def __enter__(self):
         import ulysses_cp.kernels as kernels
@@ -126,15 +164,7 @@ class KernelClock:
             for n in names:
                 f = getattr(mod, n)
                 self._orig[(mod, n)] = f
-
-                def timed(*a, _f=f, **kw):
-                    t = time.perf_counter()
-                    try:
-                        return _f(*a, **kw)
-                    finally:
-                        self.seconds += time.perf_counter() - t
-
-                setattr(mod, n, timed)
+                setattr(mod, n, self._timed(f))
         return self
 
     def __exit__(self, *exc):
@@ -166,12 +196,11 @@ def bench_lengths(args, topos, P, device, dtype) -> list[dict]:
         kernel = {n: [] for n in names}
         for rep in range(args.warmup + args.repeats):
             for n in names:  # interleaved: every implementation sees the same machine state
-                dist.barrier()
-                with KernelClock() as clock:
+                barrier(device)
+                with KernelClock(device) as clock:
                     t = time.perf_counter()
                     run_once(fns[n], inputs[n])
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
+                    sync(device)
                     dt = time.perf_counter() - t
                 if rep >= args.warmup:
                     times[n].append(dt)
@@ -184,15 +213,13 @@ def bench_lengths(args, topos, P, device, dtype) -> list[dict]:
             )
             sent = ucp.comm_stats.total(phase="forward")
             own = sum(t.numel() * t.element_size() for t in inputs[n])
-            stats = torch.tensor(
+            ranks = gather_floats(
                 [statistics.median(times[n]), statistics.median(kernel[n]), peak + own, sent],
-                dtype=torch.float64,
+                device,
             )
-            everyone = [torch.zeros_like(stats) for _ in range(dist.get_world_size())]
-            dist.all_gather(everyone, stats)
-            ranks = torch.stack(everyone)
+            time_s, kernel_s, peak_b, sent_b = (list(col) for col in zip(*ranks))
             flops = 4 * N * N * HQ * D / 2 * 3.5
-            t_med = ranks[:, 0].max().item()
+            t_med = max(time_s)
             rows.append(
                 {
                     "P": P,
@@ -203,10 +230,12 @@ def bench_lengths(args, topos, P, device, dtype) -> list[dict]:
                     "layout": layout,
                     "time_s": t_med,
                     "tflops": flops / t_med / 1e12,
-                    "kernel_s_per_rank": ranks[:, 1].tolist(),
-                    "balance_max_over_min": (ranks[:, 1].max() / ranks[:, 1].min()).item(),
-                    "peak_mem_mb_per_rank": (ranks[:, 2] / 2**20).tolist(),
-                    "bytes_fwd_per_rank": ranks[:, 3].tolist(),
+                    "kernel_s_per_rank": kernel_s,
+                    "balance_max_over_min": (
+                        max(kernel_s) / min(kernel_s) if min(kernel_s) > 0 else float("inf")
+                    ),
+                    "peak_mem_mb_per_rank": [b / 2**20 for b in peak_b],
+                    "bytes_fwd_per_rank": sent_b,
                     "bytes_formula": formula(N, u, r, inputs[n][0].element_size()),
                 }
             )
@@ -257,9 +286,7 @@ def max_length(args, topos, P, device, dtype, what: str) -> dict:
                     ).backward()
 
                 p = peak_memory(step, device)
-            worst = torch.tensor([float(p)])
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            return worst.item()
+            return max_over_ranks(p, device)
 
         out[name] = longest_fitting(peak_at, 2 * P * 64, budget)
     return out

@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchlib import run_ranks
+from benchlib import barrier, max_over_ranks, run_ranks, sync
 
 import ulysses_cp as ucp
 from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
@@ -103,12 +102,6 @@ def step_fn(model, features: dict, topo, N: int, device):
     return step
 
 
-def worst(x: float) -> float:
-    t = torch.tensor([float(x)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def worker(rank, world, args, device):
     topo = ucp.init_topology(2, 2) if world == 4 else ucp.init_topology(1, 1)
     unit, budget = 2 * world * 64, args.budget_mb * 2**20
@@ -118,7 +111,8 @@ def worker(rank, world, args, device):
             model = build(kind, features, topo, device)
 
             def peak_at(N, model=model, features=features):
-                return worst(peak_memory(step_fn(model, features, topo, N, device), device))
+                step = step_fn(model, features, topo, N, device)
+                return max_over_ranks(peak_memory(step, device), device)
 
             n_max = longest_fitting(peak_at, unit, budget)
             rows.append({"ranks": world, "model": kind, "features": name, "max_len": n_max})
@@ -133,10 +127,11 @@ def worker(rank, world, args, device):
         times = {name: [] for name in FEATURES}
         for rep in range(args.repeats + 1):
             for name, step in steps.items():
-                dist.barrier()
+                barrier(device)
                 t0 = time.perf_counter()
                 step()
-                dt = worst(time.perf_counter() - t0)
+                sync(device)  # CUDA: the step only queued its kernels
+                dt = max_over_ranks(time.perf_counter() - t0, device)
                 if rep:
                     times[name].append(dt)
         for row in rows:

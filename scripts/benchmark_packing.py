@@ -1,10 +1,11 @@
 """Cost of packed rows (``cu_seqlens``) against the unpacked path, per mode.
 
-On P spawned gloo ranks (NCCL on GPUs) it times causal attention forward+backward on one
-row of N tokens: unpacked, and packed as 1, 8 and 64 equal documents, interleaved, medians
-over repeats. ``x unpacked`` is the time ratio to the unpacked row measured in the same
-run; ``work`` is the fraction of the causal score matrix a packing leaves to compute
-(sum L_d^2 / N^2), the speed-up an ideal varlen kernel would show.
+On 4 spawned ranks (gloo on CPU, NCCL with a GPU per rank, gloo when ranks share a GPU;
+``scripts/benchlib.py``) it times causal attention forward+backward on one row of N tokens:
+unpacked, and packed as 1, 8 and 64 equal documents, interleaved, medians over repeats.
+``x unpacked`` is the time ratio to the unpacked row measured in the same run; ``work`` is
+the fraction of the causal score matrix a packing leaves to compute (sum L_d^2 / N^2), the
+speed-up an ideal varlen kernel would show.
 
     python scripts/benchmark_packing.py --quick     # < 1 min on 2 cores
     python scripts/benchmark_packing.py             # the docs/benchmarks.md table
@@ -21,10 +22,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchlib import run_ranks
+from benchlib import barrier, run_ranks, sync
 
 import ulysses_cp as ucp
 
@@ -59,14 +59,13 @@ def worker(rank, world, args, device):
             for (mode, case), acc in times.items():  # interleaved: same noise for all
                 cu = cases(N)[case]
                 q, k, v, dout = (t.detach().requires_grad_(i < 3) for i, t in enumerate(inputs))
-                dist.barrier()
+                barrier(device)
                 t0 = time.perf_counter()
                 ucp.attention(q, k, v, topos[mode], backend=args.backend, cu_seqlens=cu).backward(
                     dout
                 )
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                dist.barrier()
+                sync(device)
+                barrier(device)
                 if rep >= args.warmup:
                     acc.append(time.perf_counter() - t0)
         for mode in MODES:
