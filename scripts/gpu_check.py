@@ -1,0 +1,306 @@
+"""Everything a machine with ONE GPU can check, in one command (`scripts/gpu_check.sh`).
+
+Needs only torch (and einops); flash-attn and deepspeed are used when they import and
+reported as skipped when they do not. Sections, each a list of rows with ``ok``:
+
+1. ``kernels``: the local kernels on the GPU (backend ``torch``, ``flash_attn`` if it
+   imports) against float64 math: dense and packed rows, causal and not, GQA, a head dim
+   that needs padding, float16/bfloat16 (and float32 for ``torch``), forward and backward.
+2. ``modes``: Ulysses, ring and hybrid with 4 processes sharing the GPU (gloo moves the
+   CUDA tensors; ring steps go through the host), both layouts, dense and packed, against
+   float64 attention on the gathered tensors.
+3. ``training``: a few steps of ``train.py`` as one process on the GPU (bf16,
+   ``attention_backend: auto``, ZeRO-2) when deepspeed imports; the loss must fall.
+4. ``timing``: causal forward+backward of one attention layer at 8K and 32K tokens (bf16,
+   hq 32, hkv 8, d 128) per backend: median time, TFLOP/s (causal FLOPs: fwd 2*N^2*hq*d,
+   fwd+bwd 3.5x that) and the fraction of ``--peak-tflops``.
+
+Writes ``OUT/gpu_check.json`` and prints a summary; exits 1 if any row failed.
+``--dry-run`` runs the same code on the CPU with small sizes (float32 training, timing at
+512 tokens), to check the script itself where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchlib import run_ranks, sync  # noqa: E402
+
+import ulysses_cp as ucp  # noqa: E402
+from ulysses_cp import flash_backend  # noqa: E402
+
+# max |error| / max |reference| allowed, by dtype (float64 reference)
+TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float64: 1e-10}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def backends() -> list[str]:
+    return ["torch"] + ([] if flash_backend.import_problem() else ["flash_attn"])
+
+
+def rel_errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> list[float]:
+    return [
+        ((g.double() - r).abs().max() / r.abs().max().clamp(min=1e-30)).item()
+        for g, r in zip(got, ref)
+    ]
+
+
+def packed_bounds(N: int, multiple: int) -> torch.Tensor:
+    """Four documents of unequal lengths (multiples of ``multiple``) filling N tokens."""
+    unit = N // multiple
+    lens = [unit // 2, unit // 4, unit // 8]
+    lens.append(unit - sum(lens))
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) * multiple
+
+
+def reference(q, k, v, dout, causal, cu=None):
+    """float64 math attention: out and the three gradients."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = ucp.local_attention(*leaves, causal=causal, backend="math", cu_seqlens=cu)
+    return [out.detach(), *torch.autograd.grad(out, leaves, dout.double())]
+
+
+# ---------------------------------------------------------------- 1. local kernels
+
+
+def kernel_rows(device: torch.device, dry: bool) -> list[dict]:
+    rows = []
+    N = 256 if dry else 1024
+    g = torch.Generator().manual_seed(0)
+    cases = [(8, 8, 64), (8, 2, 128), (4, 1, 72)]  # (hq, hkv, d): MHA, GQA, pad to 80
+    for backend in backends():
+        dtypes = ["bfloat16", "float16"] + (["float32"] if backend == "torch" else [])
+        for dname in dtypes:
+            for hq, hkv, d in cases:
+                for causal in (True, False):
+                    for packed in (False, True):
+                        shapes = [(1, N, hq, d), (1, N, hkv, d), (1, N, hkv, d), (1, N, hq, d)]
+                        q, k, v, do = (torch.randn(s, generator=g) for s in shapes)
+                        cu = packed_bounds(N, 8) if packed else None
+                        ref = reference(q, k, v, do, causal, cu)
+                        leaves = [t.to(device, DTYPES[dname]).requires_grad_() for t in (q, k, v)]
+                        cud = None if cu is None else cu.to(device)
+                        out = ucp.local_attention(
+                            *leaves, causal=causal, backend=backend, cu_seqlens=cud
+                        )
+                        out.backward(do.to(device, DTYPES[dname]))
+                        got = [out.detach().cpu()] + [t.grad.cpu() for t in leaves]
+                        errs = rel_errors(got, ref)
+                        rows.append(
+                            dict(
+                                backend=backend,
+                                dtype=dname,
+                                hq=hq,
+                                hkv=hkv,
+                                d=d,
+                                causal=causal,
+                                packed=packed,
+                                err_out_dq_dk_dv=errs,
+                                ok=max(errs) <= TOL[DTYPES[dname]],
+                            )
+                        )
+    return rows
+
+
+# ---------------------------------------------------------------- 2. modes on 4 ranks
+
+
+def _mode_body(rank, world, args, device):
+    rows = []
+    N, hq, hkv, d = (128 if args["dry"] else 2048), 8, 2, 64
+    dtype = torch.bfloat16
+    for backend in backends():
+        for u, r in ((world, 1), (1, world), (2, world // 2)):
+            topo = ucp.init_topology(u, r)
+            for layout in ("zigzag", "contiguous"):
+                for packed in (False, True):
+                    g = torch.Generator().manual_seed(1)
+                    shapes = [(1, N, hq, d), (1, N, hkv, d), (1, N, hkv, d), (1, N, hq, d)]
+                    q, k, v, do = (torch.randn(s, generator=g) for s in shapes)
+                    cu = packed_bounds(N, 2 * world) if packed else None
+                    ref = reference(q, k, v, do, True, cu)
+
+                    def shard(t, cu=cu, topo=topo, layout=layout):
+                        x = t.to(device, dtype)
+                        c = None if cu is None else cu.to(device)
+                        return ucp.shard_sequence(x, topo, layout=layout, cu_seqlens=c)
+
+                    leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+                    cud = None if cu is None else cu.to(device)
+                    out = ucp.attention(
+                        *leaves, topo, causal=True, layout=layout, backend=backend, cu_seqlens=cud
+                    )
+                    out.backward(shard(do))
+                    got = [
+                        ucp.gather_sequence(t.detach(), topo, layout=layout, cu_seqlens=cud).cpu()
+                        for t in (out, *(x.grad for x in leaves))
+                    ]
+                    errs = rel_errors(got, ref)
+                    rows.append(
+                        dict(
+                            backend=backend,
+                            mode=topo.mode,
+                            ulysses=u,
+                            ring=r,
+                            layout=layout,
+                            packed=packed,
+                            err_out_dq_dk_dv=errs,
+                            ok=max(errs) <= TOL[dtype],
+                        )
+                    )
+            topo.destroy()
+    return rows
+
+
+# ---------------------------------------------------------------- 3. training
+
+
+def training_rows(out_dir: Path, dry: bool) -> list[dict]:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:
+        return [dict(skipped=f"deepspeed does not import: {type(exc).__name__}: {exc}")]
+    cfg = json.loads((ROOT / "configs" / "tiny_cpu_zero2_u2r2.json").read_text())
+    cfg["sequence_parallel"].update(ulysses_degree=1, ring_degree=1)
+    cfg["optimizer"]["params"]["torch_adam"] = True  # no fused-Adam build
+    cfg["data"]["seq_len"] = 256 if dry else 4096
+    cfg["training"] = {"max_steps": 6 if dry else 30, "log_interval": 3, "save_interval": 1000}
+    if not dry:
+        cfg["bf16"] = {"enabled": True}
+    run = out_dir / "train"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.json").write_text(json.dumps(cfg))
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    env.setdefault("MASTER_PORT", "29517")
+    cmd = [sys.executable, str(ROOT / "train.py"), "--deepspeed_config", str(run / "config.json")]
+    t = time.perf_counter()
+    proc = subprocess.run(
+        [*cmd, "--output_dir", str(run)], env=env, capture_output=True, text=True, timeout=240
+    )
+    (run / "log.txt").write_text(proc.stdout + proc.stderr)
+    metrics = run / "metrics.jsonl"
+    losses = (
+        [json.loads(x)["loss"] for x in metrics.read_text().splitlines()]
+        if metrics.exists()
+        else []
+    )
+    ok = proc.returncode == 0 and len(losses) >= 2 and losses[-1] < losses[0]
+    return [
+        dict(
+            returncode=proc.returncode,
+            seconds=time.perf_counter() - t,
+            losses=losses,
+            tail=(proc.stdout + proc.stderr)[-2000:],
+            ok=ok,
+        )
+    ]
+
+
+# ---------------------------------------------------------------- 4. timing
+
+
+def timing_rows(device: torch.device, dry: bool, peak_tflops: float) -> list[dict]:
+    rows = []
+    hq, hkv, d = 32, 8, 128
+    seqs, repeats = ([512], 1) if dry else ([8192, 32768], 5)
+    for backend in backends():
+        for N in seqs:
+            g = torch.Generator().manual_seed(0)
+            shapes = [(1, N, hq, d), (1, N, hkv, d), (1, N, hkv, d), (1, N, hq, d)]
+            q, k, v, do = (torch.randn(s, generator=g).to(device, torch.bfloat16) for s in shapes)
+            times = []
+            for rep in range(2 + repeats):
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                sync(device)
+                t0 = time.perf_counter()
+                ucp.local_attention(*leaves, causal=True, backend=backend).backward(do)
+                sync(device)
+                if rep >= 2:
+                    times.append(time.perf_counter() - t0)
+            t = statistics.median(times)
+            tflops = 3.5 * 2 * N * N * hq * d / t / 1e12
+            rows.append(
+                dict(
+                    backend=backend,
+                    N=N,
+                    median_s=t,
+                    tflops=tflops,
+                    fraction_of_peak=tflops / peak_tflops,
+                    ok=True,
+                )
+            )
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="gpu_check_results", help="folder for gpu_check.json")
+    p.add_argument("--dry-run", action="store_true", help="CPU, small sizes, no GPU parts")
+    p.add_argument("--world", type=int, default=4, help="processes sharing the GPU (modes)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)"
+    )
+    p.add_argument("--only", nargs="+", choices=["kernels", "modes", "training", "timing"])
+    args = p.parse_args()
+    dry = args.dry_run or not torch.cuda.is_available()
+    if not args.dry_run and dry:
+        print("gpu_check: no CUDA device: running the dry run (CPU, small sizes)")
+    device = torch.device("cpu") if dry else torch.device("cuda", 0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "dry_run": dry,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if not dry else "cpu",
+        "flash_attn": flash_backend.import_problem() or flash_backend.interface().version,
+        "sections": {},
+    }
+    sections = {
+        "kernels": lambda: kernel_rows(device, dry),
+        "modes": lambda: run_ranks(_mode_body, args.world, {"dry": dry}),
+        "training": lambda: training_rows(out, dry),
+        "timing": lambda: timing_rows(device, dry, args.peak_tflops),
+    }
+    failed = []
+    for name, fn in sections.items():
+        if args.only and name not in args.only:
+            continue
+        t = time.perf_counter()
+        print(f"gpu_check: {name} ...", flush=True)
+        try:
+            rows = fn()
+        except Exception as exc:  # one broken section must not hide the others
+            rows = [dict(error=f"{type(exc).__name__}: {exc}", ok=False)]
+        bad = [r for r in rows if r.get("ok") is False]
+        failed += [(name, r) for r in bad]
+        report["sections"][name] = rows
+        print(f"gpu_check: {name}: {len(rows)} rows, {len(bad)} failed, "
+              f"{time.perf_counter() - t:.0f} s", flush=True)  # fmt: skip
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    for row in report["sections"].get("timing", []):
+        print(f"timing: {row['backend']:10} N={row['N']:6} {row['median_s'] * 1e3:9.2f} ms "
+              f"{row['tflops']:7.1f} TFLOP/s ({row['fraction_of_peak']:.0%} of peak)")  # fmt: skip
+    for name, row in failed:
+        print(f"FAILED {name}: {row}")
+    report["ok"] = not failed
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    print(f"gpu_check: {'all passed' if not failed else f'{len(failed)} failed'}; "
+          f"{out / 'gpu_check.json'}")  # fmt: skip
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

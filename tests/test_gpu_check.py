@@ -1,0 +1,37 @@
+"""`scripts/gpu_check.sh --dry-run` runs every section end to end on the CPU (small sizes),
+with a flash-attn stand-in on the path so that the flash_attn rows run too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_passes_every_section(tmp_path):
+    standin = ROOT / "tests" / "flash_standin" / "v2_8_3"
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=f"{standin}:{ROOT}")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["ok"] and report["dry_run"] and report["flash_attn"] == "2.8.3"
+    sections = report["sections"]
+    for name in ("kernels", "modes", "timing"):
+        assert {row["backend"] for row in sections[name]} == {"torch", "flash_attn"}, name
+    assert len(sections["kernels"]) == 2 * 2 * 3 * 2 * 2 + 3 * 2 * 2  # + float32 for torch
+    modes = {
+        (row["backend"], row["mode"], row["layout"], row["packed"]) for row in sections["modes"]
+    }
+    assert len(modes) == 2 * 3 * 2 * 2
+    (train,) = sections["training"]
+    assert train["ok"] and train["returncode"] == 0 and train["losses"][-1] < train["losses"][0]
+    assert all(row["ok"] for rows in sections.values() for row in rows if "ok" in row)
