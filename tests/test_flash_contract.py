@@ -32,12 +32,12 @@ TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 def install(version: str, wrap: str):
     use(version, wrap)
-    flash_backend.interface.cache_clear()
+    flash_backend.reset()
 
 
 def uninstall():
     unuse()
-    flash_backend.interface.cache_clear()
+    flash_backend.reset()
 
 
 @pytest.fixture
@@ -140,7 +140,7 @@ def _swap(name, fn):
     import flash_attn.flash_attn_interface as fai
 
     setattr(fai, name, fn)
-    flash_backend.interface.cache_clear()
+    flash_backend.reset()
 
 
 @pytest.mark.parametrize("standin", [("2.8.3", "plain")], indirect=True)
@@ -198,7 +198,7 @@ def test_unsupported_versions_are_refused(version):
     install("2.8.3", "plain")
     try:
         sys.modules["flash_attn"].__version__ = version
-        flash_backend.interface.cache_clear()
+        flash_backend.reset()
         q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match=rf"flash-attn {version} is installed; "):
             ucp.local_attention(q, q, q, backend="flash_attn")
@@ -213,20 +213,20 @@ def test_missing_broken_and_flash3_installs_say_which(tmp_path, monkeypatch):
         ucp.local_attention(q, q, q, backend="flash_attn")
     (tmp_path / "flash_attn_interface.py").write_text("")  # flash-attn 3's module
     monkeypatch.syspath_prepend(str(tmp_path))
-    flash_backend.interface.cache_clear()
+    flash_backend.reset()
     with pytest.raises(ValueError, match="flash-attn 3 is not supported"):
         ucp.local_attention(q, q, q, backend="flash_attn")
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text(
         "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c10')"
     )
-    flash_backend.interface.cache_clear()
+    flash_backend.reset()
     try:
         with pytest.raises(ValueError, match=r"installed but does not import.*undefined symbol"):
             ucp.local_attention(q, q, q, backend="flash_attn")
     finally:
         sys.modules.pop("flash_attn", None)
-        flash_backend.interface.cache_clear()
+        flash_backend.reset()
 
 
 # ---------------------------------------------------------------- "auto"

@@ -99,17 +99,32 @@ def parameters(fn: Callable) -> dict[str, bool] | None:
 
 def import_problem() -> str | None:
     """Why flash-attn 2 cannot be used here, or None when it imports."""
-    try:
-        interface()
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return _probe()[1]
+
+
+def interface() -> Interface:
+    """The installed flash-attn's four internal functions; ``ValueError`` if unusable."""
+    found, problem = _probe()
+    if problem is not None:
+        raise ValueError(problem)
+    return found
+
+
+def reset() -> None:
+    """Forget what was found (after installing or swapping flash-attn in this process)."""
+    _probe.cache_clear()
 
 
 @functools.cache
-def interface() -> Interface:
-    """The installed flash-attn's four internal functions; ``ValueError`` if unusable.
-    Cached: call ``interface.cache_clear()`` after swapping the installed module."""
+def _probe() -> tuple[Interface | None, str | None]:
+    """Look once per process (a failed import is not retried on every attention call)."""
+    try:
+        return _load(), None
+    except ValueError as exc:
+        return None, str(exc)
+
+
+def _load() -> Interface:
     if importlib.util.find_spec("flash_attn") is None:
         hint = ""
         if importlib.util.find_spec("flash_attn_interface") is not None:
