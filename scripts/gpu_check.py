@@ -23,6 +23,7 @@ Writes ``OUT/gpu_check.json`` and prints a summary; exits 1 if any row failed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -65,6 +66,12 @@ def packed_bounds(N: int, multiple: int) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) * multiple
 
 
+def inputs(N: int, hq: int, hkv: int, d: int, g: torch.Generator) -> list[torch.Tensor]:
+    """q, k, v, dout of one row (batch 1), standard normal, on the CPU."""
+    shapes = [(1, N, hq, d), (1, N, hkv, d), (1, N, hkv, d), (1, N, hq, d)]
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
 def reference(q, k, v, dout, causal, cu=None):
     """float64 math attention: out and the three gradients."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -79,38 +86,25 @@ def kernel_rows(device: torch.device, dry: bool) -> list[dict]:
     rows = []
     N = 256 if dry else 1024
     g = torch.Generator().manual_seed(0)
-    cases = [(8, 8, 64), (8, 2, 128), (4, 1, 72)]  # (hq, hkv, d): MHA, GQA, pad to 80
+    cases = [(8, 8, 64), (8, 2, 128), (4, 1, 72)]  # (hq, hkv, d): MHA, GQA, MQA padded to 80
     for backend in backends():
         dtypes = ["bfloat16", "float16"] + (["float32"] if backend == "torch" else [])
-        for dname in dtypes:
-            for hq, hkv, d in cases:
-                for causal in (True, False):
-                    for packed in (False, True):
-                        shapes = [(1, N, hq, d), (1, N, hkv, d), (1, N, hkv, d), (1, N, hq, d)]
-                        q, k, v, do = (torch.randn(s, generator=g) for s in shapes)
-                        cu = packed_bounds(N, 8) if packed else None
-                        ref = reference(q, k, v, do, causal, cu)
-                        leaves = [t.to(device, DTYPES[dname]).requires_grad_() for t in (q, k, v)]
-                        cud = None if cu is None else cu.to(device)
-                        out = ucp.local_attention(
-                            *leaves, causal=causal, backend=backend, cu_seqlens=cud
-                        )
-                        out.backward(do.to(device, DTYPES[dname]))
-                        got = [out.detach().cpu()] + [t.grad.cpu() for t in leaves]
-                        errs = rel_errors(got, ref)
-                        rows.append(
-                            dict(
-                                backend=backend,
-                                dtype=dname,
-                                hq=hq,
-                                hkv=hkv,
-                                d=d,
-                                causal=causal,
-                                packed=packed,
-                                err_out_dq_dk_dv=errs,
-                                ok=max(errs) <= TOL[DTYPES[dname]],
-                            )
-                        )
+        for dname, (hq, hkv, d), causal, packed in itertools.product(
+            dtypes, cases, (True, False), (False, True)
+        ):
+            dtype = DTYPES[dname]
+            q, k, v, do = inputs(N, hq, hkv, d, g)
+            cu = packed_bounds(N, 8) if packed else None
+            ref = reference(q, k, v, do, causal, cu)
+            leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+            cud = None if cu is None else cu.to(device)
+            out = ucp.local_attention(*leaves, causal=causal, backend=backend, cu_seqlens=cud)
+            out.backward(do.to(device, dtype))
+            errs = rel_errors([out.detach().cpu()] + [t.grad.cpu() for t in leaves], ref)
+            case = dict(backend=backend, dtype=dname, hq=hq, hkv=hkv, d=d, causal=causal)
+            rows.append(
+                dict(case, packed=packed, err_out_dq_dk_dv=errs, ok=max(errs) <= TOL[dtype])
+            )
     return rows
 
 
@@ -124,42 +118,30 @@ def _mode_body(rank, world, args, device):
     for backend in backends():
         for u, r in ((world, 1), (1, world), (2, world // 2)):
             topo = ucp.init_topology(u, r)
-            for layout in ("zigzag", "contiguous"):
-                for packed in (False, True):
-                    g = torch.Generator().manual_seed(1)
-                    shapes = [(1, N, hq, d), (1, N, hkv, d), (1, N, hkv, d), (1, N, hq, d)]
-                    q, k, v, do = (torch.randn(s, generator=g) for s in shapes)
-                    cu = packed_bounds(N, 2 * world) if packed else None
-                    ref = reference(q, k, v, do, True, cu)
+            for layout, packed in itertools.product(("zigzag", "contiguous"), (False, True)):
+                q, k, v, do = inputs(N, hq, hkv, d, torch.Generator().manual_seed(1))
+                cu = packed_bounds(N, 2 * world) if packed else None
+                ref = reference(q, k, v, do, True, cu)
+                cud = None if cu is None else cu.to(device)
 
-                    def shard(t, cu=cu, topo=topo, layout=layout):
-                        x = t.to(device, dtype)
-                        c = None if cu is None else cu.to(device)
-                        return ucp.shard_sequence(x, topo, layout=layout, cu_seqlens=c)
+                def shard(t, topo=topo, layout=layout, cud=cud):
+                    x = t.to(device, dtype)
+                    return ucp.shard_sequence(x, topo, layout=layout, cu_seqlens=cud)
 
-                    leaves = [shard(t).requires_grad_() for t in (q, k, v)]
-                    cud = None if cu is None else cu.to(device)
-                    out = ucp.attention(
-                        *leaves, topo, causal=True, layout=layout, backend=backend, cu_seqlens=cud
-                    )
-                    out.backward(shard(do))
-                    got = [
-                        ucp.gather_sequence(t.detach(), topo, layout=layout, cu_seqlens=cud).cpu()
-                        for t in (out, *(x.grad for x in leaves))
-                    ]
-                    errs = rel_errors(got, ref)
-                    rows.append(
-                        dict(
-                            backend=backend,
-                            mode=topo.mode,
-                            ulysses=u,
-                            ring=r,
-                            layout=layout,
-                            packed=packed,
-                            err_out_dq_dk_dv=errs,
-                            ok=max(errs) <= TOL[dtype],
-                        )
-                    )
+                leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+                out = ucp.attention(
+                    *leaves, topo, causal=True, layout=layout, backend=backend, cu_seqlens=cud
+                )
+                out.backward(shard(do))
+                got = [
+                    ucp.gather_sequence(t.detach(), topo, layout=layout, cu_seqlens=cud).cpu()
+                    for t in (out, *(x.grad for x in leaves))
+                ]
+                errs = rel_errors(got, ref)
+                case = dict(backend=backend, mode=topo.mode, ulysses=u, ring=r, layout=layout)
+                rows.append(
+                    dict(case, packed=packed, err_out_dq_dk_dv=errs, ok=max(errs) <= TOL[dtype])
+                )
             topo.destroy()
     return rows
 
@@ -218,8 +200,7 @@ def timing_rows(device: torch.device, dry: bool, peak_tflops: float) -> list[dic
     for backend in backends():
         for N in seqs:
             g = torch.Generator().manual_seed(0)
-            shapes = [(1, N, hq, d), (1, N, hkv, d), (1, N, hkv, d), (1, N, hq, d)]
-            q, k, v, do = (torch.randn(s, generator=g).to(device, torch.bfloat16) for s in shapes)
+            q, k, v, do = (t.to(device, torch.bfloat16) for t in inputs(N, hq, hkv, d, g))
             times = []
             for rep in range(2 + repeats):
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]

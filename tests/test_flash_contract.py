@@ -240,6 +240,8 @@ def test_auto_picks_flash_attn_only_for_inputs_it_runs():
         assert "float32" in kernels.flash_attn_unusable("cuda", torch.float32, 128)
         assert "head dim 512" in kernels.flash_attn_unusable("cuda", torch.bfloat16, 512)
         assert "on cpu" in kernels.flash_attn_unusable("cpu", torch.bfloat16, 128)
+        assert "capability 7.5" in kernels.flash_attn_unusable("cuda", torch.float16, 64, (7, 5))
+        assert kernels.flash_attn_unusable("cuda", torch.float16, 64, (8, 0)) is None
         q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)  # CPU: never flash-attn
         assert kernels.resolve_backend("auto", q) == "torch"
     finally:

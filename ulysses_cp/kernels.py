@@ -38,11 +38,16 @@ _LOW = (torch.float16, torch.bfloat16)
 _said: set[str] = set()
 
 
-def flash_attn_unusable(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+def flash_attn_unusable(
+    device_type: str, dtype: torch.dtype, head_dim: int, capability: tuple[int, int] = (9, 0)
+) -> str | None:
     """Why ``"auto"`` does not pick flash-attn for such inputs, or None when it can run
-    them: CUDA, float16/bfloat16, head dim <= 256, and a flash-attn 2.6-2.8 that imports."""
+    them: CUDA on sm80 or newer (flash-attn 2 needs Ampere), float16/bfloat16, head dim
+    <= 256, and a flash-attn 2.6-2.8 that imports."""
     if device_type != "cuda":
         return f"the tensors are on {device_type}"
+    if tuple(capability) < (8, 0):
+        return f"GPU compute capability {capability[0]}.{capability[1]} (flash-attn 2 needs 8.0+)"
     if dtype not in _LOW:
         return f"dtype {dtype} (flash-attn takes float16/bfloat16)"
     if head_dim > 256:
@@ -54,13 +59,14 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
     """Map ``"auto"`` to a backend that can run ``q``'s device, dtype and head dim (and say
     why, once, in the log); raise ``ValueError`` for an unknown or unusable choice.
 
-    ``"auto"``: flash-attn for float16/bfloat16 CUDA tensors with a head dim <= 256 when it
-    imports, else ``"torch"``. ``"flash_attn"`` hands the tensors over as they are
+    ``"auto"``: flash-attn for float16/bfloat16 CUDA tensors (sm80+) with a head dim <= 256
+    when it imports, else ``"torch"``. ``"flash_attn"`` hands the tensors over as they are
     (flash-attn itself rejects CPU tensors and float32), once the module imports."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {list(BACKENDS)}")
     if backend == "auto":
-        why = flash_attn_unusable(q.device.type, q.dtype, q.shape[-1])
+        cc = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else (0, 0)
+        why = flash_attn_unusable(q.device.type, q.dtype, q.shape[-1], cc)
         choice = "torch" if why else "flash_attn"
         note = f"attention backend 'auto' -> {choice!r}"
         note += f": not flash-attn, {why}" if why else ""
