@@ -72,9 +72,40 @@ def parse_args() -> argparse.Namespace:
         "--output_dir", default=None, help="metrics and checkpoints (default runs/<config name>)"
     )
     p.add_argument("--max_steps", type=int, default=None, help="overrides training.max_steps")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="yes",
+        choices=["yes", "auto"],
+        default=None,
+        help="continue from the latest checkpoint in the output folder (an error if there is "
+        "none); '--resume auto': resume when there is one, else start at step 0",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an output folder that already holds a run (refused otherwise)",
+    )
     p.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
     return p.parse_args()
+
+
+def check_output_dir(out: Path, resume: str | None, overwrite: bool) -> bool:
+    """Whether to resume from ``out``; refuses (before anything is built) a ``--resume``
+    with nothing to resume, and a fresh start over an existing run without ``--overwrite``."""
+    has_checkpoint = checkpoint.latest_tag(out) is not None
+    if resume == "yes" and not has_checkpoint:
+        raise ValueError(
+            f"--resume: no checkpoint in {out} (no {out / checkpoint.LATEST} naming a complete "
+            f"one); check --output_dir, drop --resume to start at step 0, or use --resume auto "
+            f"to resume only when a checkpoint exists"
+        )
+    if resume is None and not overwrite and (has_checkpoint or (out / "metrics.jsonl").exists()):
+        raise ValueError(
+            f"{out} already holds a run (metrics.jsonl or checkpoints): --resume continues it, "
+            f"--overwrite starts afresh there, --output_dir DIR starts a new run elsewhere"
+        )
+    return resume is not None and has_checkpoint
 
 
 def validate(sp: ucp.SequenceParallelConfig, mc, dc: DataConfig) -> None:
@@ -146,6 +177,7 @@ def main() -> None:
     ucp.init_distributed(timeout_s=sp.collective_timeout_s)
     validate(sp, mc, dc)
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
+    resuming = check_output_dir(out, args.resume, args.overwrite)
     topo = ucp.topology_from_config(config)
 
     torch.manual_seed(tc.seed)
@@ -153,13 +185,11 @@ def main() -> None:
     optimizer = build_optimizer(config, model)
     engine = ucp.initialize(model=model, config=config, topo=topo, optimizer=optimizer)
     start = 0
-    if args.resume:
-        step = checkpoint.load(engine, out, zero_loss=lambda: zero_loss(engine, topo, sp, dc))
-        if step is None:
-            log.info(f"--resume: no checkpoint in {out}, starting at step 0")
-        else:
-            start = step
-            log.info(f"resumed from {out / checkpoint.latest_tag(out)} at step {start}")
+    if resuming:
+        start = checkpoint.load(engine, out, zero_loss=lambda: zero_loss(engine, topo, sp, dc))
+        log.info(f"resumed from {out / checkpoint.latest_tag(out)} at step {start}")
+    elif args.resume == "auto":
+        log.info(f"--resume auto: no checkpoint in {out}, starting at step 0")
     info = {
         "world_size": topo.world_size,
         "dp": topo.dp_degree,
@@ -173,7 +203,7 @@ def main() -> None:
         config=original,
         topo_info=info,
         is_main=dist.get_rank() == 0,
-        resume=args.resume,
+        resume=resuming,
         start_step=start,
     )
     log.info(
@@ -185,7 +215,6 @@ def main() -> None:
         losses, end = train_loop(
             engine,
             topo,
-            sp.layout,
             make_dataset(dc),
             dc,
             tc,
@@ -226,7 +255,6 @@ def build_model(mc, topo, sp) -> torch.nn.Module:
             hf_config=mc.hf_config,
             hf_weights=mc.hf_weights,
             backend=sp.attention_backend,
-            layout=sp.layout,
             dtype=hf.DTYPES[mc.dtype],
             tiled_mlp=mc.tiled_mlp,
             activation_checkpointing=mc.activation_checkpointing,
@@ -240,7 +268,6 @@ def build_model(mc, topo, sp) -> torch.nn.Module:
             v,
             topo,
             causal=True,
-            layout=sp.layout,
             backend=sp.attention_backend,
             cu_seqlens=cu_seqlens,
         )
@@ -273,7 +300,7 @@ def zero_loss(engine, topo, sp, dc):
         dp_rank=topo.dp_rank,
         dp_degree=topo.dp_degree,
     )
-    local = {k: t.to(engine.device) for k, t in shard_batch(full, topo, sp.layout).items()}
+    local = {k: t.to(engine.device) for k, t in shard_batch(full, topo).items()}
     local["shift_labels"] = torch.full_like(local["shift_labels"], -100)
     return model_loss(engine, local, topo, 0)
 
@@ -307,7 +334,7 @@ class SignalFlag:
         log_all.warning(f"{signal.Signals(signum).name}: saving at the end of this step")
 
 
-def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out, signals, tiled_loss):
+def train_loop(engine, topo, dataset, dc, tc, start, tracker, out, signals, tiled_loss):
     """Returns (logged losses, the step the loop ended at)."""
     gas = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
@@ -331,7 +358,7 @@ def train_loop(engine, topo, layout, dataset, dc, tc, start, tracker, out, signa
                 dp_rank=topo.dp_rank,
                 dp_degree=topo.dp_degree,
             )
-            local = {k: t.to(device) for k, t in shard_batch(full, topo, layout).items()}
+            local = {k: t.to(device) for k, t in shard_batch(full, topo).items()}
             loss = model_loss(engine, local, topo, tiled_loss)
             loss = faults.corrupt_loss(loss, n)
             if any_rank(not torch.isfinite(loss).item(), device):

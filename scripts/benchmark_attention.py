@@ -75,7 +75,7 @@ def formula(N: int, u: int, r: int, nbytes: int) -> int:
 
 def attention_fn(topos: dict, name: str, spec, backend: str):
     u, r, layout, extra = spec
-    topo = topos[(u, r)]
+    topo = topos[(u, r)].with_layout(layout)
     if extra.get("peer"):
         from deepspeed.sequence.layer import DistributedAttention
 
@@ -255,7 +255,7 @@ def max_length(args, topos, P, device, dtype, what: str) -> dict:
     for name, (u, r, layout, extra) in impls(P).items():
         if extra or name == "ulysses":
             continue  # the peer, the no-overlap variant and the contiguous twin: skip
-        topo = topos[(u, r)]
+        topo = topos[(u, r)].with_layout(layout)
 
         def peak_at(N, topo=topo, spec=(u, r, layout, extra), name=name):
             layout = spec[2]

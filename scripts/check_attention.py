@@ -50,7 +50,7 @@ def formula_bytes(args, u: int, r: int, nbytes: int) -> list[int]:
 
 
 def run_case(args, u: int, r: int, layout: str) -> dict:
-    topo = ucp.init_topology(u, r)
+    topo = ucp.init_topology(u, r, layout=layout)
     dtype = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)
     shape_q = (args.batch, args.seq, args.heads, args.head_dim)

@@ -117,8 +117,9 @@ def _mode_body(rank, world, args, device):
     dtype = torch.bfloat16
     for backend in backends():
         for u, r in ((world, 1), (1, world), (2, world // 2)):
-            topo = ucp.init_topology(u, r)
+            groups = ucp.init_topology(u, r)
             for layout, packed in itertools.product(("zigzag", "contiguous"), (False, True)):
+                topo = groups.with_layout(layout)
                 q, k, v, do = inputs(N, hq, hkv, d, torch.Generator().manual_seed(1))
                 cu = packed_bounds(N, 2 * world) if packed else None
                 ref = reference(q, k, v, do, True, cu)
@@ -142,7 +143,7 @@ def _mode_body(rank, world, args, device):
                 rows.append(
                     dict(case, packed=packed, err_out_dq_dk_dv=errs, ok=max(errs) <= TOL[dtype])
                 )
-            topo.destroy()
+            groups.destroy()
     return rows
 
 

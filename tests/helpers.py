@@ -20,12 +20,35 @@ def make_qkv(
     return [t.to(dtype) for t in (q, k, v, dout)]
 
 
-def reference(q, k, v, dout, causal: bool, softmax_scale=None):
-    """Full attention in float64 on the math backend: (out, dq, dk, dv)."""
+def reference(q, k, v, dout, causal: bool, softmax_scale=None, bounds=None):
+    """Full attention in float64, written here independently of ulysses_cp's kernels: an
+    explicit (causal, and block-diagonal for packed ``bounds``) mask, ``torch.softmax``,
+    and autograd for the gradients. Returns ``[out, dq, dk, dv]``."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = ucp.local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, backend="math")
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout.double())
-    return out.detach(), dq, dk, dv
+    hq, hkv, n = q.shape[2], k.shape[2], q.shape[1]
+    kk, vv = (t.repeat_interleave(hq // hkv, dim=2) for t in (k, v))  # head i uses kv i // g
+    mask = torch.ones(n, n, dtype=torch.bool)
+    if bounds is not None:
+        doc = torch.zeros(n, dtype=torch.long)
+        for i, (a, b) in enumerate(zip(list(bounds)[:-1], list(bounds)[1:])):
+            doc[a:b] = i
+        mask &= doc[:, None] == doc[None, :]
+    if causal:
+        mask &= torch.ones(n, n, dtype=torch.bool).tril()
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout.double())]
+
+
+def sdpa_attention(q, k, v, causal: bool = True):
+    """Single-process attention through PyTorch's SDPA (an independent reference for model
+    tests): ``(b, s, h, d)`` in and out, GQA by head counts."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=True
+    )
+    return out.transpose(1, 2)
 
 
 def sharded_run(q, k, v, dout, topo, *, causal, layout, backend, softmax_scale=None):
@@ -47,22 +70,24 @@ def sharded_run(q, k, v, dout, topo, *, causal, layout, backend, softmax_scale=N
 _TOPOS: dict = {}
 
 
-def topology(u: int, r: int):
-    """One topology per degrees per process (group creation is collective and slow)."""
+def topology(u: int, r: int, layout: str = "zigzag"):
+    """One set of process groups per degrees per process (group creation is collective and
+    slow), under the run's ``layout``."""
     if (u, r) not in _TOPOS:
         _TOPOS[(u, r)] = ucp.init_topology(u, r, timeout_s=COLLECTIVE_TIMEOUT_S)
-    return _TOPOS[(u, r)]
+    return _TOPOS[(u, r)].with_layout(layout)
 
 
 def ds_config(
     u: int, r: int, stage: int, *, micro_batch: int = 1, backend: str = "torch", **sp
 ) -> dict:
-    """A DeepSpeed config for one-step tests: clipping 1.0 (DeepSpeed's default, explicit),
-    a client optimizer, ZeRO ``stage``, our block with degrees, backend and ``sp`` extras."""
+    """A DeepSpeed config for one-step tests: no gradient clipping (clipping at a norm below
+    the gradient's would hide a gradient off by a constant factor), a client optimizer, ZeRO
+    ``stage``, our block with degrees, backend and ``sp`` extras."""
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": 0.0,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage},
         "sequence_parallel": {

@@ -20,7 +20,7 @@ def encoded(b: int, s: int, h: int, d: int) -> torch.Tensor:
 
 
 def _placement(rank, P, layout):
-    topo = topology(P, 1)
+    topo = topology(P, 1, layout)
     b, s, h, d = 3, 8 * P, 2 * P, 5
     full = encoded(b, s, h, d)
     local = ucp.shard_sequence(full, topo, layout=layout)

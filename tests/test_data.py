@@ -147,11 +147,11 @@ def test_shard_batch_packed_row():
         assert torch.equal(p["cu_seqlens"], packed["cu_seqlens"]) and p["input_ids"].shape == (1, 4)
         seen.append(p["input_ids"])
     assert sorted(torch.cat(seen, 1)[0].tolist()) == sorted(packed["input_ids"][0].tolist())
-    # labels given unshifted are shifted inside each document only
+    # labels given unshifted are shifted inside each document only, none on padding
     lab = shard_batch(
         {
             "input_ids": packed["input_ids"],
-            "labels": packed["input_ids"],
+            "labels": packed["labels"],
             "position_ids": packed["position_ids"],
             "cu_seqlens": packed["cu_seqlens"],
         },
@@ -159,4 +159,24 @@ def test_shard_batch_packed_row():
         "zigzag",
     )
     assert lab["shift_labels"][0, 7] == -100 and lab["shift_labels"][0, 0] == 11
+    assert lab["shift_labels"][0, 3] == 14 and (lab["shift_labels"][0, 4:8] == -100).all()
     assert torch.equal(full_pos, lab["position_ids"][0])
+
+
+def test_packed_labels_and_shift_labels_give_the_same_targets():
+    """Unshifted labels of a packed row are shifted per document: no target across a border
+    and none on padding, the same as pack_documents's shift_labels. Labels equal to the
+    input ids (padding indistinguishable from tokens) are refused."""
+    topo = ucp.init_topology()
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(1, 50, (n,), generator=g) for n in (5, 8, 3)]
+    row = ucp.pack_documents(docs, multiple=4)
+    base = {k: row[k] for k in ("input_ids", "position_ids", "cu_seqlens")}
+    shifted = shard_batch({**base, "shift_labels": row["shift_labels"]}, topo)
+    unshifted = shard_batch({**base, "labels": row["labels"]}, topo)
+    assert torch.equal(shifted["shift_labels"], unshifted["shift_labels"])
+    # the targets themselves: each real token but the last of its document, nothing else
+    expected = [t for d in docs for t in [*d[1:].tolist(), -100] + [-100] * (-len(d) % 4)]
+    assert shifted["shift_labels"][0].tolist() == expected
+    with pytest.raises(ValueError, match="labels equal to input_ids"):
+        shard_batch({**base, "labels": row["input_ids"]}, topo)

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ulysses_cp as ucp
-from tests.helpers import ds_config, topology
+from tests.helpers import ds_config, sdpa_attention, topology
 from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
 from ulysses_cp.model import Decoder, ModelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TINY = ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
-def _step(rank, u, r, stage, layout):
+def _step(rank, u, r, stage, layout, grad_factor=1.0, own_terms=False):
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
@@ -26,7 +29,7 @@ def _step(rank, u, r, stage, layout):
     model = Decoder(
         TINY, lambda q, k, v: ucp.attention(q, k, v, topo, layout=layout, backend="math")
     )
-    ref = Decoder(TINY, lambda q, k, v: ucp.local_attention(q, k, v, backend="math"))
+    ref = Decoder(TINY, sdpa_attention)  # one process, PyTorch's own attention
     ref.load_state_dict(model.state_dict())
     initial = [p.detach().clone() for p in ref.parameters()]
     engine = ucp.initialize(
@@ -46,20 +49,26 @@ def _step(rank, u, r, stage, layout):
         )
 
     local = shard_batch(batch(topo.dp_rank), topo, layout)
-    loss = ucp.sequence_parallel_cross_entropy(
-        engine(local["input_ids"], local["position_ids"]), local["shift_labels"], topo
-    )
-    engine.backward(loss)
+    logits = engine(local["input_ids"], local["position_ids"])
+    loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
+    fixed = torch.ones(3, TINY.dim)  # the same on every rank
+    n_tokens = local["input_ids"].numel() * topo.sp_world_size  # of this replica's batch
+    if own_terms:  # a replicated regulariser and a per-token auxiliary loss of the user's
+        loss = loss + 0.5 * ucp.replicated_loss_term(engine.module.norm(fixed).pow(2).mean(), topo)
+        loss = loss + 0.1 * ucp.local_loss_term(logits.float().pow(2).sum() / n_tokens, topo)
+    engine.backward(loss * grad_factor)  # grad_factor != 1: a wrong gradient, on purpose
     engine.step()
     # single process: mean over the replicas of each replica's token-mean loss
     ref_losses = []
     for d in range(topo.dp_degree):
         full = batch(d)
         logits = ref(full["input_ids"], full["position_ids"])
-        ref_losses.append(F.cross_entropy(logits.flatten(0, 1), full["shift_labels"].flatten()))
+        ce = F.cross_entropy(logits.flatten(0, 1), full["shift_labels"].flatten())
+        if own_terms:
+            ce = ce + 0.5 * ref.norm(fixed).pow(2).mean() + 0.1 * logits.pow(2).sum() / n_tokens
+        ref_losses.append(ce)
     (sum(ref_losses) / len(ref_losses)).backward()
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()  # no clipping: the step is 0.5 x grad
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
         err = max((p - q).abs().max().item() for p, q in zip(params, ref.parameters()))
@@ -76,6 +85,27 @@ def test_training_step_equals_single_process(pools, stage, u, r, layout):
         assert abs(loss - ref_loss) < 1e-5
         assert moved > 1e-3  # the step really changed the parameters
         assert err < 1e-6, f"updated parameters differ by {err}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("u,r", [(2, 2), (2, 1)])
+def test_loss_terms_of_your_own_follow_the_same_rule(pools, stage, u, r):
+    """A replicated regulariser (ucp.replicated_loss_term) and a per-token auxiliary loss
+    (ucp.local_loss_term) added to the SP loss give the single-process update, ZeRO 1-3,
+    with and without data parallelism."""
+    for loss, ref_loss, err, moved in pools(4).run(_step, u, r, stage, "zigzag", 1.0, True):
+        assert abs(loss - ref_loss) < 1e-5, (loss, ref_loss)
+        assert moved > 1e-3
+        assert err < 1e-6, f"updated parameters differ by {err}"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_equivalence_check_catches_a_2x_gradient(pools, stage):
+    """The check above can fail: the same step with the gradient doubled on purpose moves
+    the parameters far past its tolerance."""
+    for _, _, err, moved in pools(4).run(_step, 2, 2, stage, "zigzag", 2.0):
+        assert err > 1e3 * 1e-6, f"a 2x gradient changed the update by only {err}"
+        assert err > 0.1 * moved
 
 
 def _sp_loss(rank, u, r):
@@ -163,7 +193,7 @@ def _packed_step(rank, u, r, stage):
         return ucp.attention(q, k, v, topo, backend="torch", cu_seqlens=cu_seqlens)
 
     model = Decoder(TINY, attn)
-    ref = Decoder(TINY, lambda q, k, v: ucp.local_attention(q, k, v, backend="torch"))
+    ref = Decoder(TINY, sdpa_attention)
     ref.load_state_dict(model.state_dict())
     engine = ucp.initialize(
         model=model, config=cfg, topo=topo, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)
@@ -185,8 +215,7 @@ def _packed_step(rank, u, r, stage):
     ref_logits = ref(ids, pos)
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten())
     ref_loss.backward()
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()  # no clipping, as in ds_config
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
         err = max((p - q).abs().max().item() for p, q in zip(params, ref.parameters()))
@@ -198,3 +227,44 @@ def test_packed_training_step_equals_one_document_per_row(pools, u, r, stage):
     for loss, ref_loss, err in pools(4).run(_packed_step, u, r, stage):
         assert abs(loss - ref_loss) < 1e-5, (loss, ref_loss)
         assert err < 1e-6, f"updated parameters differ by {err}"
+
+
+def test_a_config_means_what_it_says(tmp_path):
+    """A misspelled top-level block is refused (DeepSpeed would drop it silently); a JSON
+    syntax error names the file and line; keys starting with '_' are comments."""
+    with pytest.raises(ValueError, match=r"'sequence_paralel' \(did you mean 'sequence_parallel'"):
+        ucp.engine.load_config({"sequence_paralel": {"ulysses_degree": 2}})
+    with pytest.raises(ValueError, match=r"'zero_optimisation' \(did you mean 'zero_optimization'"):
+        ucp.engine.load_config({"zero_optimisation": {"stage": 2}})
+    ucp.engine.load_config({"_comment": "kept", "train_batch_size": 8, "wandb": {}})
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "train_batch_size": 8,\n  "bf16": {"enabled": true,}\n}\n')
+    with pytest.raises(ValueError, match=rf"{bad}: invalid JSON at line 3, column"):
+        ucp.engine.load_config(bad)
+
+
+def _train_module():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    module = sys.modules["train_script"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_output_folder_is_never_silently_reused(tmp_path):
+    check = _train_module().check_output_dir
+    empty = tmp_path / "empty"
+    with pytest.raises(ValueError, match="--resume: no checkpoint in"):
+        check(empty, "yes", False)
+    assert check(empty, "auto", False) is False and check(empty, None, False) is False
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match=r"already holds a run.*--overwrite"):
+        check(run, None, False)
+    assert check(run, None, True) is False
+    (run / "step2").mkdir()
+    (run / "latest").write_text("step2")
+    assert check(run, "yes", False) is True and check(run, "auto", False) is True

@@ -16,6 +16,7 @@ import torch
 
 import ulysses_cp as ucp
 from tests.flash_standin import unuse, use
+from tests.helpers import reference as float64_attention
 from ulysses_cp import flash_backend, kernels, torch_backend
 
 # (release, wrap): 2.6 has plain functions; 2.7/2.8 custom ops (torch 2.4-2.9) or plain
@@ -67,9 +68,8 @@ def make(shape_q, hkv, seed=0):
 
 
 def reference(q, k, v, do, causal, cu=None):
-    leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    out = ucp.local_attention(*leaves, causal=causal, backend="math", cu_seqlens=cu)
-    return [out.detach(), *torch.autograd.grad(out, leaves, do.double())]
+    bounds = None if cu is None else cu.tolist()
+    return float64_attention(q, k, v, do, causal, bounds=bounds)
 
 
 def run(q, k, v, do, dtype, fn):
@@ -104,9 +104,7 @@ def test_local_attention_matches_float64(standin, hq, hkv, d, causal, packed):
 @pytest.mark.parametrize("standin", RELEASES, indirect=True, ids=lambda r: "-".join(r))
 def test_batch_and_scale_reach_the_kernel(standin):
     q, k, v, do = make((3, 32, 4, 32), 2, seed=1)
-    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out = ucp.local_attention(*ref_leaves, causal=True, softmax_scale=0.3, backend="math")
-    ref = [ref_out.detach(), *torch.autograd.grad(ref_out, ref_leaves, do.double())]
+    ref = float64_attention(q, k, v, do, True, softmax_scale=0.3)
     got = run(
         q, k, v, do, torch.bfloat16,
         lambda *t: ucp.local_attention(*t, causal=True, softmax_scale=0.3, backend="flash_attn"),
@@ -288,8 +286,8 @@ def _modes(rank, version, wrap):
         q, k, v, do = make((1, N, hq, d), hkv, seed=3)
         rows = []
         for u, r in ((4, 1), (1, 4), (2, 2)):
-            topo = topology(u, r)
             for layout in ("zigzag", "contiguous"):
+                topo = topology(u, r, layout)
                 for cu in (None, bounds(N, 8)):
                     ref = reference(q, k, v, do, True, cu)
 

@@ -208,3 +208,25 @@ def test_local_weights_and_set_attn_implementation(tmp_path):
     saved.set_attn_implementation("ulysses_cp")
     with torch.no_grad():
         torch.testing.assert_close(hf.HFCausalLM(saved)(ids, pos), expected, rtol=1e-5, atol=1e-5)
+
+
+def _layout_mismatch(rank):
+    """The issue's silent case: attention registered in the run's layout (zigzag) and a batch
+    sharded contiguous. Now every call that disagrees with the run's layout raises."""
+    topo = topology(2, 1)
+    hf.register_attention(topo)
+    batch = {"input_ids": torch.randint(96, (1, 16)), "labels": torch.randint(96, (1, 16))}
+    messages = []
+    for call in (
+        lambda: hf.shard_batch(batch, topo, layout="contiguous"),
+        lambda: hf.register_attention(topo, layout="contiguous"),
+    ):
+        with pytest.raises(ValueError, match="disagrees with the run's layout 'zigzag'") as info:
+            call()
+        messages.append(str(info.value))
+    return messages
+
+
+def test_a_layout_that_disagrees_with_the_run_raises_on_every_rank(pools):
+    first, second = pools(2).run(_layout_mismatch)
+    assert first == second

@@ -172,6 +172,7 @@ def _bad_inputs(rank):
         "backend not installed": lambda: ucp.attention(x, x, x, topo, backend="flash_attn"),
         "dtype mismatch": lambda: ucp.attention(x, x.double(), x, topo),
         "odd zigzag shard": lambda: ucp.attention(x[:, :7], x[:, :7], x[:, :7], topo),
+        "layout mismatch": lambda: ucp.attention(x, x, x, topo, layout="contiguous"),
     }
     out = {}
     for name, fn in cases.items():
@@ -197,3 +198,4 @@ def test_bad_inputs_raise_on_every_rank_within_seconds(pools):
     assert "flash_attn" in first["backend not installed"][0]
     assert "dtypes differ" in first["dtype mismatch"][0]
     assert "must be even" in first["odd zigzag shard"][0]
+    assert "disagrees with the run's layout 'zigzag'" in first["layout mismatch"][0]

@@ -19,7 +19,7 @@ MODES = [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)]
 
 
 def _check(rank, u, r, hq, hkv, causal, layout, backend, dtype, b, s):
-    topo = topology(u, r)
+    topo = topology(u, r, layout)
     q, k, v, dout = make_qkv(seed=21, b=b, s=s, hq=hq, hkv=hkv, d=24, dtype=dtype)
     got = sharded_run(q, k, v, dout, topo, causal=causal, layout=layout, backend=backend)
     ref = reference(q, k, v, dout, causal)
@@ -58,7 +58,7 @@ def test_ring_float64_torch_backend(pools):
 
 def _work(rank, layout):
     """Count attention score elements each rank computes in forward and backward."""
-    topo = topology(1, 4)
+    topo = topology(1, 4, layout)
     counted = {"n": 0}
     real_fwd, real_bwd = ring_mod.attn_forward, ring_mod.attn_backward
 

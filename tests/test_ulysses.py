@@ -14,7 +14,7 @@ TOL64 = dict(rtol=1e-10, atol=1e-10)
 
 
 def _check_float64(rank, u, hq, hkv, causal, layout, backend):
-    topo = topology(u, 1)
+    topo = topology(u, 1, layout)
     q, k, v, dout = make_qkv(seed=7, b=2, s=32, hq=hq, hkv=hkv, d=24)
     got = sharded_run(q, k, v, dout, topo, causal=causal, layout=layout, backend=backend)
     ref = reference(q, k, v, dout, causal)
@@ -39,7 +39,7 @@ def test_ulysses_float64_torch_backend(pools, P):
 
 
 def _check_low_precision(rank, u, dtype, causal, layout):
-    topo = topology(u, 1)
+    topo = topology(u, 1, layout)
     q, k, v, dout = make_qkv(seed=11, b=2, s=64, hq=8, hkv=4, d=40, dtype=dtype)
     got = sharded_run(q, k, v, dout, topo, causal=causal, layout=layout, backend="torch")
     ref = reference(q, k, v, dout, causal)
@@ -78,7 +78,7 @@ def test_data_parallel_times_ulysses(pools, causal):
 
 
 def _check_softmax_scale(rank):
-    topo = topology(2, 1)
+    topo = topology(2, 1, "contiguous")
     q, k, v, dout = make_qkv(seed=5, b=1, s=16, hq=4, hkv=4, d=8)
     got = sharded_run(
         q, k, v, dout, topo, causal=True, layout="contiguous", backend="torch", softmax_scale=0.3
@@ -94,7 +94,7 @@ def test_softmax_scale_is_used(pools):
 
 def _check_padding(rank, layout):
     """End padding (causal) leaves the real tokens' outputs and grads unchanged."""
-    topo = topology(4, 1)
+    topo = topology(4, 1, layout)
     q, k, v, dout = make_qkv(seed=9, b=2, s=21, hq=4, hkv=2, d=8)
     m = ucp.sequence_multiple(topo.sp_world_size, layout)
     padded = [ucp.pad_to_multiple(t, m) for t in (q, k, v)]

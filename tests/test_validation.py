@@ -7,6 +7,7 @@ import torch
 
 import ulysses_cp as ucp
 from ulysses_cp.attention import validate_qkv
+from ulysses_cp.data import shard_batch
 from ulysses_cp.sharding import check_sequence_length, natural_to_pairs, pairs_to_natural
 from ulysses_cp.topology import Topology
 
@@ -62,6 +63,30 @@ def test_local_topology_without_distributed():
     assert (t.sp_world_size, t.dp_degree, t.mode) == (1, 1, "local")
     with pytest.raises(ValueError):
         ucp.init_topology(2, 1)  # needs a world of 2
+
+
+def test_the_layout_is_stated_once():
+    """Every call that takes the topology uses its layout; a layout= that disagrees is an
+    error naming both, never a silently different sharding."""
+    assert ucp.init_topology().layout == "zigzag"
+    t = ucp.init_topology(layout="contiguous")
+    assert (t.layout, ucp.layout_of(t), ucp.layout_of(t, "contiguous")) == ("contiguous",) * 3
+    assert t.with_layout("zigzag").layout == "zigzag" and t.layout == "contiguous"
+    x = torch.zeros(1, 8, 2, 4)
+    calls = {
+        "shard_sequence": lambda: ucp.shard_sequence(x, t, layout="zigzag"),
+        "gather_sequence": lambda: ucp.gather_sequence(x, t, layout="zigzag"),
+        "attention": lambda: ucp.attention(x, x, x, t, layout="zigzag"),
+        "data.shard_batch": lambda: shard_batch(
+            {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, t, layout="zigzag"
+        ),
+    }
+    for call in calls.values():
+        with pytest.raises(ValueError, match="layout='zigzag' disagrees with the run's layout "
+                                             "'contiguous'"):  # fmt: skip
+            call()
+    with pytest.raises(ValueError, match=r"\['zigzag', 'contiguous'\]"):
+        ucp.init_topology(layout="striped")
 
 
 @pytest.mark.parametrize(

@@ -26,19 +26,7 @@ DOC_SETS = {
 
 def packed_reference(q, k, v, dout, bounds, causal):
     """float64 attention with an explicit block-diagonal (and causal) mask: (out, grads)."""
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    hq, hkv, n = q.shape[2], k.shape[2], q.shape[1]
-    kk, vv = (t.repeat_interleave(hq // hkv, dim=2) for t in (k, v))
-    doc = torch.zeros(n, dtype=torch.long)
-    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
-        doc[a:b] = i
-    mask = doc[:, None] == doc[None, :]
-    if causal:
-        mask &= torch.ones(n, n, dtype=torch.bool).tril()
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) / q.shape[-1] ** 0.5
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
-    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout.double())]
+    return reference(q, k, v, dout, causal, bounds=bounds)
 
 
 def padded_bounds(lengths, multiple):
@@ -58,7 +46,7 @@ def packed_run(q, k, v, dout, topo, cu, *, causal, layout, backend):
 
 
 def _check(rank, u, r, lengths, causal, layout, hq, hkv, backend):
-    topo = topology(u, r)
+    topo = topology(u, r, layout)
     bounds = padded_bounds(lengths, ucp.sequence_multiple(u * r, layout))
     cu = torch.tensor(bounds, dtype=torch.int32)
     q, k, v, dout = make_qkv(seed=31, b=1, s=bounds[-1], hq=hq, hkv=hkv, d=16)

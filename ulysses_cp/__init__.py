@@ -6,11 +6,12 @@ from .attention import attention, forward_comm_bytes
 from .comm import stats as comm_stats
 from .engine import SequenceParallelConfig, init_distributed, initialize, topology_from_config
 from .kernels import BACKENDS, attn_backward, attn_forward, local_attention
-from .loss import sequence_parallel_cross_entropy
+from .loss import local_loss_term, replicated_loss_term, sequence_parallel_cross_entropy
 from .sharding import (
     LAYOUTS,
     gather_sequence,
     layout_indices,
+    layout_of,
     pad_batch,
     pad_to_multiple,
     sequence_multiple,
@@ -41,11 +42,14 @@ __all__ = [
     "initialize",
     "kv_replication",
     "layout_indices",
+    "layout_of",
     "local_attention",
+    "local_loss_term",
     "pack_documents",
     "pad_batch",
     "pad_to_multiple",
     "plan_groups",
+    "replicated_loss_term",
     "sequence_multiple",
     "sequence_parallel_cross_entropy",
     "shard_sequence",

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .comm import collective
 from .kernels import BACKENDS, local_attention, resolve_backend
 from .ring import ring_attention
-from .sharding import LAYOUTS, check_layout, sequence_multiple
+from .sharding import LAYOUTS, check_layout, layout_of, sequence_multiple
 from .topology import Topology
 from .ulysses import kv_replication, ulysses_attention
 from .varlen import Docs, check_cu_seqlens, inverse_permutation, ulysses_permutation
@@ -55,19 +55,21 @@ def attention(
     topo: Topology,
     *,
     causal: bool = True,
-    layout: str = "zigzag",
+    layout: str | None = None,
     softmax_scale: float | None = None,
     backend: str = "auto",
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sequence-parallel attention equal to full attention on the gathered sequence.
 
-    q ``(b, s_local, hq, d)``, k/v ``(b, s_local, hkv, d)`` sharded with ``layout``;
+    q ``(b, s_local, hq, d)``, k/v ``(b, s_local, hkv, d)`` sharded in the run's layout
+    (``topo.layout``; a ``layout=`` that disagrees raises, see :func:`layout_of`);
     returns ``(b, s_local, hq, d)`` in q's dtype, differentiable in q, k, v.
 
     ``cu_seqlens``: a packed row (batch 1): int32 global document boundaries, the same on
     every rank; q/k/v sharded document-wise (``shard_sequence(..., cu_seqlens=cu)``).
     Attention stays inside each document."""
+    layout = layout_of(topo, layout)  # the same verdict on every rank: before any collective
     if topo.check_inputs and topo.sp_world_size > 1:
         # first, so that input that only some ranks would reject fails on every rank
         check_across_ranks(

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .config import from_block
-from .sharding import sequence_multiple, shard_sequence
+from .sharding import layout_of, sequence_multiple, shard_sequence
 from .varlen import IGNORE, check_cu_seqlens, pack_documents
 
 TASKS = ("kv_recall", "text")
@@ -253,14 +253,16 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE) -> torch.Tens
 
 
 def shard_batch(
-    batch: dict[str, torch.Tensor], topo, layout: str = "zigzag"
+    batch: dict[str, torch.Tensor], topo, layout: str | None = None
 ) -> dict[str, torch.Tensor]:
-    """This SP rank's ``input_ids``, global ``position_ids`` and ``shift_labels``.
+    """This SP rank's ``input_ids``, global ``position_ids`` and ``shift_labels``, in the
+    run's layout (``topo.layout``; a ``layout=`` that disagrees raises).
 
     ``batch`` holds full ``(b, s)`` tensors: ``input_ids`` and either ``shift_labels`` or
     ``labels`` (shifted here, on the full sequence); ``position_ids`` default to
     ``0..s-1``. A packed row (``cu_seqlens`` in ``batch``, b = 1) is sharded document-wise,
     ``labels`` are shifted inside each document, and ``cu_seqlens`` is passed on."""
+    layout = layout_of(topo, layout)
     ids = batch["input_ids"]
     s = ids.shape[1]
     m = sequence_multiple(topo.sp_world_size, layout)
@@ -276,7 +278,15 @@ def shard_batch(
     if "shift_labels" in batch:
         targets = batch["shift_labels"]
     else:
-        targets = shift_labels(batch.get("labels", ids))
+        labels = batch.get("labels", ids)
+        if cu is not None and torch.equal(labels, ids):
+            raise ValueError(
+                "a packed row (cu_seqlens) with labels equal to input_ids: the padding at the "
+                "end of each document cannot be told from its tokens, so the last token and "
+                "the padding would be trained to predict the pad id. Pass shift_labels (or "
+                "labels with -100 on the padding), as ucp.pack_documents returns them"
+            )
+        targets = shift_labels(labels)
         if cu is not None:
             targets[:, cu[1:].long() - 1] = IGNORE  # no target across a document border
     pos = batch.get("position_ids")

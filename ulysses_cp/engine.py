@@ -13,6 +13,7 @@ Tests compare updated parameters against a single process for every stage.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
 from dataclasses import dataclass
@@ -73,14 +74,79 @@ class SequenceParallelConfig:
         return sp
 
 
+# DeepSpeed's documented top-level blocks and keys (deepspeed 0.19); the string constants of
+# deepspeed.runtime.constants are added when deepspeed imports (see known_top_level_keys)
+DEEPSPEED_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "optimizer", "scheduler", "fp16", "bf16", "amp", "torch_autocast", "gradient_clipping",
+    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
+    "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown",
+    "flops_profiler", "activation_checkpointing", "sparse_attention", "data_efficiency",
+    "curriculum_learning", "tensorboard", "csv_monitor", "wandb", "comet", "comms_logger",
+    "autotuning", "elasticity", "communication_data_type", "data_types", "checkpoint", "aio",
+    "nebula", "compression_training", "pipeline", "eigenvalue", "progressive_layer_drop",
+    "quantize_training", "weight_quantization", "hybrid_engine", "compile",
+    "data_parallel_size", "sequence_parallel_size", "disable_allgather", "dataloader_drop_last",
+    "seq_parallel_communication_data_type", "gradient_allreduce_op", "mics_shard_size",
+    "mics_hierarchical_params_gather", "use_node_local_storage", "load_universal",
+    "graph_harvesting", "timers", "tensor_parallel", "vocabulary_size", "disable_python_gc",
+)  # fmt: skip
+
+
+def known_top_level_keys() -> set[str]:
+    """Top-level keys a config may hold: our blocks and DeepSpeed's."""
+    keys = {*OUR_BLOCKS, *DEEPSPEED_KEYS}
+    try:
+        import deepspeed.runtime.constants as ds_constants
+    except Exception:  # deepspeed missing or broken: the documented list alone
+        return keys
+    for name, value in vars(ds_constants).items():
+        if name.isupper() and isinstance(value, str) and value.isidentifier():
+            keys.add(value)
+    return keys
+
+
+def check_top_level_keys(config: dict, source: str = "the config") -> None:
+    """DeepSpeed ignores top-level keys it does not know, so a misspelled block (say
+    ``"sequence_paralel"``) would silently train without it: refuse unknown keys, with the
+    closest known ones. Keys starting with ``_`` are left alone (comments)."""
+    known = known_top_level_keys()
+    unknown = sorted(k for k in config if k not in known and not str(k).startswith("_"))
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key), sorted(known), n=2, cutoff=0.6)
+            hints.append(f"{key!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)"
+                                       if close else ""))  # fmt: skip
+        raise ValueError(
+            f"unknown top-level key(s) in {source}: {', '.join(hints)}. DeepSpeed would ignore "
+            f"them silently; fix the spelling, or start a key with '_' to keep it as a comment"
+        )
+
+
 def load_config(config: str | Path | dict) -> dict:
-    """A DeepSpeed JSON config (path or dict), deep-copied."""
+    """A DeepSpeed JSON config (path or dict), deep-copied and checked for unknown top-level
+    keys; a JSON syntax error names the file, line and column."""
     if isinstance(config, dict):
-        return copy.deepcopy(config)
+        config = copy.deepcopy(config)
+        check_top_level_keys(config)
+        return config
     path = Path(config)
     if not path.is_file():
         raise ValueError(f"DeepSpeed config not found: {path}")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{path}: a DeepSpeed config is a JSON object, got {type(config).__name__}"
+        )
+    check_top_level_keys(config, str(path))
+    return config
 
 
 def deepspeed_part(config: dict) -> dict:
@@ -116,6 +182,7 @@ def topology_from_config(config: dict) -> Topology:
     return init_topology(
         sp.ulysses_degree,
         sp.ring_degree,
+        layout=sp.layout,
         timeout_s=sp.collective_timeout_s,
         check_inputs=sp.check_inputs,
     )

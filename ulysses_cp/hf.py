@@ -35,6 +35,7 @@ from .config import from_block
 from .data import shard_batch  # noqa: F401  (re-exported: full batch -> this rank's shard)
 from .memory import checkpointed, lm_loss, tile_mlps
 from .model import check_memory_options
+from .sharding import layout_of
 from .topology import Topology
 
 KEY = "ulysses_cp"
@@ -142,11 +143,12 @@ def _attention_forward(
     return out, None
 
 
-def register_attention(topo: Topology, backend: str = "auto", layout: str = "zigzag") -> str:
+def register_attention(topo: Topology, backend: str = "auto", layout: str | None = None) -> str:
     """Register ``ucp.attention`` over ``topo`` as ``attn_implementation="ulysses_cp"``
-    (process-wide; registering again replaces the topology). Returns the key."""
+    (process-wide; registering again replaces the topology), in the run's layout
+    (``topo.layout``; a ``layout=`` that disagrees raises). Returns the key."""
     transformers = _transformers()
-    fn = partial(_attention_forward, topo=topo, backend=backend, layout=layout)
+    fn = partial(_attention_forward, topo=topo, backend=backend, layout=layout_of(topo, layout))
     transformers.AttentionInterface.register(KEY, fn)
     return KEY
 
@@ -173,7 +175,7 @@ class HFCausalLM(nn.Module):
         model: nn.Module,
         *,
         topo: Topology | None = None,
-        layout: str = "zigzag",
+        layout: str | None = None,
         activation_checkpointing=False,
         offload_activations=False,
     ) -> None:
@@ -187,7 +189,7 @@ class HFCausalLM(nn.Module):
             )
         if getattr(model.config, "final_logit_softcapping", None):
             _refuse("final_logit_softcapping", "use a model without it")
-        self.model, self.topo, self.layout = model, topo, layout
+        self.model, self.topo, self.layout = model, topo, layout_of(topo, layout)
         self.checkpointing, self.offload = activation_checkpointing, offload_activations
         self._checked = False
         if activation_checkpointing:
@@ -291,7 +293,7 @@ def build_model(
     hf_config: str | dict,
     hf_weights: str | None = None,
     backend: str = "auto",
-    layout: str = "zigzag",
+    layout: str | None = None,
     dtype: torch.dtype = torch.float32,
     tiled_mlp: int = 0,
     activation_checkpointing: bool = False,

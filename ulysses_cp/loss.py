@@ -75,3 +75,22 @@ def sequence_parallel_loss_from_sums(ce: torch.Tensor, count: torch.Tensor, topo
             dist.all_reduce(count, group=group)
     loss = ce / count.clamp(min=1)  # no target anywhere -> 0, not NaN
     return scale_gradient(loss, getattr(topo, "grad_scale", 1))
+
+
+def replicated_loss_term(term: torch.Tensor, topo) -> torch.Tensor:
+    """A loss term of your own that every SP rank computes identically (from the
+    parameters, or from data every SP rank holds in full: a regulariser, say). Same value;
+    gradient times ``topo.grad_scale / sp_world_size``: the gradient reduction SUMS over the
+    SP ranks, so without this the term would count ``sp_world_size`` times. Add it to the
+    SP cross-entropy before ``engine.backward``."""
+    return scale_gradient(term, getattr(topo, "grad_scale", 1) / topo.sp_world_size)
+
+
+def local_loss_term(term_local: torch.Tensor, topo) -> torch.Tensor:
+    """A loss term of your own summed over this rank's tokens (an auxiliary per-token loss:
+    normalise by the GLOBAL token count yourself, as the SP cross-entropy does). Value: the
+    sum over the SP group, the same on every rank; gradient: this rank's share, times
+    ``topo.grad_scale`` (the rule of :func:`sequence_parallel_cross_entropy`)."""
+    if group_size(topo.sp_group) > 1:
+        term_local = _SumKeepGrad.apply(term_local, topo.sp_group)
+    return scale_gradient(term_local, getattr(topo, "grad_scale", 1))

@@ -29,6 +29,26 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
 
 
+def layout_of(topo, layout: str | None = None) -> str:
+    """The layout a call uses: the run's (``topo.layout``, fixed by ``init_topology`` or
+    the ``"sequence_parallel"`` block) when ``layout`` is None. A ``layout`` that disagrees
+    with the run's raises ``ValueError`` naming both: shards, attention and gathers in two
+    layouts give a wrong result with no error."""
+    run = getattr(topo, "layout", "zigzag")
+    if layout is None:
+        return run
+    check_layout(layout)
+    if layout != run:
+        raise ValueError(
+            f"layout={layout!r} disagrees with the run's layout {run!r} (set by "
+            f"ucp.init_topology(..., layout={run!r}) or the sequence_parallel block): tokens "
+            f"sharded in one layout and attended or gathered in another give wrong results. "
+            f"Leave layout= out to use the run's, or build the topology with "
+            f"layout={layout!r}"
+        )
+    return layout
+
+
 def sequence_multiple(sp_world_size: int, layout: str) -> int:
     """The multiple a full sequence length must be of: P (contiguous) or 2P (zigzag);
     1 without sequence parallelism (P = 1 holds the whole sequence in either layout)."""
@@ -138,14 +158,15 @@ def shard_sequence(
     x: torch.Tensor,
     topo,
     dim: int = 1,
-    layout: str = "zigzag",
+    layout: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """This SP rank's tokens of ``x``, a tensor every SP rank holds in full.
+    """This SP rank's tokens of ``x``, a tensor every SP rank holds in full (the same on
+    every rank), in the run's layout (``topo.layout``; see :func:`layout_of`).
 
     ``cu_seqlens``: ``x`` is a packed row; every document is split on its own
     (document-wise layout, see :mod:`ulysses_cp.varlen`)."""
-    check_layout(layout)
+    layout = layout_of(topo, layout)
     P = topo.sp_world_size
     bounds = _packed(cu_seqlens, x.shape[dim], P, layout)
     if bounds is not None:
@@ -159,14 +180,15 @@ def gather_sequence(
     x_local: torch.Tensor,
     topo,
     dim: int = 1,
-    layout: str = "zigzag",
+    layout: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Exact inverse of :func:`shard_sequence` (all-gather over the SP group).
+    """Exact inverse of :func:`shard_sequence` (all-gather over the SP group), in the run's
+    layout (``topo.layout``).
 
     Differentiable: the backward returns this rank's slice of the incoming gradient, which
     is right when every SP rank computes the same function of the gathered tensor."""
-    check_layout(layout)
+    layout = layout_of(topo, layout)
     P = topo.sp_world_size
     bounds = _packed(cu_seqlens, x_local.shape[dim] * P, P, layout)
     if bounds is None or P == 1:

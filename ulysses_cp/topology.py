@@ -15,12 +15,13 @@ Example, 8 ranks, u=4, r=2: ulysses {0-3}, {4-7}; ring {0,4}, {1,5}, {2,6}, {3,7
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from .comm import name_group
+from .sharding import check_layout
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,15 @@ class Topology:
     # ucp.attention compares every SP rank's input shapes/dtypes (one tiny all-gather)
     # before its first all-to-all or ring pass, so a mismatch raises instead of hanging
     check_inputs: bool = True
+    # the run's token layout: every call that takes the topology uses it (ucp.layout_of)
+    layout: str = "zigzag"
     _owned: list = field(default_factory=list, repr=False)
+
+    def with_layout(self, layout: str) -> Topology:
+        """The same process groups under another layout (a new run's choice; the groups
+        are shared, so destroy only one of the two)."""
+        check_layout(layout)
+        return replace(self, layout=layout)
 
     @property
     def sp_world_size(self) -> int:
@@ -143,18 +152,23 @@ def init_topology(
     ulysses_degree: int = 1,
     ring_degree: int = 1,
     *,
+    layout: str = "zigzag",
     timeout_s: float | None = None,
     check_inputs: bool = True,
 ) -> Topology:
-    """Build the groups of ``shared/API.md`` on the default process group.
+    """Build the process groups (module docstring) on the default process group.
 
     Every rank must call this with the same degrees (group creation is collective).
     Without an initialised ``torch.distributed`` only ``1 x 1`` is allowed (a local topology).
-    ``timeout_s``: collective timeout of the new groups (default: the default group's).
+    ``layout``: the run's token layout (``"zigzag"`` or ``"contiguous"``), used by every call
+    that takes the topology when it is given no ``layout=``; a ``layout=`` that disagrees
+    is an error. ``timeout_s``: collective timeout of the new groups (default: the default
+    group's).
     """
+    check_layout(layout)
     if not dist.is_available() or not dist.is_initialized():
         validate_degrees(1, ulysses_degree, ring_degree)
-        return Topology(rank=0, world_size=1, ulysses_degree=1, ring_degree=1)
+        return Topology(rank=0, world_size=1, ulysses_degree=1, ring_degree=1, layout=layout)
     world, rank = dist.get_world_size(), dist.get_rank()
     plan = plan_groups(world, ulysses_degree, ring_degree)
     topo = Topology(
@@ -163,6 +177,7 @@ def init_topology(
         ulysses_degree=ulysses_degree,
         ring_degree=ring_degree,
         check_inputs=check_inputs,
+        layout=layout,
     )
     kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     for attr, groups in (

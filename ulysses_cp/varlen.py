@@ -166,11 +166,13 @@ def pack_documents(
     target crosses a border) and int32 ``cu_seqlens``. Each document is padded at its end
     to a multiple of ``multiple`` (use ``ucp.sequence_multiple(P, layout)``); the padding
     has no target and, in causal attention, comes after every real token of its document,
-    so it changes no loss. ``labels`` optionally gives per-document targets already
-    shifted (``shift_labels``) instead of the next token."""
+    so it changes no loss. Also ``labels``: the same targets unshifted (each document's
+    tokens, ``ignore_index`` on its first position when ``labels`` are given and on its
+    padding), for code that shifts itself. ``labels`` optionally gives per-document targets
+    already shifted (``shift_labels``) instead of the next token."""
     if not documents:
         raise ValueError("pack_documents needs at least one document")
-    ids, pos, tgt, cu = [], [], [], [0]
+    ids, pos, tgt, unshifted, cu = [], [], [], [], [0]
     for i, doc in enumerate(documents):
         if doc.dim() != 1 or doc.numel() == 0:
             raise ValueError(f"document {i} must be a non-empty 1-D tensor, got {tuple(doc.shape)}")
@@ -179,11 +181,14 @@ def pack_documents(
         t = torch.cat([doc[1:], doc.new_full((1,), ignore_index)]) if labels is None else labels[i]
         ids.append(torch.cat([doc, doc.new_full((pad,), pad_token_id)]))
         tgt.append(torch.cat([t, t.new_full((pad,), ignore_index)]))
+        before = t.new_full((1,), ignore_index) if labels is not None else doc[:1]
+        unshifted.append(torch.cat([before, t[:-1], t.new_full((pad,), ignore_index)]))
         pos.append(torch.arange(n + pad, device=doc.device))
         cu.append(cu[-1] + n + pad)
     return {
         "input_ids": torch.cat(ids)[None],
         "position_ids": torch.cat(pos)[None],
         "shift_labels": torch.cat(tgt)[None],
+        "labels": torch.cat(unshifted)[None],
         "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
     }
