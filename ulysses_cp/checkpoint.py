@@ -16,9 +16,9 @@ them and their optimizer state, over every rank (``engine.SequenceParallelMPU``)
 ranks and ZeRO stage, DeepSpeed's own files load under any other split (u4 -> u2r2 -> r4,
 dp2 x u2 -> u4). A different number of ranks or ZeRO stage changes the partitioning, which
 DeepSpeed refuses; for that every checkpoint also holds ``portable.pt`` (written by rank 0:
-full fp32 parameters, Adam moments and step, scheduler state), which ``load`` uses when the
-world size or stage differs (``portable=False`` in ``save`` skips it: it gathers the full
-model and optimizer state on rank 0's CPU).
+full fp32 parameters, every optimizer state tensor and its step, scheduler state), which
+``load`` uses when the world size or stage differs (``portable=False`` in ``save`` skips
+it: it gathers the full model and optimizer state on rank 0's CPU).
 """
 
 from __future__ import annotations
@@ -81,40 +81,66 @@ def _base_optimizer(engine):
     return getattr(opt, "optimizer", opt)
 
 
-def _adam_step(engine) -> int:
+def _optimizer_step(engine) -> int:
+    """The optimizer's own step count (Adam, Adagrad...), 0 for optimizers without one."""
     for state in _base_optimizer(engine).state.values():
         if "step" in state:
             return int(state["step"])
     return 0
 
 
+def _state_keys(engine) -> list[str]:
+    """The per-parameter tensors the optimizer keeps, whatever they are called (Adam's
+    ``exp_avg``/``exp_avg_sq``, momentum SGD's ``momentum_buffer``, Adagrad's ``sum``...);
+    under ZeRO they are the same for every flat partition."""
+    keys: set[str] = set()
+    for state in _base_optimizer(engine).state.values():
+        keys |= {k for k, v in state.items() if k != "step" and torch.is_tensor(v) and v.dim()}
+    return sorted(keys)
+
+
+def _hp_mapped(p) -> bool:
+    """Does DeepSpeed keep this parameter's fp32 master copy and optimizer state elsewhere
+    (ZeRO 1-3, or bf16 under ZeRO 0)? Then they are read through its safe_get API."""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+
 def _portable_state(engine) -> dict:
-    """Full fp32 parameters and optimizer moments by parameter name (collective)."""
+    """Full fp32 parameters and every optimizer state tensor by parameter name
+    (collective)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    stage, params = _stage(engine), {}
+    params, keys = {}, _state_keys(engine)
     opt_state = _base_optimizer(engine).state
     for name, p in engine.module.named_parameters():
-        if stage == 0:
-            entry = {"param": p.detach().float().cpu()}
-            for key, value in opt_state.get(p, {}).items():
-                if key != "step":
-                    entry[key] = value.detach().float().cpu()
-        else:
+        if _hp_mapped(p):
             entry = {"param": safe_get_full_fp32_param(p).cpu()}
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in keys:
                 value = safe_get_full_optimizer_state(p, key)
                 if value is not None:
                     entry[key] = value.cpu()
+        else:  # ZeRO 0 in full precision: the optimizer holds the parameter itself
+            entry = {"param": p.detach().float().cpu()}
+            for key in keys:
+                value = opt_state.get(p, {}).get(key)
+                if value is not None:
+                    entry[key] = value.detach().float().cpu()
         params[name] = entry
     sched = engine.lr_scheduler
     return {
         "params": params,
-        "adam_step": _adam_step(engine),
+        "optimizer_step": _optimizer_step(engine),
         "scheduler": None if sched is None else sched.state_dict(),
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
     }
+
+
+def _wants_step(opt) -> bool:
+    """Optimizers that keep a per-parameter ``step`` (Adam family, Adagrad)."""
+    return any("step" in s for s in opt.state.values()) or type(opt).__name__.startswith(
+        ("Adam", "Adagrad")
+    )
 
 
 def _load_portable(engine, path: Path, zero_loss) -> None:
@@ -125,9 +151,12 @@ def _load_portable(engine, path: Path, zero_loss) -> None:
 
     state = torch.load(path, weights_only=False)
     stage = _stage(engine)
-    if stage != 0:
-        # ZeRO creates Adam's state (and links it to the parameters) in its first step:
-        # take one step on a zero gradient with learning rate 0, then overwrite everything
+    if any(_hp_mapped(p) for p in engine.module.parameters()):
+        # ZeRO (and the bf16 optimizer) creates the optimizer state and links it to the
+        # parameters in its first step: take one step on a zero gradient with learning
+        # rate 0, then overwrite everything
+        if zero_loss is None:
+            raise ValueError("checkpoint.load needs zero_loss= to load a portable state here")
         engine.backward(zero_loss())
         skip_update(engine)
     opt = _base_optimizer(engine)
@@ -135,29 +164,25 @@ def _load_portable(engine, path: Path, zero_loss) -> None:
     missing = sorted(set(named) ^ set(state["params"]))
     if missing:
         raise ValueError(f"{path}: parameter names differ from the model's: {missing[:5]}")
+    step = state.get("optimizer_step", state.get("adam_step", 0))  # older files: adam_step
     for name, p in named.items():
         entry = state["params"][name]
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=stage == 3):
             p.data.copy_(entry["param"].to(p.device, p.dtype))
-        if stage == 0:
-            slot = opt.state[p]
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in entry:
-                    slot[key] = entry[key].to(p.device, p.dtype)
-            slot["step"] = torch.tensor(float(state["adam_step"]))
-        else:
+        moments = {k: v for k, v in entry.items() if k != "param"}
+        if _hp_mapped(p):
             safe_set_full_fp32_param(p, entry["param"].to(p.device))
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in entry:
-                    safe_set_full_optimizer_state(p, entry[key].to(p.device), key)
-    if stage != 0:
-        for slot in opt.state.values():
-            if "step" in slot:
-                slot["step"] = (
-                    torch.tensor(float(state["adam_step"]))
-                    if torch.is_tensor(slot["step"])
-                    else state["adam_step"]
-                )
+            for key, value in moments.items():
+                safe_set_full_optimizer_state(p, value.to(p.device), key)
+        else:
+            slot = opt.state[p]
+            for key, value in moments.items():
+                slot[key] = value.to(p.device, p.dtype)
+            if _wants_step(opt):
+                slot["step"] = torch.tensor(float(step))
+    for slot in opt.state.values():
+        if "step" in slot:
+            slot["step"] = torch.tensor(float(step)) if torch.is_tensor(slot["step"]) else step
     sched = engine.lr_scheduler
     if state["scheduler"] is not None and sched is not None:
         sched.load_state_dict(state["scheduler"])
