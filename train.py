@@ -186,7 +186,9 @@ def main() -> None:
     engine = ucp.initialize(model=model, config=config, topo=topo, optimizer=optimizer)
     start = 0
     if resuming:
-        start = checkpoint.load(engine, out, zero_loss=lambda: zero_loss(engine, topo, sp, dc))
+        start = checkpoint.load(
+            engine, out, zero_loss=lambda: zero_loss(engine, topo, dc, mc.tiled_loss)
+        )
         log.info(f"resumed from {out / checkpoint.latest_tag(out)} at step {start}")
     elif args.resume == "auto":
         log.info(f"--resume auto: no checkpoint in {out}, starting at step 0")
@@ -289,7 +291,14 @@ def model_loss(engine, local: dict, topo, tiled_loss: int) -> torch.Tensor:
     )
 
 
-def zero_loss(engine, topo, sp, dc):
+def ignored_loss(engine, local: dict, topo, tiled_loss: int) -> torch.Tensor:
+    """The loss of ``local`` with every label ignored (zero gradient), with the run's
+    memory features: under ``tiled_loss`` the full logits are never materialised."""
+    ignored = torch.full_like(local["shift_labels"], -100)
+    return model_loss(engine, {**local, "shift_labels": ignored}, topo, tiled_loss)
+
+
+def zero_loss(engine, topo, dc, tiled_loss: int):
     """A loss with zero gradient: one real batch, every label ignored."""
     full = global_batch(
         make_dataset(dc),
@@ -301,8 +310,7 @@ def zero_loss(engine, topo, sp, dc):
         dp_degree=topo.dp_degree,
     )
     local = {k: t.to(engine.device) for k, t in shard_batch(full, topo).items()}
-    local["shift_labels"] = torch.full_like(local["shift_labels"], -100)
-    return model_loss(engine, local, topo, 0)
+    return ignored_loss(engine, local, topo, tiled_loss)
 
 
 class TrainingStopped(Exception):
@@ -367,8 +375,7 @@ def train_loop(engine, topo, dataset, dc, tc, start, tracker, out, signals, tile
                 # the micro batch contributes nothing: a no-target loss keeps DeepSpeed's
                 # backward/step sequence (and its gradient reduction) in line
                 loss = None  # frees the bad graph before the second forward
-                ignored = torch.full_like(local["shift_labels"], -100)
-                loss = model_loss(engine, {**local, "shift_labels": ignored}, topo, 0)
+                loss = ignored_loss(engine, local, topo, tiled_loss)
             engine.backward(loss)
             boundary = m == gas - 1
             check = boundary and bad is None and tc.check_gradients

@@ -268,3 +268,28 @@ def test_output_folder_is_never_silently_reused(tmp_path):
     (run / "step2").mkdir()
     (run / "latest").write_text("step2")
     assert check(run, "yes", False) is True and check(run, "auto", False) is True
+
+
+def test_the_skip_path_keeps_the_tiled_loss():
+    """A non-finite micro batch is re-run with every label ignored: with tiled_loss the LM
+    head still sees one tile at a time (the full logits are never materialised) and the
+    loss has no gradient."""
+    train = _train_module()
+    model = Decoder(TINY, lambda q, k, v: ucp.local_attention(q, k, v, backend="math"))
+
+    class Engine:  # what model_loss needs of a DeepSpeed engine
+        module = model
+
+        def __call__(self, *args, **kwargs):
+            return model(*args, **kwargs)
+
+    rows = []
+    model.head.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[:-1].numel()))
+    topo = ucp.init_topology()
+    ids = torch.randint(256, (2, 64))
+    local = {"input_ids": ids, "position_ids": torch.arange(64).expand(2, -1),
+             "shift_labels": ids}  # fmt: skip
+    loss = train.ignored_loss(Engine(), local, topo, 4)
+    loss.backward()
+    assert loss.item() == 0.0 and max(rows) == 2 * 64 // 4, rows
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
