@@ -11,6 +11,7 @@ attention backend), "model" (the reference decoder), "data" (task, seq_len, file
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import signal
 import sys
@@ -178,6 +179,7 @@ def main() -> None:
     validate(sp, mc, dc)
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     resuming = check_output_dir(out, args.resume, args.overwrite)
+    dataset = make_dataset(dc)  # missing or short data files fail here, before the engine
     topo = ucp.topology_from_config(config)
 
     torch.manual_seed(tc.seed)
@@ -217,7 +219,7 @@ def main() -> None:
         losses, end = train_loop(
             engine,
             topo,
-            make_dataset(dc),
+            dataset,
             dc,
             tc,
             start,
@@ -438,4 +440,12 @@ def handle_nonfinite(engine, tc, what: str, out, step: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as exc:
+        # A user error (config, data, paths, degrees, layout...): raised identically on every
+        # rank, before anything trains. One line from rank 0 and exit code 2, not a
+        # traceback per rank.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -293,3 +294,16 @@ def test_the_skip_path_keeps_the_tiled_loss():
     loss.backward()
     assert loss.item() == 0.0 and max(rows) == 2 * 64 // 4, rows
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path):
+    folder = tmp_path / "cfgs"
+    folder.mkdir()
+    cfg = {"model": {"hf_config": "hf/x.json", "hf_weights": "/abs/w"},
+           "data": {"task": "text", "files": ["a.txt", "/abs/b.txt"]}}  # fmt: skip
+    (folder / "run.json").write_text(json.dumps(cfg))
+    got = ucp.engine.load_config(folder / "run.json")
+    assert got["model"] == {"hf_config": str(folder / "hf/x.json"), "hf_weights": "/abs/w"}
+    assert got["data"]["files"] == [str(folder / "a.txt"), "/abs/b.txt"]
+    shipped = ucp.engine.load_config(ROOT / "configs" / "tiny_cpu_hf_llama_u2r2.json")
+    assert Path(shipped["model"]["hf_config"]).is_file()

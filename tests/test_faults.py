@@ -247,11 +247,20 @@ def test_bad_config_fails_on_every_rank_before_training(tmp_path):
     t0 = time.monotonic()
     results = finish(start_ranks(cfg, tmp_path / "out", 2), timeout=60)
     assert time.monotonic() - t0 < 60
-    for code, out in results:
-        assert code != 0 and "unknown keys in the \"training\" block: ['on_nonfinte']" in out
+    message = "error: unknown keys in the \"training\" block: ['on_nonfinte']"
+    check_one_line(results, message)
     cfg = config(tmp_path, "cfg2", data={"seq_len": 66})
-    for code, out in finish(start_ranks(cfg, tmp_path / "out", 2), timeout=60):
-        assert code != 0 and "data.seq_len 66 must be a multiple of 4" in out, out[-2000:]
+    results = finish(start_ranks(cfg, tmp_path / "out", 2), timeout=60)
+    check_one_line(results, "error: data.seq_len 66 must be a multiple of 4")
+
+
+def check_one_line(results, message: str) -> None:
+    """A user error: exit code 2 on every rank, the message once (rank 0), no traceback."""
+    assert [code for code, _ in results] == [2] * len(results), results
+    assert message in results[0][1], results[0][1][-2000:]
+    for _, out in results:
+        assert "Traceback" not in out, out[-2000:]
+    assert sum(out.count(message) for _, out in results) == 1
 
 
 @pytest.mark.slow

@@ -125,9 +125,29 @@ def check_top_level_keys(config: dict, source: str = "the config") -> None:
         )
 
 
+PATH_FIELDS = (("model", "hf_config"), ("model", "hf_weights"), ("data", "files"))
+
+
+def resolve_paths(config: dict, base: Path) -> dict:
+    """Relative file paths in our blocks (``model.hf_config``, ``model.hf_weights``,
+    ``data.files``) made relative to ``base``, the config file's folder, so that a config
+    means the same files from whatever folder the run starts in."""
+    for block, key in PATH_FIELDS:
+        value = config.get(block, {}).get(key) if isinstance(config.get(block), dict) else None
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            config[block][key] = str(base / value)
+        elif isinstance(value, list):
+            config[block][key] = [
+                str(base / v) if isinstance(v, str) and not Path(v).is_absolute() else v
+                for v in value
+            ]
+    return config
+
+
 def load_config(config: str | Path | dict) -> dict:
     """A DeepSpeed JSON config (path or dict), deep-copied and checked for unknown top-level
-    keys; a JSON syntax error names the file, line and column."""
+    keys; a JSON syntax error names the file, line and column. From a file, relative paths
+    in our blocks resolve against the file's folder (:func:`resolve_paths`)."""
     if isinstance(config, dict):
         config = copy.deepcopy(config)
         check_top_level_keys(config)
@@ -146,7 +166,7 @@ def load_config(config: str | Path | dict) -> dict:
             f"{path}: a DeepSpeed config is a JSON object, got {type(config).__name__}"
         )
     check_top_level_keys(config, str(path))
-    return config
+    return resolve_paths(config, path.parent)
 
 
 def deepspeed_part(config: dict) -> dict:
