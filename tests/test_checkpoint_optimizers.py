@@ -6,6 +6,7 @@ portable format (another ZeRO stage). 2 gloo ranks, Ulysses 2, in process."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +26,10 @@ OPTIMIZERS = {
 }
 
 
-def _engine(stage, opt):
+def _engine(stage, opt, bf16=False):
     cfg = ds_config(2, 1, stage, backend="math")
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
     topo = ucp.topology_from_config(cfg)
     torch.manual_seed(0)
     model = Decoder(TINY, lambda q, k, v: ucp.attention(q, k, v, topo, backend="math"))
@@ -56,22 +59,27 @@ def _train(engine, topo, steps):
 
 
 def _params(engine):
+    """The fp32 values the optimizer updates: master copies where DeepSpeed keeps them."""
     import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
 
+    masters = checkpoint._masters(engine)
     params = list(engine.module.parameters())
+    if any(checkpoint._hp_mapped(p) for p in params):
+        return [safe_get_full_fp32_param(p).float().clone() for p in params]
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
-        return [p.detach().float().clone() for p in params]
+        return [masters.get(id(p), p).detach().float().clone() for p in params]
 
 
-def _resume(rank, opt, stage_a, stage_b, out):
+def _resume(rank, opt, stage_a, stage_b, out, bf16=False, force_portable=False):
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    engine, topo = _engine(stage_a, opt)
+    engine, topo = _engine(stage_a, opt, bf16)
     full = _train(engine, topo, range(3))
     expected = _params(engine)
-    engine, topo = _engine(stage_a, opt)
+    engine, topo = _engine(stage_a, opt, bf16)
     _train(engine, topo, range(2))
     checkpoint.save(engine, out, 2)
-    engine, topo = _engine(stage_b, opt)
+    engine, topo = _engine(stage_b, opt, bf16)
 
     def zero_loss():
         local = _batch(0, topo)
@@ -79,7 +87,10 @@ def _resume(rank, opt, stage_a, stage_b, out):
         ignored = torch.full_like(local["shift_labels"], -100)
         return ucp.sequence_parallel_cross_entropy(logits, ignored, topo)
 
-    assert checkpoint.load(engine, out, zero_loss=zero_loss) == 2
+    if force_portable:  # the portable state on the same stage: the same arithmetic after
+        checkpoint._load_portable(engine, Path(out) / "step2" / "portable.pt", zero_loss)
+    else:
+        assert checkpoint.load(engine, out, zero_loss=zero_loss) == 2
     resumed = _train(engine, topo, [2])
     err = max((a - b).abs().max().item() for a, b in zip(_params(engine), expected))
     return full[2], resumed[0], err
@@ -91,3 +102,18 @@ def test_resume_equals_the_uninterrupted_run(pools, tmp_path, opt, stage_a, stag
     for loss, resumed, err in pools(2).run(_resume, opt, stage_a, stage_b, str(tmp_path)):
         assert abs(resumed - loss) <= 1e-6 * abs(loss), (opt, loss, resumed)
         assert err < 1e-6, f"{opt}: parameters after the resumed step differ by {err}"
+
+
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adamw"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_bf16_resume_keeps_the_fp32_master_weights(pools, tmp_path, opt, stage):
+    """bf16: the portable state holds the fp32 master copies (not the bf16 parameters) and
+    the optimizer state keyed by them; loaded on the same stage, the resumed step equals the
+    uninterrupted one exactly (so DeepSpeed's own format is checked beside it)."""
+    for portable in (True, False):
+        out = tmp_path / ("portable" if portable else "deepspeed")
+        for loss, resumed, err in pools(2).run(
+            _resume, opt, stage, stage, str(out), True, portable
+        ):
+            assert abs(resumed - loss) <= 1e-6 * abs(loss), (opt, portable, loss, resumed)
+            assert err < 1e-7, f"{opt} bf16 portable={portable}: masters differ by {err}"

@@ -105,21 +105,33 @@ def _hp_mapped(p) -> bool:
     return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
 
+def _masters(engine) -> dict[int, torch.Tensor]:
+    """ZeRO 0 in bf16/fp16: DeepSpeed's FP16 optimizers keep an fp32 master copy of every
+    parameter (``fp32_groups``, aligned with ``fp16_groups``), and the optimizer state is
+    keyed by the masters: ``id(param) -> master``. Empty in full precision."""
+    opt = engine.optimizer
+    low, masters = getattr(opt, "fp16_groups", None), getattr(opt, "fp32_groups", None)
+    if not low or not masters:
+        return {}
+    return {id(p): m for lo, hi in zip(low, masters) for p, m in zip(lo, hi)}
+
+
 def _portable_state(engine) -> dict:
     """Full fp32 parameters and every optimizer state tensor by parameter name
     (collective)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    params, keys = {}, _state_keys(engine)
+    params, keys, masters = {}, _state_keys(engine), _masters(engine)
     opt_state = _base_optimizer(engine).state
     for name, p in engine.module.named_parameters():
+        p = masters.get(id(p), p)  # the fp32 master holds the parameter and the state
         if _hp_mapped(p):
             entry = {"param": safe_get_full_fp32_param(p).cpu()}
             for key in keys:
                 value = safe_get_full_optimizer_state(p, key)
                 if value is not None:
                     entry[key] = value.cpu()
-        else:  # ZeRO 0 in full precision: the optimizer holds the parameter itself
+        else:  # ZeRO 0: the optimizer holds the parameter itself (or its fp32 master)
             entry = {"param": p.detach().float().cpu()}
             for key in keys:
                 value = opt_state.get(p, {}).get(key)
@@ -165,9 +177,13 @@ def _load_portable(engine, path: Path, zero_loss) -> None:
     if missing:
         raise ValueError(f"{path}: parameter names differ from the model's: {missing[:5]}")
     step = state.get("optimizer_step", state.get("adam_step", 0))  # older files: adam_step
+    masters = _masters(engine)
     for name, p in named.items():
         entry = state["params"][name]
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=stage == 3):
+            p.data.copy_(entry["param"].to(p.device, p.dtype))
+        if id(p) in masters:  # ZeRO 0, bf16/fp16: the fp32 master is what the step updates
+            p = masters[id(p)]
             p.data.copy_(entry["param"].to(p.device, p.dtype))
         moments = {k: v for k, v in entry.items() if k != "param"}
         if _hp_mapped(p):
