@@ -199,3 +199,26 @@ def test_bad_inputs_raise_on_every_rank_within_seconds(pools):
     assert "dtypes differ" in first["dtype mismatch"][0]
     assert "must be even" in first["odd zigzag shard"][0]
     assert "disagrees with the run's layout 'zigzag'" in first["layout mismatch"][0]
+
+
+def _different_full_tensors(rank):
+    """Each rank shards a full tensor made with its own seed: a wrong result with no error
+    before; now every rank raises the same message (and check_inputs=False skips it)."""
+    import dataclasses
+
+    topo = topology(2, 1)
+    same = torch.arange(16.0).view(1, 16)
+    ucp.shard_sequence(same, topo)  # identical everywhere: fine
+    mine = torch.randn(1, 16, generator=torch.Generator().manual_seed(rank))
+    with pytest.raises(ValueError, match="the full tensor differs between sequence-parallel") as e:
+        ucp.shard_sequence(mine, topo)
+    reordered = same.flip(1) if rank else same  # same values, another order on rank 1
+    with pytest.raises(ValueError, match="differs"):
+        ucp.shard_sequence(reordered, topo)
+    ucp.shard_sequence(mine, dataclasses.replace(topo, check_inputs=False))
+    return str(e.value)
+
+
+def test_ranks_sharding_different_full_tensors_raise(pools):
+    first, second = pools(2).run(_different_full_tensors)
+    assert first == second

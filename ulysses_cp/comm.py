@@ -100,6 +100,15 @@ def host_staged(group, device: torch.device) -> bool:
     return "nccl" not in backend and "cuda:" not in backend
 
 
+def comm_device(group, device: torch.device) -> torch.device:
+    """Where a small bookkeeping tensor must live for a collective on ``group``: NCCL takes
+    only CUDA tensors (this rank's current GPU), gloo takes CPU and CUDA tensors."""
+    backend = str(dist.get_backend(group)).lower()
+    if device.type != "cuda" and "nccl" in backend and "cpu:" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -17,7 +17,7 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
-from .comm import collective, group_rank, group_size
+from .comm import collective, comm_device, group_rank, group_size
 from .varlen import Permute, check_cu_seqlens, doc_layout_indices, inverse_permutation
 
 Layout = Literal["zigzag", "contiguous"]
@@ -47,6 +47,30 @@ def layout_of(topo, layout: str | None = None) -> str:
             f"layout={layout!r}"
         )
     return layout
+
+
+def check_same_on_every_rank(x: torch.Tensor, topo, dim: int) -> None:
+    """Every SP rank must shard the SAME full tensor: a rank with other data (another seed,
+    another sample) silently gives a wrong result. One all-gather of two float64 checksums
+    (the sum, and the sum of the first half along ``dim``, which also sees a reordering);
+    ranks compare the same table, so all raise or none does."""
+    with torch.no_grad():
+        half = x.narrow(dim, 0, x.shape[dim] // 2)
+        sums = torch.stack([x.sum(dtype=torch.float64), half.sum(dtype=torch.float64)])
+    sums = sums.to(comm_device(topo.sp_group, x.device))
+    parts = [torch.empty_like(sums) for _ in range(topo.sp_world_size)]
+    with collective("all_gather", "input check", topo.sp_group):
+        dist.all_gather(parts, sums, group=topo.sp_group)
+    rows = [[float(v).hex() for v in p.tolist()] for p in parts]  # NaN equals NaN here
+    if any(row != rows[0] for row in rows):
+        table = ", ".join(f"rank {r} {float.fromhex(row[0]):.6g}" for r, row in enumerate(rows))
+        raise ValueError(
+            f"shard_sequence: the full tensor differs between sequence-parallel ranks "
+            f"(checksums: {table}); every SP rank must hold the same full tensor (the same "
+            f"data, or the same seed) and take its own tokens of it. "
+            f"sequence_parallel.check_inputs: false (init_topology(check_inputs=False)) "
+            f"turns this check off"
+        )
 
 
 def sequence_multiple(sp_world_size: int, layout: str) -> int:
@@ -169,6 +193,8 @@ def shard_sequence(
     layout = layout_of(topo, layout)
     P = topo.sp_world_size
     bounds = _packed(cu_seqlens, x.shape[dim], P, layout)
+    if P > 1 and getattr(topo, "check_inputs", False) and topo.sp_group is not None:
+        check_same_on_every_rank(x, topo, dim)
     if bounds is not None:
         idx = doc_layout_indices(bounds, P, topo.sp_rank, layout).to(x.device)
         return x.index_select(dim, idx)
