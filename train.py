@@ -183,7 +183,7 @@ def main() -> None:
     topo = ucp.topology_from_config(config)
 
     torch.manual_seed(tc.seed)
-    model = build_model(mc, topo, sp)
+    model = build_model(mc, topo)
     optimizer = build_optimizer(config, model)
     engine = ucp.initialize(model=model, config=config, topo=topo, optimizer=optimizer)
     start = 0
@@ -249,7 +249,7 @@ def main() -> None:
     dist.barrier()
 
 
-def build_model(mc, topo, sp) -> torch.nn.Module:
+def build_model(mc, topo) -> torch.nn.Module:
     """The reference decoder (ModelConfig) or a Hugging Face model (HFModelConfig)."""
     if not isinstance(mc, ModelConfig):
         from ulysses_cp import hf
@@ -258,23 +258,14 @@ def build_model(mc, topo, sp) -> torch.nn.Module:
             topo,
             hf_config=mc.hf_config,
             hf_weights=mc.hf_weights,
-            backend=sp.attention_backend,
             dtype=hf.DTYPES[mc.dtype],
             tiled_mlp=mc.tiled_mlp,
             activation_checkpointing=mc.activation_checkpointing,
             offload_activations=mc.offload_activations,
         )
 
-    def attn(q, k, v, cu_seqlens=None):
-        return ucp.attention(
-            q,
-            k,
-            v,
-            topo,
-            causal=True,
-            backend=sp.attention_backend,
-            cu_seqlens=cu_seqlens,
-        )
+    def attn(q, k, v, cu_seqlens=None):  # the run's layout and backend: topo.options
+        return ucp.attention(q, k, v, topo, causal=True, cu_seqlens=cu_seqlens)
 
     return Decoder(mc, attn)
 

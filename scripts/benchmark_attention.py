@@ -75,7 +75,9 @@ def formula(N: int, u: int, r: int, nbytes: int) -> int:
 
 def attention_fn(topos: dict, name: str, spec, backend: str):
     u, r, layout, extra = spec
-    topo = topos[(u, r)].with_layout(layout)
+    # this variant's choices (the check_inputs variant measures the check's cost)
+    choices = dict(layout=layout, backend=backend, check_inputs=extra.get("check_inputs", True))
+    topo = topos[(u, r)].with_options(**choices)
     if extra.get("peer"):
         from deepspeed.sequence.layer import DistributedAttention
 
@@ -96,17 +98,7 @@ def attention_fn(topos: dict, name: str, spec, backend: str):
             layout=layout,
             overlap=extra["overlap"],
         )
-    if "check_inputs" in extra:  # without the cross-rank input check (its cost)
-
-        def unchecked(q, k, v):
-            topo.check_inputs = False
-            try:
-                return ucp.attention(q, k, v, topo, causal=True, layout=layout, backend=backend)
-            finally:
-                topo.check_inputs = True
-
-        return unchecked
-    return lambda q, k, v: ucp.attention(q, k, v, topo, causal=True, layout=layout, backend=backend)
+    return lambda q, k, v: ucp.attention(q, k, v, topo, causal=True)
 
 
 class KernelClock:
@@ -255,7 +247,7 @@ def max_length(args, topos, P, device, dtype, what: str) -> dict:
     for name, (u, r, layout, extra) in impls(P).items():
         if extra or name == "ulysses":
             continue  # the peer, the no-overlap variant and the contiguous twin: skip
-        topo = topos[(u, r)].with_layout(layout)
+        topo = topos[(u, r)].with_options(layout=layout, backend=args.backend)
 
         def peak_at(N, topo=topo, spec=(u, r, layout, extra), name=name):
             layout = spec[2]
@@ -269,9 +261,7 @@ def max_length(args, topos, P, device, dtype, what: str) -> dict:
                 torch.manual_seed(0)
                 model = Decoder(
                     ModelConfig(),
-                    lambda q, k, v: ucp.attention(
-                        q, k, v, topo, layout=layout, backend=args.backend
-                    ),
+                    lambda q, k, v: ucp.attention(q, k, v, topo),
                 ).to(device)
                 data = KVRecall(DataConfig(seq_len=N))
                 full = global_batch(

@@ -3,12 +3,13 @@ features, for the reference decoder and a tiny Hugging Face Llama, on 1 and 4 ra
 
 For each (ranks, model, features) it searches the longest sequence (multiples of 2P*64)
 whose training step (forward, SP loss, backward; no optimizer) keeps each rank's peak
-allocation within ``--budget-mb`` (CPU: replayed profiler allocation events,
-``ulysses_cp/profiling.py``; CUDA: ``max_memory_allocated``), then times steps at a common
-length (tokens/s, median of repeats, interleaved). 4 ranks run hybrid Ulysses 2 x ring 2,
-zigzag. Features: ``none``; ``tiled`` (MLP in 4 pieces, LM head + loss in 4 pieces);
-``tiled+ckpt`` (plus activation checkpointing); ``tiled+ckpt+offload`` (checkpointed layer
-inputs on CPU: on a CPU machine they stay in the same memory, so expect no gain here).
+allocation within ``--budget-mb`` (CPU: the live bytes of every tensor the step creates,
+``ulysses_cp/profiling.py`` with ``scratch=False``; CUDA: ``max_memory_allocated``), then
+times steps at a common length (tokens/s, median of repeats, interleaved). 4 ranks run
+hybrid Ulysses 2 x ring 2, zigzag. Features: ``none``; ``tiled`` (MLP in 4 pieces, LM
+head + loss in 4 pieces); ``tiled+ckpt`` (plus activation checkpointing);
+``tiled+ckpt+offload`` (checkpointed layer inputs on CPU: on a CPU machine they stay in
+the same memory, so expect no gain here).
 
     python scripts/benchmark_memory.py --quick    # ~2 min on 2 cores
     python scripts/benchmark_memory.py            # the docs/benchmarks.md table
@@ -60,7 +61,6 @@ def build(kind: str, features: dict, topo, device):
         model = hf.build_model(
             topo,
             hf_config=str(ROOT / "configs" / "hf" / "tiny_llama.json"),
-            backend="torch",
             tiled_mlp=features["tiled_mlp"],
             activation_checkpointing=features["activation_checkpointing"],
             offload_activations=features["offload_activations"],
@@ -68,7 +68,7 @@ def build(kind: str, features: dict, topo, device):
     else:
         model = Decoder(
             ModelConfig(**features),
-            lambda q, k, v: ucp.attention(q, k, v, topo, backend="torch"),
+            lambda q, k, v: ucp.attention(q, k, v, topo),
         )
     return model.to(device).train()
 
@@ -103,7 +103,8 @@ def step_fn(model, features: dict, topo, N: int, device):
 
 
 def worker(rank, world, args, device):
-    topo = ucp.init_topology(2, 2) if world == 4 else ucp.init_topology(1, 1)
+    degrees = (2, 2) if world == 4 else (1, 1)
+    topo = ucp.init_topology(*degrees, backend="torch")
     unit, budget = 2 * world * 64, args.budget_mb * 2**20
     rows = []
     for kind in args.models:
@@ -112,7 +113,7 @@ def worker(rank, world, args, device):
 
             def peak_at(N, model=model, features=features):
                 step = step_fn(model, features, topo, N, device)
-                return max_over_ranks(peak_memory(step, device), device)
+                return max_over_ranks(peak_memory(step, device, scratch=False), device)
 
             n_max = longest_fitting(peak_at, unit, budget)
             rows.append({"ranks": world, "model": kind, "features": name, "max_len": n_max})

@@ -50,7 +50,7 @@ def formula_bytes(args, u: int, r: int, nbytes: int) -> list[int]:
 
 
 def run_case(args, u: int, r: int, layout: str) -> dict:
-    topo = ucp.init_topology(u, r, layout=layout)
+    topo = ucp.init_topology(u, r, layout=layout, backend=args.backend)
     dtype = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)
     shape_q = (args.batch, args.seq, args.heads, args.head_dim)
@@ -59,17 +59,12 @@ def run_case(args, u: int, r: int, layout: str) -> dict:
     k = torch.randn(shape_kv, generator=g, dtype=torch.float64)
     v = torch.randn(shape_kv, generator=g, dtype=torch.float64)
     dout = torch.randn(shape_q, generator=g, dtype=torch.float64)
-    local = [
-        ucp.shard_sequence(t, topo, layout=layout).to(dtype).requires_grad_() for t in (q, k, v)
-    ]
+    local = [ucp.shard_sequence(t, topo).to(dtype).requires_grad_() for t in (q, k, v)]
     ucp.comm_stats.reset()
-    out = ucp.attention(*local, topo, causal=True, layout=layout, backend=args.backend)
+    out = ucp.attention(*local, topo, causal=True)
     sent = [ucp.comm_stats.total(op, "forward") for op in ("all_to_all", "ring")]
-    out.backward(ucp.shard_sequence(dout, topo, layout=layout).to(dtype))
-    got = [
-        ucp.gather_sequence(t.detach(), topo, layout=layout).double()
-        for t in (out, *(x.grad for x in local))
-    ]
+    out.backward(ucp.shard_sequence(dout, topo).to(dtype))
+    got = [ucp.gather_sequence(t.detach(), topo).double() for t in (out, *(x.grad for x in local))]
     refs = [t.detach().requires_grad_() for t in (q, k, v)]
     ref_out = ucp.local_attention(*refs, causal=True, backend="math")
     ref = [ref_out.detach(), *torch.autograd.grad(ref_out, refs, dout)]

@@ -119,23 +119,20 @@ def _mode_body(rank, world, args, device):
         for u, r in ((world, 1), (1, world), (2, world // 2)):
             groups = ucp.init_topology(u, r)
             for layout, packed in itertools.product(("zigzag", "contiguous"), (False, True)):
-                topo = groups.with_layout(layout)
+                topo = groups.with_options(layout=layout, backend=backend)
                 q, k, v, do = inputs(N, hq, hkv, d, torch.Generator().manual_seed(1))
                 cu = packed_bounds(N, 2 * world) if packed else None
                 ref = reference(q, k, v, do, True, cu)
                 cud = None if cu is None else cu.to(device)
 
-                def shard(t, topo=topo, layout=layout, cud=cud):
-                    x = t.to(device, dtype)
-                    return ucp.shard_sequence(x, topo, layout=layout, cu_seqlens=cud)
+                def shard(t, topo=topo, cud=cud):
+                    return ucp.shard_sequence(t.to(device, dtype), topo, cu_seqlens=cud)
 
                 leaves = [shard(t).requires_grad_() for t in (q, k, v)]
-                out = ucp.attention(
-                    *leaves, topo, causal=True, layout=layout, backend=backend, cu_seqlens=cud
-                )
+                out = ucp.attention(*leaves, topo, causal=True, cu_seqlens=cud)
                 out.backward(shard(do))
                 got = [
-                    ucp.gather_sequence(t.detach(), topo, layout=layout, cu_seqlens=cud).cpu()
+                    ucp.gather_sequence(t.detach(), topo, cu_seqlens=cud).cpu()
                     for t in (out, *(x.grad for x in leaves))
                 ]
                 errs = rel_errors(got, ref)

@@ -70,12 +70,12 @@ def sharded_run(q, k, v, dout, topo, *, causal, layout, backend, softmax_scale=N
 _TOPOS: dict = {}
 
 
-def topology(u: int, r: int, layout: str = "zigzag"):
+def topology(u: int, r: int, layout: str = "zigzag", **options):
     """One set of process groups per degrees per process (group creation is collective and
-    slow), under the run's ``layout``."""
+    slow), with the run's ``layout`` and other ``options`` (``ucp.RunOptions`` fields)."""
     if (u, r) not in _TOPOS:
         _TOPOS[(u, r)] = ucp.init_topology(u, r, timeout_s=COLLECTIVE_TIMEOUT_S)
-    return _TOPOS[(u, r)].with_layout(layout)
+    return _TOPOS[(u, r)].with_options(layout=layout, **options)
 
 
 def ds_config(

@@ -307,3 +307,33 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path):
     assert got["data"]["files"] == [str(folder / "a.txt"), "/abs/b.txt"]
     shipped = ucp.engine.load_config(ROOT / "configs" / "tiny_cpu_hf_llama_u2r2.json")
     assert Path(shipped["model"]["hf_config"]).is_file()
+
+
+def _dtypes(rank, stage, precision):
+    import deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    cfg = ds_config(2, 1, stage)
+    cfg[precision] = {"enabled": True}
+    topo = ucp.topology_from_config(cfg)
+    model = Decoder(TINY, lambda q, k, v: ucp.attention(q, k, v, topo))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ucp.initialize(model=model, config=cfg, topo=topo, optimizer=opt)
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        kinds = {p.dtype for p in params}
+    local = shard_batch(
+        global_batch(KVRecall(DataConfig(seq_len=64, n_queries=8)), step=0, micro_step=0,
+                     grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1), topo,
+    )  # fmt: skip
+    return kinds, engine(local["input_ids"], local["position_ids"]).dtype
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_low_precision_means_low_precision_under_every_stage(pools, stage, precision):
+    """bf16/fp16 parameters and logits under ZeRO 0 and 3 (ZeRO-3 with SP partitions the
+    model itself, and DeepSpeed then left it fp32: the run trained in fp32, silently)."""
+    want = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    for kinds, logits in pools(2).run(_dtypes, stage, precision):
+        assert kinds == {want} and logits == want, (kinds, logits)

@@ -208,3 +208,57 @@ def test_local_packed_kernel_gives_empty_rows_outside_documents():
         )
         torch.testing.assert_close(out[:, 4:8], ref, **TOL64)
         torch.testing.assert_close(lse[:, :, 4:8], ref_lse, **TOL64)
+
+
+def _derived_counts(rank, u, r, n_layers):
+    """Cache misses and hits of one packed batch's forward+backward through a decoder."""
+    from ulysses_cp import derived
+    from ulysses_cp.data import shard_batch
+    from ulysses_cp.model import Decoder, ModelConfig
+
+    topo = topology(u, r, backend="math")
+    docs = [torch.arange(2, 2 + n) for n in (13, 30, 5)]
+    packed = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(u * r, "zigzag"))
+    local = shard_batch(packed, topo)
+    torch.manual_seed(0)
+    mc = ModelConfig(dim=16, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=32)
+    model = Decoder(
+        mc, lambda q, k, v, cu_seqlens=None: ucp.attention(q, k, v, topo, cu_seqlens=cu_seqlens)
+    )
+    derived.cache.clear()
+    logits = model(local["input_ids"], local["position_ids"], local["cu_seqlens"])
+    ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo).backward()
+    counts = (derived.cache.misses, derived.cache.hits)
+    # a new batch (another cu tensor, even with equal values) and an in-place change miss
+    cu = local["cu_seqlens"].clone()
+    before = derived.cache.misses
+    model(local["input_ids"], local["position_ids"], cu)
+    assert derived.cache.misses > before
+    return counts
+
+
+@pytest.mark.parametrize("u,r", [(2, 1), (1, 2)])
+def test_packed_row_plans_are_made_once_per_batch_not_per_layer(pools, u, r):
+    """Bounds, permutations, document halves and kernel groups of a packed row are derived
+    at the first layer and reused by the others and by every ring step and the backward."""
+    one = pools(u * r).run(_derived_counts, u, r, 1)[0]
+    three = pools(u * r).run(_derived_counts, u, r, 3)[0]
+    assert one[0] == three[0] > 0, (one, three)  # misses: the same for 1 and 3 layers
+    assert three[1] > one[1], (one, three)
+
+
+def test_derived_values_follow_in_place_changes():
+    from ulysses_cp import derived
+
+    cu = torch.tensor([0, 4, 8])
+    calls = []
+
+    def build():
+        calls.append(1)
+        return cu.tolist()
+
+    assert derived.once((cu,), "t", build) == [0, 4, 8]
+    assert derived.once((cu,), "t", build) == [0, 4, 8] and len(calls) == 1
+    cu[1] = 2  # in place: the version moves, the value is rebuilt
+    assert derived.once((cu,), "t", build) == [0, 2, 8] and len(calls) == 2
+    assert derived.once((cu,), "other key", build) and len(calls) == 3

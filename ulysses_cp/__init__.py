@@ -4,9 +4,16 @@ long-context training. Public API: see README.md and docs/api.md."""
 from . import comm, engine
 from .attention import attention, forward_comm_bytes
 from .comm import stats as comm_stats
-from .engine import SequenceParallelConfig, init_distributed, initialize, topology_from_config
+from .engine import (
+    SequenceParallelConfig,
+    init_distributed,
+    initialize,
+    run_options,
+    topology_from_config,
+)
 from .kernels import BACKENDS, attn_backward, attn_forward, local_attention
 from .loss import local_loss_term, replicated_loss_term, sequence_parallel_cross_entropy
+from .options import RunOptions
 from .sharding import (
     LAYOUTS,
     gather_sequence,
@@ -26,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "LAYOUTS",
+    "RunOptions",
     "SequenceParallelConfig",
     "Topology",
     "attention",
@@ -50,6 +58,7 @@ __all__ = [
     "pad_to_multiple",
     "plan_groups",
     "replicated_loss_term",
+    "run_options",
     "sequence_multiple",
     "sequence_parallel_cross_entropy",
     "shard_sequence",

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import collective
+from .derived import once
 from .kernels import BACKENDS, local_attention, resolve_backend
 from .ring import ring_attention
 from .sharding import LAYOUTS, check_layout, layout_of, sequence_multiple
@@ -57,7 +58,7 @@ def attention(
     causal: bool = True,
     layout: str | None = None,
     softmax_scale: float | None = None,
-    backend: str = "auto",
+    backend: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sequence-parallel attention equal to full attention on the gathered sequence.
@@ -68,8 +69,12 @@ def attention(
 
     ``cu_seqlens``: a packed row (batch 1): int32 global document boundaries, the same on
     every rank; q/k/v sharded document-wise (``shard_sequence(..., cu_seqlens=cu)``).
-    Attention stays inside each document."""
+    Attention stays inside each document.
+
+    ``backend``: the local kernel; None takes the run's (``topo.backend``)."""
     layout = layout_of(topo, layout)  # the same verdict on every rank: before any collective
+    if backend is None:
+        backend = topo.backend
     if topo.check_inputs and topo.sp_world_size > 1:
         # first, so that input that only some ranks would reject fails on every rank
         check_across_ranks(
@@ -77,15 +82,12 @@ def attention(
         )
     validate_qkv(q, k, v, topo, layout)
     backend = resolve_backend(backend, q)
-    bounds = None if cu_seqlens is None else validate_packed(q, cu_seqlens, topo, layout)
     opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     u, r = topo.ulysses_degree, topo.ring_degree
     perm, docs = None, None
-    if bounds is not None:
-        if u > 1:
-            fwd = ulysses_permutation(bounds, u, r, topo.ring_rank, layout)
-            perm = (fwd.to(q.device), inverse_permutation(fwd).to(q.device))
-        docs = Docs.from_bounds(bounds, r, q.device)
+    if cu_seqlens is not None:  # once per batch, not per layer (derived.once)
+        key = ("packed", *q.shape[:2], u, r, topo.ring_rank, layout, str(q.device))
+        perm, docs = once((cu_seqlens,), key, partial(packed_plan, q, cu_seqlens, topo, layout))
     if r == 1:
         if docs is not None:
             opts.update(cu_seqlens=docs.cu)
@@ -115,6 +117,10 @@ def _cu_summary(cu) -> list[int]:
         return [-1, 0]
     if not isinstance(cu, torch.Tensor) or cu.dtype.is_floating_point:
         return [-2, 0]
+    return once((cu,), "summary", partial(_cu_hash, cu))
+
+
+def _cu_hash(cu: torch.Tensor) -> list[int]:
     h = 0
     for i, b in enumerate(cu.flatten().tolist()):
         h = (h * 1_000_003 + int(b) * (i + 1)) % (2**61 - 1)
@@ -179,6 +185,19 @@ def check_across_ranks(q, k, v, topo: Topology, *, causal, layout, backend, cu) 
         f"dtype index is into {[str(d) for d in _DTYPES]}, device into ['cpu', 'cuda'], "
         f"layout into {list(LAYOUTS)}, backend into {list(BACKENDS)}; -1 = other.)"
     )
+
+
+def packed_plan(q: torch.Tensor, cu_seqlens, topo: Topology, layout: str):
+    """A packed row's checked bounds turned into ``(perm, docs)``: the all-to-all output
+    permutation and its inverse (Ulysses degree > 1, else None) and this rank's documents
+    at the ring/kernel level (:class:`~ulysses_cp.varlen.Docs`)."""
+    bounds = validate_packed(q, cu_seqlens, topo, layout)
+    u, r = topo.ulysses_degree, topo.ring_degree
+    perm = None
+    if u > 1:
+        fwd = ulysses_permutation(bounds, u, r, topo.ring_rank, layout)
+        perm = (fwd.to(q.device), inverse_permutation(fwd).to(q.device))
+    return perm, Docs.from_bounds(bounds, r, q.device)
 
 
 def validate_packed(q: torch.Tensor, cu_seqlens, topo: Topology, layout: str) -> list[int]:

@@ -16,7 +16,8 @@ them and their optimizer state, over every rank (``engine.SequenceParallelMPU``)
 ranks and ZeRO stage, DeepSpeed's own files load under any other split (u4 -> u2r2 -> r4,
 dp2 x u2 -> u4). A different number of ranks or ZeRO stage changes the partitioning, which
 DeepSpeed refuses; for that every checkpoint also holds ``portable.pt`` (written by rank 0:
-full fp32 parameters, every optimizer state tensor and its step, scheduler state), which
+full fp32 parameters or master copies, every optimizer state tensor and its step, the
+scheduler state and, in fp16, the loss scaler's running state), which
 ``load`` uses when the world size or stage differs (``portable=False`` in ``save`` skips
 it: it gathers the full model and optimizer state on rank 0's CPU).
 """
@@ -105,15 +106,102 @@ def _hp_mapped(p) -> bool:
     return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
 
-def _masters(engine) -> dict[int, torch.Tensor]:
+def _masters(engine) -> dict[int, tuple[torch.Tensor, torch.Tensor, int]]:
     """ZeRO 0 in bf16/fp16: DeepSpeed's FP16 optimizers keep an fp32 master copy of every
-    parameter (``fp32_groups``, aligned with ``fp16_groups``), and the optimizer state is
-    keyed by the masters: ``id(param) -> master``. Empty in full precision."""
+    parameter and key the optimizer state by the masters. ``id(param) -> (master, owner,
+    offset)``: ``master`` a view of the parameter's fp32 copy, ``owner`` the tensor its
+    optimizer state is keyed by, ``offset`` where the parameter starts in ``owner``. The
+    unfused optimizer keeps one master per parameter (``fp32_groups``: owner = master,
+    offset 0); the fused one (DeepSpeed's FusedAdam on GPU) one flat master per group
+    (``fp32_groups_flat``, parameters back to back). Empty in full precision."""
     opt = engine.optimizer
-    low, masters = getattr(opt, "fp16_groups", None), getattr(opt, "fp32_groups", None)
-    if not low or not masters:
+    low = getattr(opt, "fp16_groups", None)
+    per_param, flat = getattr(opt, "fp32_groups", None), getattr(opt, "fp32_groups_flat", None)
+    if not low:
         return {}
-    return {id(p): m for lo, hi in zip(low, masters) for p, m in zip(lo, hi)}
+    if per_param:
+        return {id(p): (m, m, 0) for lo, hi in zip(low, per_param) for p, m in zip(lo, hi)}
+    out = {}
+    for lo, owner in zip(low, flat or []):
+        offset = 0
+        for p in lo:
+            out[id(p)] = (owner.narrow(0, offset, p.numel()).view_as(p), owner, offset)
+            offset += p.numel()
+    return out
+
+
+def settle_initial_state(engine) -> None:
+    """Optimizers that create their state in ``__init__`` (Adagrad's ``sum``) break
+    DeepSpeed's checkpoints (deepspeed 0.19.8), so that a run could train but not save or
+    resume. Called by ``ucp.initialize``; does nothing for the other optimizers.
+
+    - ZeRO 0 in bf16/fp16: the state stays keyed by the model's parameters after the FP16
+      optimizer swaps in fp32 masters: the optimizer never finds it and ``save_checkpoint``
+      raises ``KeyError``. It is moved to the masters (:func:`move_state_to_masters`).
+    - ZeRO-3 rebuilds Adagrad over its flat partitions but leaves them in the param groups,
+      which it otherwise keeps empty between steps (it fills them only to save or load):
+      a fresh engine's groups then hold twice the saved count and ``load_checkpoint``
+      raises "parameter group that doesn't match the size". They are emptied."""
+    move_state_to_masters(engine)
+    opt = _base_optimizer(engine)
+    if _stage(engine) == 3 and any(g["params"] for g in opt.param_groups):
+        for group in opt.param_groups:
+            group["params"] = []
+
+
+def move_state_to_masters(engine) -> int:
+    """Move state keyed by a model parameter that the optimizer no longer holds (ZeRO 0,
+    bf16/fp16: it holds the fp32 masters) to that parameter's master, in fp32. Returns how
+    many entries moved."""
+    opt = _base_optimizer(engine)
+    masters = _masters(engine)
+    owned = {id(p) for group in opt.param_groups for p in group["params"]}
+    moved = 0
+    for key in [k for k in opt.state if id(k) not in owned and id(k) in masters]:
+        master, owner, offset = masters[id(key)]
+        slot = opt.state[owner]
+        for name, value in opt.state.pop(key).items():
+            if torch.is_tensor(value) and value.shape == key.shape:
+                slot.setdefault(name, torch.zeros_like(owner))
+                _slice(slot[name], owner, offset, master).copy_(value)
+            else:
+                slot.setdefault(name, value)
+        moved += 1
+    return moved
+
+
+def _slice(state: torch.Tensor, owner: torch.Tensor, offset: int, like: torch.Tensor):
+    """The part of an optimizer state tensor (shaped like ``owner``) for one parameter."""
+    return state.view(-1).narrow(0, offset, like.numel()).view_as(like)
+
+
+# the loss scaler's running state (fp16): DeepSpeed's ZeRO optimizers keep it in a
+# ``loss_scaler``, its FP16 optimizers (ZeRO 0) in a ``loss_scale_config``; the rest
+# (factor, window, minimum) comes from the config of the run that loads it
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _scaler(engine):
+    if not engine.fp16_enabled():
+        return None
+    opt = engine.optimizer
+    return getattr(opt, "loss_scale_config", None) or getattr(opt, "loss_scaler", None)
+
+
+def _scaler_state(engine) -> dict | None:
+    scaler = _scaler(engine)
+    if scaler is None:
+        return None
+    return {k: getattr(scaler, k) for k in SCALER_FIELDS if getattr(scaler, k, None) is not None}
+
+
+def _set_scaler_state(engine, state: dict | None) -> None:
+    scaler = _scaler(engine)
+    if scaler is None or not state:
+        return
+    for key, value in state.items():
+        if hasattr(scaler, key):
+            setattr(scaler, key, value)
 
 
 def _portable_state(engine) -> dict:
@@ -124,8 +212,14 @@ def _portable_state(engine) -> dict:
     params, keys, masters = {}, _state_keys(engine), _masters(engine)
     opt_state = _base_optimizer(engine).state
     for name, p in engine.module.named_parameters():
-        p = masters.get(id(p), p)  # the fp32 master holds the parameter and the state
-        if _hp_mapped(p):
+        if id(p) in masters:  # ZeRO 0, bf16/fp16: the fp32 master holds the value and state
+            master, owner, offset = masters[id(p)]
+            entry = {"param": master.detach().float().cpu()}
+            for key in keys:
+                value = opt_state.get(owner, {}).get(key)
+                if torch.is_tensor(value) and value.numel() == owner.numel():
+                    entry[key] = _slice(value, owner, offset, master).detach().float().cpu()
+        elif _hp_mapped(p):
             entry = {"param": safe_get_full_fp32_param(p).cpu()}
             for key in keys:
                 value = safe_get_full_optimizer_state(p, key)
@@ -145,6 +239,7 @@ def _portable_state(engine) -> dict:
         "scheduler": None if sched is None else sched.state_dict(),
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
+        "loss_scaler": _scaler_state(engine),
     }
 
 
@@ -182,11 +277,18 @@ def _load_portable(engine, path: Path, zero_loss) -> None:
         entry = state["params"][name]
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=stage == 3):
             p.data.copy_(entry["param"].to(p.device, p.dtype))
-        if id(p) in masters:  # ZeRO 0, bf16/fp16: the fp32 master is what the step updates
-            p = masters[id(p)]
-            p.data.copy_(entry["param"].to(p.device, p.dtype))
         moments = {k: v for k, v in entry.items() if k != "param"}
-        if _hp_mapped(p):
+        if id(p) in masters:  # ZeRO 0, bf16/fp16: the fp32 master is what the step updates
+            master, owner, offset = masters[id(p)]
+            master.data.copy_(entry["param"].to(master.device, master.dtype))
+            slot = opt.state[owner]
+            for key, value in moments.items():
+                if key not in slot:
+                    slot[key] = torch.zeros_like(owner)
+                _slice(slot[key], owner, offset, master).copy_(value)
+            if _wants_step(opt):
+                slot["step"] = torch.tensor(float(step))
+        elif _hp_mapped(p):
             safe_set_full_fp32_param(p, entry["param"].to(p.device))
             for key, value in moments.items():
                 safe_set_full_optimizer_state(p, value.to(p.device), key)
@@ -210,6 +312,7 @@ def _load_portable(engine, path: Path, zero_loss) -> None:
                 group["lr"] = lr
     engine.global_steps = state["global_steps"]
     engine.global_samples = state["global_samples"]
+    _set_scaler_state(engine, state.get("loss_scaler"))
 
 
 def save(engine, out_dir: str | Path, step: int, *, portable: bool = True) -> Path:

@@ -5,8 +5,9 @@ This is the one module that imports deepspeed (lazily, inside functions).
 Gradient scale. Each SP rank's loss gradient is its share of the global token mean
 (``loss.py``), so the right reduction is a SUM over SP ranks and a MEAN over data-parallel
 replicas. With this mpu DeepSpeed reduces over dp x sp ranks and divides by dp for ZeRO
-0, 1 and 2, but ZeRO-3's reduce-scatter divides by dp x sp (deepspeed 0.19.8). We set
-``topo.grad_scale = sp`` there, which the SP loss applies to its gradient (not its value).
+0, 1 and 2, but ZeRO-3's reduce-scatter divides by dp x sp (deepspeed 0.19.8). There the
+run's ``grad_scale`` (``topology_from_config``) is ``sp``, which the SP loss applies to its
+gradient (not its value); :func:`initialize` refuses a topology built with another.
 Tests compare updated parameters against a single process for every stage.
 """
 
@@ -16,7 +17,7 @@ import copy
 import difflib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from .config import from_block
 from .kernels import BACKENDS
+from .options import RunOptions
 from .sharding import LAYOUTS
 from .topology import Topology, init_topology, validate_degrees
 
@@ -195,17 +197,51 @@ def init_distributed(timeout_s: float | None = None) -> None:
         )
 
 
-def topology_from_config(config: dict) -> Topology:
-    """Validate the ``"sequence_parallel"`` block against the world, then build groups."""
+def run_options(config: dict) -> RunOptions:
+    """The run's choices (layout, backend, input checks, gradient scale) from a config."""
+    sp = SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
+    return RunOptions(
+        layout=sp.layout,
+        backend=sp.attention_backend,
+        check_inputs=sp.check_inputs,
+        grad_scale=zero_grad_scale(config, sp.ulysses_degree * sp.ring_degree),
+    )
+
+
+def topology_from_config(config: str | Path | dict) -> Topology:
+    """Validate the ``"sequence_parallel"`` block against the world, then build the groups
+    with the run's choices (:func:`run_options`)."""
+    config = load_config(config)
     sp = SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
     validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
+    options = run_options(config)
     return init_topology(
         sp.ulysses_degree,
         sp.ring_degree,
-        layout=sp.layout,
         timeout_s=sp.collective_timeout_s,
-        check_inputs=sp.check_inputs,
+        **{f.name: getattr(options, f.name) for f in fields(options)},
     )
+
+
+def check_topology(topo: Topology, config: dict) -> None:
+    """A topology given to :func:`initialize` must be the config's: the same degrees and
+    the same run choices (a ZeRO-3 config needs the gradient scale it implies)."""
+    sp = SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
+    want = run_options(config)
+    have = f"u{topo.ulysses_degree} r{topo.ring_degree}"
+    config_degrees = f"u{sp.ulysses_degree} r{sp.ring_degree}"
+    diffs = [] if have == config_degrees else [f"degrees {have} vs the config's {config_degrees}"]
+    diffs += [
+        f"{f.name} {getattr(topo.options, f.name)!r} vs the config's {getattr(want, f.name)!r}"
+        for f in fields(want)
+        if getattr(topo.options, f.name) != getattr(want, f.name)
+    ]
+    if diffs:
+        raise ValueError(
+            f"the topology given to ucp.initialize differs from the config: {'; '.join(diffs)}"
+            f" (grad_scale follows the ZeRO stage: ZeRO-3 averages gradients over the SP "
+            f"ranks too). Build it with ucp.topology_from_config(config)."
+        )
 
 
 class SequenceParallelMPU:
@@ -289,6 +325,9 @@ def _partition_over_all_ranks(
         dtype = torch.bfloat16
     elif (ds_config.get("fp16") or {}).get("enabled"):
         dtype = torch.float16
+    # DeepSpeed casts the model to bf16/fp16 itself only when it partitions it: cast here,
+    # or the partitions stay fp32 and the whole run silently trains in fp32
+    model.to(dtype)
     deepspeed.zero.Init(
         module=model,
         data_parallel_group=mpu.get_sequence_data_parallel_group(),
@@ -316,13 +355,7 @@ def initialize(
     config = load_config(config)
     if topo is None:
         topo = topology_from_config(config)
-    sp = SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
-    if (sp.ulysses_degree, sp.ring_degree) != (topo.ulysses_degree, topo.ring_degree):
-        raise ValueError(
-            f"topology u{topo.ulysses_degree} r{topo.ring_degree} differs from "
-            f"the config's u{sp.ulysses_degree} r{sp.ring_degree}"
-        )
-    topo.grad_scale = zero_grad_scale(config, topo.sp_world_size)
+    check_topology(topo, config)
     if model_parameters is None and optimizer is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     mpu = SequenceParallelMPU(topo)
@@ -337,5 +370,8 @@ def initialize(
         config=ds_config,
         mpu=mpu,
     )
+    from .checkpoint import settle_initial_state
+
+    settle_initial_state(engine)  # state an optimizer made in __init__ (Adagrad)
     engine.topology = topo
     return engine

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .derived import once
+
 SUPPORTED = "2.6, 2.7 and 2.8"
 
 # neutral values of the arguments we do not use; passed wherever the function takes them
@@ -261,6 +263,11 @@ def backward(dout, q, k, v, out, lse, causal, scale):
 
 
 def _cu_args(cu_q, cu_k, device) -> dict:
+    """Once per batch (``derived.once``): the longest documents are a host sync."""
+    return once((cu_q, cu_k), ("flash cu", str(device)), lambda: _cu_values(cu_q, cu_k, device))
+
+
+def _cu_values(cu_q, cu_k, device) -> dict:
     lens_q, lens_k = (c.diff().max().item() for c in (cu_q, cu_k))
     return dict(
         cu_seqlens_q=cu_q.to(device=device, dtype=torch.int32).contiguous(),

@@ -143,10 +143,13 @@ def _attention_forward(
     return out, None
 
 
-def register_attention(topo: Topology, backend: str = "auto", layout: str | None = None) -> str:
+def register_attention(
+    topo: Topology, backend: str | None = None, layout: str | None = None
+) -> str:
     """Register ``ucp.attention`` over ``topo`` as ``attn_implementation="ulysses_cp"``
-    (process-wide; registering again replaces the topology), in the run's layout
-    (``topo.layout``; a ``layout=`` that disagrees raises). Returns the key."""
+    (process-wide; registering again replaces the topology), with the run's choices
+    (``topo.options``: a ``layout=`` that disagrees raises; ``backend=`` overrides the run's
+    backend). Returns the key."""
     transformers = _transformers()
     fn = partial(_attention_forward, topo=topo, backend=backend, layout=layout_of(topo, layout))
     transformers.AttentionInterface.register(KEY, fn)
@@ -292,7 +295,7 @@ def build_model(
     *,
     hf_config: str | dict,
     hf_weights: str | None = None,
-    backend: str = "auto",
+    backend: str | None = None,
     layout: str | None = None,
     dtype: torch.dtype = torch.float32,
     tiled_mlp: int = 0,

@@ -22,11 +22,13 @@ Causal masking needs ``sq == sk`` (the diagonal block); callers slice off-diagon
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Literal, get_args
 
 import torch
 
 from . import flash_backend, math_backend, torch_backend
+from .derived import once
 from .log import get_logger
 from .math_backend import lse_dtype
 
@@ -103,7 +105,12 @@ _BACKWARD = {
 
 def _doc_groups(cu_q, cu_k):
     """Documents of a packed block grouped by (q length, k length), so each group is one
-    batched kernel call: ``[(q index, k index, n docs, lq, lk)]``; empty documents dropped."""
+    batched kernel call: ``[(q index, k index, n docs, lq, lk)]``; empty documents dropped.
+    Once per batch (the same ``cu`` tensors serve every layer and ring step)."""
+    return once((cu_q, cu_k), "doc groups", partial(_group_documents, cu_q, cu_k))
+
+
+def _group_documents(cu_q, cu_k):
     bq, bk = cu_q.tolist(), cu_k.tolist()
     assert len(bq) == len(bk), "cu_q and cu_k must list the same documents"
     groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
@@ -127,7 +134,11 @@ def _take(x, idx, n, length):
 
 def _one_document(q, k, cu_q, cu_k) -> bool:
     """A block that is one whole document on both sides: the dense call, no gathers."""
-    return len(cu_q) == 2 and cu_q.tolist() == [0, q.shape[1]] and cu_k.tolist() == [0, k.shape[1]]
+    if len(cu_q) != 2:
+        return False
+    key = ("one document", q.shape[1], k.shape[1])
+    whole = [0, q.shape[1]], [0, k.shape[1]]
+    return once((cu_q, cu_k), key, lambda: (cu_q.tolist(), cu_k.tolist()) == whole)
 
 
 def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend):

@@ -47,9 +47,9 @@ def sequence_parallel_cross_entropy(
     """Mean cross-entropy over every non-ignored token of the whole sequence (all SP ranks).
 
     logits ``(b, s_local, V)``, labels ``(b, s_local)`` already shifted on the full
-    sequence. Computed in float32 (float64 stays float64). If ``topo.grad_scale`` is set
-    (``ucp.initialize`` sets it to compensate a ZeRO stage whose reduction averages over
-    the SP ranks too), the gradient is multiplied by it; the value is unchanged."""
+    sequence. Computed in float32 (float64 stays float64). The gradient is multiplied by
+    the run's ``topo.grad_scale`` (``ucp.topology_from_config`` sets it to compensate a
+    ZeRO stage whose reduction averages over the SP ranks too); the value is unchanged."""
     if logits_local.shape[:-1] != labels_local.shape:
         raise ValueError(
             f"logits {tuple(logits_local.shape)} and labels "
@@ -74,7 +74,7 @@ def sequence_parallel_loss_from_sums(ce: torch.Tensor, count: torch.Tensor, topo
         with collective("all_reduce", "loss", group):
             dist.all_reduce(count, group=group)
     loss = ce / count.clamp(min=1)  # no target anywhere -> 0, not NaN
-    return scale_gradient(loss, getattr(topo, "grad_scale", 1))
+    return scale_gradient(loss, topo.grad_scale)
 
 
 def replicated_loss_term(term: torch.Tensor, topo) -> torch.Tensor:
@@ -83,7 +83,7 @@ def replicated_loss_term(term: torch.Tensor, topo) -> torch.Tensor:
     gradient times ``topo.grad_scale / sp_world_size``: the gradient reduction SUMS over the
     SP ranks, so without this the term would count ``sp_world_size`` times. Add it to the
     SP cross-entropy before ``engine.backward``."""
-    return scale_gradient(term, getattr(topo, "grad_scale", 1) / topo.sp_world_size)
+    return scale_gradient(term, topo.grad_scale / topo.sp_world_size)
 
 
 def local_loss_term(term_local: torch.Tensor, topo) -> torch.Tensor:
@@ -93,4 +93,4 @@ def local_loss_term(term_local: torch.Tensor, topo) -> torch.Tensor:
     ``topo.grad_scale`` (the rule of :func:`sequence_parallel_cross_entropy`)."""
     if group_size(topo.sp_group) > 1:
         term_local = _SumKeepGrad.apply(term_local, topo.sp_group)
-    return scale_gradient(term_local, getattr(topo, "grad_scale", 1))
+    return scale_gradient(term_local, topo.grad_scale)

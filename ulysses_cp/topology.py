@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .comm import name_group
-from .sharding import check_layout
+from .options import RunOptions
 
 
 @dataclass(frozen=True)
@@ -90,20 +90,39 @@ class Topology:
     ring_group: object | None = None
     sp_group: object | None = None
     dp_group: object | None = None
-    # multiplies the SP loss gradient; ucp.initialize sets it where ZeRO averages over SP too
-    grad_scale: float = 1.0
-    # ucp.attention compares every SP rank's input shapes/dtypes (one tiny all-gather)
-    # before its first all-to-all or ring pass, so a mismatch raises instead of hanging
-    check_inputs: bool = True
-    # the run's token layout: every call that takes the topology uses it (ucp.layout_of)
-    layout: str = "zigzag"
+    # the run's choices (layout, backend, input checks, gradient scale): frozen, read by
+    # every call that takes the topology; another choice is another value (with_options)
+    options: RunOptions = field(default_factory=RunOptions)
     _owned: list = field(default_factory=list, repr=False)
 
+    def with_options(self, **changes) -> Topology:
+        """The same process groups with other run choices (a new value: this topology and
+        everything built with it keep theirs; the groups are shared, so destroy only one)."""
+        return replace(self, options=replace(self.options, **changes), _owned=self._owned)
+
     def with_layout(self, layout: str) -> Topology:
-        """The same process groups under another layout (a new run's choice; the groups
-        are shared, so destroy only one of the two)."""
-        check_layout(layout)
-        return replace(self, layout=layout)
+        """``with_options(layout=layout)``."""
+        return self.with_options(layout=layout)
+
+    @property
+    def layout(self) -> str:
+        """The run's token layout: used by every call that takes the topology."""
+        return self.options.layout
+
+    @property
+    def backend(self) -> str:
+        """The run's local attention backend (a call's ``backend=`` overrides it)."""
+        return self.options.backend
+
+    @property
+    def check_inputs(self) -> bool:
+        """Whether attention and sharding compare every SP rank's inputs first."""
+        return self.options.check_inputs
+
+    @property
+    def grad_scale(self) -> float:
+        """Multiplies the SP loss gradient (see ``ulysses_cp.loss``)."""
+        return self.options.grad_scale
 
     @property
     def sp_world_size(self) -> int:
@@ -153,22 +172,26 @@ def init_topology(
     ring_degree: int = 1,
     *,
     layout: str = "zigzag",
-    timeout_s: float | None = None,
+    backend: str = "auto",
     check_inputs: bool = True,
+    grad_scale: float = 1.0,
+    timeout_s: float | None = None,
 ) -> Topology:
     """Build the process groups (module docstring) on the default process group.
 
     Every rank must call this with the same degrees (group creation is collective).
     Without an initialised ``torch.distributed`` only ``1 x 1`` is allowed (a local topology).
-    ``layout``: the run's token layout (``"zigzag"`` or ``"contiguous"``), used by every call
-    that takes the topology when it is given no ``layout=``; a ``layout=`` that disagrees
-    is an error. ``timeout_s``: collective timeout of the new groups (default: the default
-    group's).
+    ``layout``, ``backend``, ``check_inputs``, ``grad_scale``: the run's choices
+    (:class:`~ulysses_cp.options.RunOptions`), fixed here and read by every call that takes
+    the topology; a ``layout=`` given to such a call that disagrees is an error.
+    ``timeout_s``: collective timeout of the new groups (default: the default group's).
     """
-    check_layout(layout)
+    options = RunOptions(
+        layout=layout, backend=backend, check_inputs=check_inputs, grad_scale=grad_scale
+    )
     if not dist.is_available() or not dist.is_initialized():
         validate_degrees(1, ulysses_degree, ring_degree)
-        return Topology(rank=0, world_size=1, ulysses_degree=1, ring_degree=1, layout=layout)
+        return Topology(rank=0, world_size=1, ulysses_degree=1, ring_degree=1, options=options)
     world, rank = dist.get_world_size(), dist.get_rank()
     plan = plan_groups(world, ulysses_degree, ring_degree)
     topo = Topology(
@@ -176,8 +199,7 @@ def init_topology(
         world_size=world,
         ulysses_degree=ulysses_degree,
         ring_degree=ring_degree,
-        check_inputs=check_inputs,
-        layout=layout,
+        options=options,
     )
     kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     for attr, groups in (

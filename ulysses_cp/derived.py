@@ -1,0 +1,59 @@
+"""Values derived from a batch's tensors, computed once per batch.
+
+A packed row's ``cu_seqlens`` is one tensor for a whole batch, but every layer's attention
+(and, in a ring, every step of it, forward and backward) needs what follows from it: the
+document bounds as a list (a device-to-host copy on GPU), their checks, the all-to-all
+permutation, each rank's document halves, the grouping of documents into kernel calls.
+:func:`once` keeps the last few results keyed by the tensors' identity and version, so
+they are computed at the first layer and reused by the rest: no recomputation, no host
+sync per layer. A tensor changed in place (its version moves) or a new batch's tensor is a
+miss; a freed tensor's entry can never match a new one (a weak reference is checked).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+_SIZE = 64  # a few batches' worth: one row's levels and ring-step pairs are < 10 entries
+
+
+class _Cache:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: OrderedDict = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, tensors: tuple[torch.Tensor, ...], key: Hashable, build: Callable[[], T]) -> T:
+        full = (tuple((id(t), t._version) for t in tensors), key)
+        entry = self.entries.get(full)
+        if entry is not None and all(ref() is t for ref, t in zip(entry[0], tensors)):
+            self.entries.move_to_end(full)
+            self.hits += 1
+            return entry[1]
+        self.misses += 1
+        value = build()  # may raise: nothing is stored then
+        self.entries[full] = ([weakref.ref(t) for t in tensors], value)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.hits = self.misses = 0
+
+
+cache = _Cache(_SIZE)
+
+
+def once(tensors: tuple[torch.Tensor, ...], key: Hashable, build: Callable[[], T]) -> T:
+    """``build()``, computed once for these tensors (as they are now) and ``key``; ``key``
+    must hold everything else the result depends on (degrees, ranks, layout, device)."""
+    return cache.get(tensors, key, build)

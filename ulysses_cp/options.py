@@ -1,0 +1,41 @@
+"""The per-run choices of sequence parallelism, in one frozen place.
+
+A run fixes these once (``ucp.init_topology(...)`` keywords, or the ``"sequence_parallel"``
+block through ``ucp.topology_from_config``); the topology carries them as ``topo.options``
+and every call that takes the topology reads them from there, so nothing threads them by
+hand and nothing changes them halfway through a run. A different choice is a new value
+(``topo.with_options(layout="contiguous")``), never a mutation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .kernels import BACKENDS
+from .sharding import check_layout
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """``layout``: how tokens are sharded (``"zigzag"`` or ``"contiguous"``);
+    ``backend``: the local attention kernel (``ucp.BACKENDS``); ``check_inputs``: compare
+    every SP rank's inputs before communicating; ``grad_scale``: multiplies the gradient of
+    the SP loss (1, or the SP degree where ZeRO-3 averages gradients over SP ranks too:
+    ``ucp.engine.zero_grad_scale``)."""
+
+    layout: str = "zigzag"
+    backend: str = "auto"
+    check_inputs: bool = True
+    grad_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_layout(self.layout)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r} is not one of {list(BACKENDS)}")
+        if not isinstance(self.check_inputs, bool):
+            raise ValueError(f"check_inputs must be True or False, got {self.check_inputs!r}")
+        g = self.grad_scale
+        if isinstance(g, bool) or not isinstance(g, int | float) or not math.isfinite(g) or g <= 0:
+            raise ValueError(f"grad_scale must be a positive finite number, got {g!r}")
+        object.__setattr__(self, "grad_scale", float(g))
