@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchlib import barrier, gather_floats, max_over_ranks, run_ranks, sync
+from profiling import longest_fitting, peak_memory
 
 import ulysses_cp as ucp
 import ulysses_cp.ring as ring_mod
-from ulysses_cp.profiling import longest_fitting, peak_memory
 
 HQ, HKV, D = 8, 4, 64
 
@@ -98,7 +98,7 @@ def attention_fn(topos: dict, name: str, spec, backend: str):
             layout=layout,
             overlap=extra["overlap"],
         )
-    return lambda q, k, v: ucp.attention(q, k, v, topo, causal=True)
+    return ucp.Attention(topo)
 
 
 class KernelClock:
@@ -261,7 +261,7 @@ def max_length(args, topos, P, device, dtype, what: str) -> dict:
                 torch.manual_seed(0)
                 model = Decoder(
                     ModelConfig(),
-                    lambda q, k, v: ucp.attention(q, k, v, topo),
+                    ucp.Attention(topo),
                 ).to(device)
                 data = KVRecall(DataConfig(seq_len=N))
                 full = global_batch(

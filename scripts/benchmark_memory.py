@@ -28,12 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchlib import barrier, max_over_ranks, run_ranks, sync
+from profiling import longest_fitting, peak_memory
 
 import ulysses_cp as ucp
 from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
 from ulysses_cp.memory import tiled_cross_entropy
 from ulysses_cp.model import Decoder, ModelConfig
-from ulysses_cp.profiling import longest_fitting, peak_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ def build(kind: str, features: dict, topo, device):
     else:
         model = Decoder(
             ModelConfig(**features),
-            lambda q, k, v: ucp.attention(q, k, v, topo),
+            ucp.Attention(topo),
         )
     return model.to(device).train()
 

@@ -1,11 +1,23 @@
-"""Shared test helpers: deterministic inputs and the float64 reference."""
+"""Shared test helpers: deterministic inputs, the float64 reference, a tiny model,
+process groups and configs, and runs of train.py under the deepspeed launcher."""
 
 from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
 import ulysses_cp as ucp
 from tests.distributed import COLLECTIVE_TIMEOUT_S
+from ulysses_cp.model import ModelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
 def make_qkv(
@@ -78,6 +90,18 @@ def topology(u: int, r: int, layout: str = "zigzag", **options):
     return _TOPOS[(u, r)].with_options(layout=layout, **options)
 
 
+def topology_for(config: dict):
+    """The cached groups of :func:`topology` with the run's choices of ``config`` (what
+    ``ucp.topology_from_config`` gives, without creating new groups per engine)."""
+    sp = config["sequence_parallel"]
+    options = ucp.run_options(config)
+    return topology(
+        sp.get("ulysses_degree", 1),
+        sp.get("ring_degree", 1),
+        **{f: getattr(options, f) for f in ("layout", "backend", "check_inputs", "grad_scale")},
+    )
+
+
 def ds_config(
     u: int, r: int, stage: int, *, micro_batch: int = 1, backend: str = "torch", **sp
 ) -> dict:
@@ -97,3 +121,37 @@ def ds_config(
             **sp,
         },
     }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    cfg_path: Path, out: Path, *extra: str, num_gpus: int = 2, script: Path = ROOT / "train.py"
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(num_gpus),
+        "--master_port",
+        str(free_port()),
+        str(script),
+        "--deepspeed_config",
+        str(cfg_path),
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

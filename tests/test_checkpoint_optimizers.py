@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import ds_config
+from tests.helpers import ds_config, topology_for
 from ulysses_cp import checkpoint
 from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
 from ulysses_cp.model import Decoder, ModelConfig
@@ -45,7 +45,7 @@ def _engine(stage, opt, precision="fp32", fused=False, **split):
     """The engine and ``[topology]``: the model's attention and the batches follow
     whatever topology the list holds (the uninterrupted run switches it for step 3)."""
     cfg = _config(stage, precision, **split)
-    current = [ucp.topology_from_config(cfg)]
+    current = [topology_for(cfg)]
     torch.manual_seed(0)
     model = Decoder(TINY, lambda q, k, v: ucp.attention(q, k, v, current[0]))
     optimizer = OPTIMIZERS[opt](model.parameters())
@@ -111,7 +111,7 @@ def _resume(rank, opt, stage_a, stage_b, out, precision="fp32", force_portable=F
     full = _train(engine, current, range(2))
     _mark_scaler(engine)
     if run_b:  # step 3 under the other split and layout, as the resumed run takes it
-        current[0] = ucp.topology_from_config(_config(stage_a, precision, **run_b))
+        current[0] = topology_for(_config(stage_a, precision, **run_b))
     full += _train(engine, current, [2])
     expected, scaler = _params(engine), _scaler_state(engine)
     engine, current = _engine(stage_a, opt, precision, fused=fused)

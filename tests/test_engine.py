@@ -11,13 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import ulysses_cp as ucp
-from tests.helpers import ds_config, sdpa_attention, topology
+from tests.helpers import ROOT, TINY, ds_config, sdpa_attention, topology, topology_for
 from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
 from ulysses_cp.model import Decoder, ModelConfig
-
-ROOT = Path(__file__).resolve().parent.parent
-
-TINY = ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
 def _step(rank, u, r, stage, layout, grad_factor=1.0, own_terms=False):
@@ -25,11 +21,9 @@ def _step(rank, u, r, stage, layout, grad_factor=1.0, own_terms=False):
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     cfg = ds_config(u, r, stage, micro_batch=2, backend="math", layout=layout)
-    topo = ucp.topology_from_config(cfg)
+    topo = topology_for(cfg)
     torch.manual_seed(0)
-    model = Decoder(
-        TINY, lambda q, k, v: ucp.attention(q, k, v, topo, layout=layout, backend="math")
-    )
+    model = Decoder(TINY, ucp.Attention(topo))
     ref = Decoder(TINY, sdpa_attention)  # one process, PyTorch's own attention
     ref.load_state_dict(model.state_dict())
     initial = [p.detach().clone() for p in ref.parameters()]
@@ -140,8 +134,10 @@ def test_sp_cross_entropy_equals_full_loss(pools, u, r):
 def test_config_block_validation():
     with pytest.raises(ValueError, match=r"unknown keys.*\['ulysses'\]"):
         ucp.SequenceParallelConfig.from_dict({"ulysses": 2})
-    with pytest.raises(ValueError, match="positive integer"):
+    with pytest.raises(ValueError, match="ulysses_degree must be an integer, got '2'"):
         ucp.SequenceParallelConfig.from_dict({"ulysses_degree": "2"})
+    with pytest.raises(ValueError, match="positive integer"):
+        ucp.SequenceParallelConfig.from_dict({"ulysses_degree": 0})
     with pytest.raises(ValueError, match="layout"):
         ucp.SequenceParallelConfig.from_dict({"layout": "ring"})
     with pytest.raises(ValueError, match="attention_backend"):
@@ -162,7 +158,7 @@ def _checkpointed_grads(rank):
     for ckpt in (False, True):
         torch.manual_seed(0)
         cfg = ModelConfig(**{**TINY.__dict__, "activation_checkpointing": ckpt})
-        model = Decoder(cfg, lambda q, k, v: ucp.attention(q, k, v, topo, backend="math"))
+        model = Decoder(cfg, ucp.Attention(topo, backend="math"))
         loss = ucp.sequence_parallel_cross_entropy(
             model(local["input_ids"], local["position_ids"]), local["shift_labels"], topo
         )
@@ -183,17 +179,14 @@ def _packed_step(rank, u, r, stage):
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     cfg = ds_config(u, r, stage)
-    topo = ucp.topology_from_config(cfg)
+    topo = topology_for(cfg)
     g = torch.Generator().manual_seed(11)
     lengths = [1, 23, 8, 40, 3, 17]
     docs = [torch.randint(2, 256, (n,), generator=g) for n in lengths]
     packed = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(u * r, "zigzag"))
     torch.manual_seed(0)
 
-    def attn(q, k, v, cu_seqlens=None):
-        return ucp.attention(q, k, v, topo, backend="torch", cu_seqlens=cu_seqlens)
-
-    model = Decoder(TINY, attn)
+    model = Decoder(TINY, ucp.Attention(topo, backend="torch"))
     ref = Decoder(TINY, sdpa_attention)
     ref.load_state_dict(model.state_dict())
     engine = ucp.initialize(
@@ -244,18 +237,9 @@ def test_a_config_means_what_it_says(tmp_path):
         ucp.engine.load_config(bad)
 
 
-def _train_module():
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
-    module = sys.modules["train_script"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_output_folder_is_never_silently_reused(tmp_path):
-    check = _train_module().check_output_dir
+    from ulysses_cp.build import check_output_dir as check
+
     empty = tmp_path / "empty"
     with pytest.raises(ValueError, match="--resume: no checkpoint in"):
         check(empty, "yes", False)
@@ -275,11 +259,13 @@ def test_the_skip_path_keeps_the_tiled_loss():
     """A non-finite micro batch is re-run with every label ignored: with tiled_loss the LM
     head still sees one tile at a time (the full logits are never materialised) and the
     loss has no gradient."""
-    train = _train_module()
+    from ulysses_cp.trainer import Trainer, TrainingConfig
+
     model = Decoder(TINY, lambda q, k, v: ucp.local_attention(q, k, v, backend="math"))
 
-    class Engine:  # what model_loss needs of a DeepSpeed engine
+    class Engine:  # what the trainer's losses need of a DeepSpeed engine
         module = model
+        device = torch.device("cpu")
 
         def __call__(self, *args, **kwargs):
             return model(*args, **kwargs)
@@ -290,7 +276,9 @@ def test_the_skip_path_keeps_the_tiled_loss():
     ids = torch.randint(256, (2, 64))
     local = {"input_ids": ids, "position_ids": torch.arange(64).expand(2, -1),
              "shift_labels": ids}  # fmt: skip
-    loss = train.ignored_loss(Engine(), local, topo, 4)
+    tc = TrainingConfig(save_on_signal=False)
+    trainer = Trainer(Engine(), topo, None, tc=tc, seq_len=64, out=None, tracker=None, tiled_loss=4)
+    loss = trainer.ignored_loss(local)
     loss.backward()
     assert loss.item() == 0.0 and max(rows) == 2 * 64 // 4, rows
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
@@ -315,8 +303,8 @@ def _dtypes(rank, stage, precision):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     cfg = ds_config(2, 1, stage)
     cfg[precision] = {"enabled": True}
-    topo = ucp.topology_from_config(cfg)
-    model = Decoder(TINY, lambda q, k, v: ucp.attention(q, k, v, topo))
+    topo = topology_for(cfg)
+    model = Decoder(TINY, ucp.Attention(topo))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = ucp.initialize(model=model, config=cfg, topo=topo, optimizer=opt)
     params = list(engine.module.parameters())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import ROOT, _free_port, launch, metrics
+from tests.helpers import ROOT, free_port, launch, metrics
 
 BASE = {
     "train_micro_batch_size_per_gpu": 2,
@@ -37,6 +37,9 @@ BASE = {
 }
 
 
+FAULTY = ROOT / "tests" / "train_with_faults.py"  # train.py with tests/faults.py hooks
+
+
 def config(tmp: Path, name: str, **blocks) -> Path:
     cfg = json.loads(json.dumps(BASE))
     for block, values in blocks.items():
@@ -50,12 +53,13 @@ def run(cfg: Path, out: Path, *extra, ranks: int = 2, fault: str | None = None, 
     """The deepspeed launcher; returns (returncode, output)."""
     if fault:
         os.environ["UCP_FAULT"] = fault
+    script = FAULTY if fault else ROOT / "train.py"
     try:
         if ok:
-            res = launch(cfg, out, *extra, num_gpus=ranks)
+            res = launch(cfg, out, *extra, num_gpus=ranks, script=script)
         else:
             with pytest.raises(AssertionError) as info:
-                launch(cfg, out, *extra, num_gpus=ranks)
+                launch(cfg, out, *extra, num_gpus=ranks, script=script)
             return 1, str(info.value)
     finally:
         os.environ.pop("UCP_FAULT", None)
@@ -68,7 +72,7 @@ def losses(out: Path) -> dict[int, float | None]:
 
 def start_ranks(cfg: Path, out: Path, world: int, *extra, fault: str | None = None):
     """Start the ranks ourselves (no launcher), so each one can be signalled or killed."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world):
         env = {
@@ -83,7 +87,8 @@ def start_ranks(cfg: Path, out: Path, world: int, *extra, fault: str | None = No
         }
         if fault:
             env["UCP_FAULT"] = fault
-        cmd = [sys.executable, str(ROOT / "train.py"), "--deepspeed_config", str(cfg)]
+        script = FAULTY if fault else ROOT / "train.py"
+        cmd = [sys.executable, str(script), "--deepspeed_config", str(cfg)]
         procs.append(
             subprocess.Popen(
                 [*cmd, "--output_dir", str(out), *extra],
@@ -252,6 +257,12 @@ def test_bad_config_fails_on_every_rank_before_training(tmp_path):
     cfg = config(tmp_path, "cfg2", data={"seq_len": 66})
     results = finish(start_ranks(cfg, tmp_path / "out", 2), timeout=60)
     check_one_line(results, "error: data.seq_len 66 must be a multiple of 4")
+    # a missing data file: reported before the engine (and its ZeRO partitioning) is built
+    cfg = config(tmp_path, "cfg3", data={"task": "text", "files": ["absent.txt"]})
+    results = finish(start_ranks(cfg, tmp_path / "out", 2), timeout=60)
+    check_one_line(results, f"error: data file not found: {tmp_path / 'absent.txt'}")
+    for _, out in results:
+        assert "DeepSpeed info" not in out, out[-2000:]  # deepspeed.initialize's first line
 
 
 def check_one_line(results, message: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import ds_config
+from tests.helpers import ds_config, topology_for
 from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
 from ulysses_cp.memory import TiledMLP, tiled_cross_entropy
 from ulysses_cp.model import Decoder, ModelConfig
@@ -23,7 +23,7 @@ def _step(rank, kind, stage, features):
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     cfg = ds_config(2, 2, stage)
-    topo = ucp.topology_from_config(cfg)
+    topo = topology_for(cfg)
     torch.manual_seed(0)
     if kind == "hf":
         from ulysses_cp import hf
@@ -38,7 +38,7 @@ def _step(rank, kind, stage, features):
         )
     else:
         mc = ModelConfig(dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, **features)
-        model = Decoder(mc, lambda q, k, v: ucp.attention(q, k, v, topo, backend="torch"))
+        model = Decoder(mc, ucp.Attention(topo, backend="torch"))
     engine = ucp.initialize(
         model=model, config=cfg, topo=topo, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)
     )

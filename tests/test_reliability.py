@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import ds_config, topology
+from tests.helpers import ds_config, topology, topology_for
 from ulysses_cp.comm import CollectiveError, collective
 
 
@@ -50,23 +50,21 @@ def test_rank_dependent_inputs_raise_on_every_rank(pools, u, r, what, field):
 
 
 def _check_off(rank):
-    topo = ucp.init_topology(2, 1, check_inputs=False)
-    try:
-        calls = []
-        real = ucp.attention.__globals__["check_across_ranks"]
-        ucp.attention.__globals__["check_across_ranks"] = lambda *a, **k: calls.append(1)
-        try:
-            x = torch.randn(1, 8, 4, 8, dtype=torch.float64)
-            ucp.attention(x, x, x, topo, backend="math")
-        finally:
-            ucp.attention.__globals__["check_across_ranks"] = real
-        return len(calls)
-    finally:
-        topo.destroy()
+    """The input check's all-gather shows in the byte counters: present by default,
+    absent with check_inputs=False."""
+    sent = []
+    for check in (True, False):
+        topo = topology(2, 1, check_inputs=check)
+        x = torch.randn(1, 8, 4, 8, dtype=torch.float64)
+        ucp.comm_stats.reset()
+        ucp.attention(x, x, x, topo, backend="math")
+        sent.append(ucp.comm_stats.total("all_gather", "input check"))
+    return sent
 
 
 def test_input_check_can_be_switched_off(pools):
-    assert pools(2).run(_check_off) == [0, 0]
+    for on, off in pools(2).run(_check_off):
+        assert on > 0 and off == 0, (on, off)
 
 
 def _named_failure(rank):
@@ -99,17 +97,17 @@ def _skip_nonfinite(rank, stage):
 
     import deepspeed
 
-    from tests.test_engine import TINY
-    from ulysses_cp import faults
+    from tests.faults import FaultHooks
+    from tests.helpers import TINY
     from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
     from ulysses_cp.model import Decoder
     from ulysses_cp.nonfinite import any_rank, gradients_finite, skip_update
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     cfg = ds_config(2, 1, stage)
-    topo = ucp.topology_from_config(cfg)
+    topo = topology_for(cfg)
     torch.manual_seed(0)
-    model = Decoder(TINY, lambda q, k, v: ucp.attention(q, k, v, topo, backend="torch"))
+    model = Decoder(TINY, ucp.Attention(topo, backend="torch"))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     engine = ucp.initialize(model=model, config=cfg, topo=topo, optimizer=opt)
     data = KVRecall(DataConfig(seq_len=64, n_queries=8))
@@ -130,11 +128,7 @@ def _skip_nonfinite(rank, stage):
     engine.backward(loss_of(0))
     engine.step()
     before = params()
-    os.environ["UCP_FAULT"] = "nan_grad:step=2"
-    try:
-        loss = faults.corrupt_loss(loss_of(1), 2)
-    finally:
-        del os.environ["UCP_FAULT"]
+    loss = FaultHooks("nan_grad:step=2").loss(loss_of(1), 2)
     assert torch.isfinite(loss)  # a finite loss whose gradients are NaN
     engine.backward(loss)
     seen = any_rank(not gradients_finite(engine), torch.device("cpu"))
@@ -194,7 +188,7 @@ def test_bad_inputs_raise_on_every_rank_within_seconds(pools):
     assert "Ulysses degrees that work" in first["heads vs ulysses degree"][0]
     assert "pad to 16" in first["length vs layout"][0]
     assert "ulysess_degree" in first["unknown key"][0]
-    assert "positive integer" in first["wrong type"][0]
+    assert "ring_degree must be an integer, got 2.0" in first["wrong type"][0]
     assert "flash_attn" in first["backend not installed"][0]
     assert "dtypes differ" in first["dtype mismatch"][0]
     assert "must be even" in first["odd zigzag shard"][0]

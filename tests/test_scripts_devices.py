@@ -238,3 +238,28 @@ def test_helpers_on_two_gloo_ranks(pools):
     for res in out:
         assert res["gathered"] == [[0.0, 2.0**40, 0.5], [1.0, 2.0**40 + 1, 0.5]]
         assert res["max"] == 10.0
+
+
+def test_live_bytes_counts_what_the_work_allocates():
+    """CPU peaks without the profiler: new storages count until freed; in-place ops, views
+    and tensors that existed before do not; the backward's tensors count too."""
+    import torch
+    from profiling import peak_memory
+
+    mb = 2**18  # float32 elements in 1 MiB
+    before = torch.zeros(mb)
+    assert peak_memory(lambda: before.add_(1).view(-1)[:10].mul_(2), scratch=False) == 0
+
+    def three_then_one():
+        kept = [torch.empty(mb) for _ in range(3)]  # 3 MiB live at once
+        del kept
+        torch.empty(mb)  # 1 MiB, after the others were freed
+
+    assert peak_memory(three_then_one, scratch=False) == 3 * 2**20
+    x = torch.ones(mb, requires_grad=True)
+    # forward alone: x * x (1 MiB, not saved for backward); the backward adds two 1 MiB
+    # gradients of x and their sum: seen only if backward allocations are counted
+    assert peak_memory(lambda: (x * x).sum(), scratch=False) < 2**20 + 64
+    peak = peak_memory(lambda: (x * x).sum().backward(), scratch=False)
+    assert 2 * 2**20 <= peak <= 3 * 2**20 + 64, peak
+    assert x.grad is not None and peak_memory(lambda: None, scratch=False) == 0

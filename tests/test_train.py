@@ -4,15 +4,11 @@ and checkpoints; --resume continues with the same losses as an uninterrupted run
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, launch, metrics
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -35,40 +31,6 @@ CONFIG = {
     "data": {"task": "kv_recall", "seq_len": 64, "n_queries": 8},
     "training": {"max_steps": 4, "log_interval": 1, "save_interval": 2},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(
-    cfg_path: Path, out: Path, *extra: str, num_gpus: int = 2
-) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        str(num_gpus),
-        "--master_port",
-        str(_free_port()),
-        str(ROOT / "train.py"),
-        "--deepspeed_config",
-        str(cfg_path),
-        "--output_dir",
-        str(out),
-        *extra,
-    ]
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow

@@ -222,9 +222,7 @@ def _derived_counts(rank, u, r, n_layers):
     local = shard_batch(packed, topo)
     torch.manual_seed(0)
     mc = ModelConfig(dim=16, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=32)
-    model = Decoder(
-        mc, lambda q, k, v, cu_seqlens=None: ucp.attention(q, k, v, topo, cu_seqlens=cu_seqlens)
-    )
+    model = Decoder(mc, ucp.Attention(topo))
     derived.cache.clear()
     logits = model(local["input_ids"], local["position_ids"], local["cu_seqlens"])
     ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo).backward()

@@ -2,7 +2,7 @@
 long-context training. Public API: see README.md and docs/api.md."""
 
 from . import comm, engine
-from .attention import attention, forward_comm_bytes
+from .attention import Attention, attention, forward_comm_bytes
 from .comm import stats as comm_stats
 from .engine import (
     SequenceParallelConfig,
@@ -11,7 +11,7 @@ from .engine import (
     run_options,
     topology_from_config,
 )
-from .kernels import BACKENDS, attn_backward, attn_forward, local_attention
+from .kernels import BACKENDS, Kernel, attn_backward, attn_forward, local_attention
 from .loss import local_loss_term, replicated_loss_term, sequence_parallel_cross_entropy
 from .options import RunOptions
 from .sharding import (
@@ -33,6 +33,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "LAYOUTS",
+    "Attention",
+    "Kernel",
     "RunOptions",
     "SequenceParallelConfig",
     "Topology",

@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .comm import collective
+from .comm import collective, stats
 from .derived import once
-from .kernels import BACKENDS, local_attention, resolve_backend
+from .kernels import BACKENDS, Kernel, local_attention, resolve_backend
 from .ring import ring_attention
 from .sharding import LAYOUTS, check_layout, layout_of, sequence_multiple
 from .topology import Topology
 from .ulysses import kv_replication, ulysses_attention
 from .varlen import Docs, check_cu_seqlens, inverse_permutation, ulysses_permutation
+
+__all__ = [
+    "Attention",
+    "attention",
+    "check_across_ranks",
+    "forward_comm_bytes",
+    "packed_plan",
+    "validate_packed",
+    "validate_qkv",
+]
 
 
 def validate_qkv(
@@ -58,7 +69,7 @@ def attention(
     causal: bool = True,
     layout: str | None = None,
     softmax_scale: float | None = None,
-    backend: str | None = None,
+    backend: str | Kernel | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sequence-parallel attention equal to full attention on the gathered sequence.
@@ -82,7 +93,7 @@ def attention(
         )
     validate_qkv(q, k, v, topo, layout)
     backend = resolve_backend(backend, q)
-    opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+    opts: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     u, r = topo.ulysses_degree, topo.ring_degree
     perm, docs = None, None
     if cu_seqlens is not None:  # once per batch, not per layer (derived.once)
@@ -98,6 +109,41 @@ def attention(
     return ulysses_attention(
         q, k, v, group=topo.ulysses_group, layout=layout, inner=inner, perm=perm
     )
+
+
+class Attention:
+    """:func:`attention` over one topology as a callable, ``attn(q, k, v, cu_seqlens=None)``:
+    what the models take (``Decoder(cfg, Attention(topo))``), instead of a hand-written
+    closure. The run's layout and backend come from ``topo.options``; ``backend=`` here
+    overrides the backend for this callable only."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        *,
+        causal: bool = True,
+        softmax_scale: float | None = None,
+        backend: str | Kernel | None = None,
+    ) -> None:
+        self.topo, self.causal, self.softmax_scale = topo, causal, softmax_scale
+        self.backend = backend
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None
+    ) -> torch.Tensor:
+        return attention(
+            q,
+            k,
+            v,
+            self.topo,
+            causal=self.causal,
+            softmax_scale=self.softmax_scale,
+            backend=self.backend,
+            cu_seqlens=cu_seqlens,
+        )
+
+    def __repr__(self) -> str:
+        return f"Attention({self.topo.mode}, causal={self.causal}, options={self.topo.options})"
 
 
 _DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -169,6 +215,7 @@ def check_across_ranks(q, k, v, topo: Topology, *, causal, layout, backend, cu) 
     parts = [torch.empty_like(sig) for _ in range(topo.sp_world_size)]
     with collective("all_gather", "input check", topo.sp_group):
         dist.all_gather(parts, sig, group=topo.sp_group)
+    stats.add("all_gather", "input check", sig.numel() * sig.element_size())
     rows = [p.tolist() for p in parts]
     if all(row == rows[0] for row in rows):
         return

@@ -20,6 +20,20 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
+__all__ = [
+    "CollectiveError",
+    "CommStats",
+    "collective",
+    "comm_device",
+    "describe_group",
+    "group_rank",
+    "group_size",
+    "head_to_seq",
+    "host_staged",
+    "name_group",
+    "seq_to_head",
+]
+
 
 class CommStats:
     """Bytes and calls per ``(op, phase)``; process-wide, reset by the caller."""
@@ -66,7 +80,7 @@ def name_group(group, name: str) -> None:
 def describe_group(group) -> str:
     name = _GROUP_NAMES.get(id(group), "process")
     try:
-        ranks = dist.get_process_group_ranks(group)
+        ranks = str(dist.get_process_group_ranks(group))
     except Exception:  # pragma: no cover - a destroyed group
         ranks = "?"
     return f"{name} group (global ranks {ranks})"

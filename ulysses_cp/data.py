@@ -22,68 +22,25 @@ micro batch are joined into one packed row (attention over packed rows takes bat
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .config import from_block
+from .config import DataConfig
 from .sharding import layout_of, sequence_multiple, shard_sequence
 from .varlen import IGNORE, check_cu_seqlens, pack_documents
 
-TASKS = ("kv_recall", "text")
-
-
-@dataclass
-class DataConfig:
-    task: str = "kv_recall"
-    seq_len: int = 512
-    seed: int = 1234
-    files: list[str] = field(default_factory=list)  # text task
-    n_pairs: int = 4  # kv_recall: bindings at the start
-    n_queries: int = 48  # kv_recall: queries at the end
-    n_keys: int = 4
-    n_values: int = 8
-    packing: bool = False  # several documents per row, attention kept inside each
-    min_doc_len: int = 32  # packed kv_recall document lengths
-    max_doc_len: int = 128
-    pack_multiple: int = 16  # documents padded to this (a multiple of 2 * SP degree)
-
-    @classmethod
-    def from_dict(cls, cfg: dict) -> DataConfig:
-        dc = from_block(cls, cfg, "data")
-        if dc.task not in TASKS:
-            raise ValueError(f"data.task {dc.task!r} is not one of {list(TASKS)}")
-        if dc.task == "text" and not dc.files:
-            raise ValueError("data.task 'text' needs data.files: a list of .txt/.jsonl paths")
-        if dc.packing:
-            if dc.pack_multiple < 1 or dc.seq_len % dc.pack_multiple:
-                raise ValueError(
-                    f"data.seq_len {dc.seq_len} must be a multiple of data.pack_multiple "
-                    f"{dc.pack_multiple} (>= 1) when packing"
-                )
-            if dc.task == "kv_recall" and not (
-                dc.n_pairs + 3 <= dc.min_doc_len <= dc.max_doc_len <= dc.seq_len
-            ):
-                raise ValueError(
-                    f"packed kv_recall needs n_pairs + 3 <= min_doc_len <= max_doc_len <= "
-                    f"seq_len, got {dc.n_pairs + 3}, {dc.min_doc_len}, {dc.max_doc_len}, "
-                    f"{dc.seq_len}"
-                )
-        if dc.task == "kv_recall":
-            need = 1 + dc.n_pairs + 2 * dc.n_queries
-            if dc.seq_len < need and not dc.packing:
-                raise ValueError(
-                    f"kv_recall needs seq_len >= 1 + 2*n_pairs + 2*n_queries = "
-                    f"{need}, got {dc.seq_len}"
-                )
-            if dc.n_pairs > dc.n_keys or 18 + dc.n_keys * (dc.n_values + 1) + dc.n_values > 256:
-                raise ValueError(
-                    f"kv_recall needs n_pairs <= n_keys and 18 + n_keys + n_values "
-                    f"+ n_keys*n_values <= 256, got n_pairs {dc.n_pairs}, n_keys "
-                    f"{dc.n_keys}, n_values {dc.n_values}"
-                )
-        return dc
+__all__ = [
+    "ByteText",
+    "DataConfig",
+    "KVRecall",
+    "global_batch",
+    "make_dataset",
+    "shard_batch",
+    "shift_labels",
+]
 
 
 class KVRecall:
@@ -292,7 +249,7 @@ def shard_batch(
     pos = batch.get("position_ids")
     if pos is None:
         pos = torch.arange(s, device=ids.device).expand_as(ids)
-    kw = dict(layout=layout, cu_seqlens=cu)
+    kw: dict[str, Any] = dict(layout=layout, cu_seqlens=cu)
     out = {
         "input_ids": shard_sequence(ids, topo, **kw),
         "position_ids": shard_sequence(pos, topo, **kw),

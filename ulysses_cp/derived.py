@@ -19,6 +19,10 @@ from typing import TypeVar
 
 import torch
 
+__all__ = [
+    "once",
+]
+
 T = TypeVar("T")
 
 _SIZE = 64  # a few batches' worth: one row's levels and ring-step pairs are < 10 entries

@@ -17,63 +17,41 @@ import copy
 import difflib
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .config import from_block
-from .kernels import BACKENDS
+from .config import SequenceParallelConfig
 from .options import RunOptions
-from .sharding import LAYOUTS
 from .topology import Topology, init_topology, validate_degrees
+
+__all__ = [
+    "DEEPSPEED_KEYS",
+    "NOT_FOR_DEEPSPEED",
+    "OUR_BLOCKS",
+    "PATH_FIELDS",
+    "SequenceParallelConfig",
+    "SequenceParallelMPU",
+    "check_top_level_keys",
+    "check_topology",
+    "deepspeed_part",
+    "init_distributed",
+    "initialize",
+    "known_top_level_keys",
+    "load_config",
+    "resolve_paths",
+    "run_options",
+    "topology_from_config",
+    "zero_grad_scale",
+]
 
 OUR_BLOCKS = ("sequence_parallel", "model", "data", "training")
 # the standard "wandb" block is honoured by ulysses_cp.tracking (one run, our step numbers),
 # not by DeepSpeed's monitor, which would open a second run logging at sample counts
 NOT_FOR_DEEPSPEED = (*OUR_BLOCKS, "wandb")
-
-
-@dataclass
-class SequenceParallelConfig:
-    ulysses_degree: int = 1
-    ring_degree: int = 1
-    layout: str = "zigzag"
-    attention_backend: str = "auto"
-    check_inputs: bool = True  # compare input shapes across SP ranks before communicating
-    collective_timeout_s: float = 1800.0  # a dead or hung peer ends the run after this
-
-    @classmethod
-    def from_dict(cls, cfg: dict | None) -> SequenceParallelConfig:
-        sp = from_block(cls, cfg, "sequence_parallel")
-        for name in ("ulysses_degree", "ring_degree"):
-            value = getattr(sp, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(
-                    f"sequence_parallel.{name} must be a positive integer, got {value!r}"
-                )
-        if sp.layout not in LAYOUTS:
-            raise ValueError(
-                f"sequence_parallel.layout {sp.layout!r} is not one of {list(LAYOUTS)}"
-            )
-        if not isinstance(sp.check_inputs, bool):
-            raise ValueError(
-                f"sequence_parallel.check_inputs must be true or false, got {sp.check_inputs!r}"
-            )
-        t = sp.collective_timeout_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or t <= 0:
-            raise ValueError(
-                f"sequence_parallel.collective_timeout_s must be a positive number of "
-                f"seconds, got {t!r}"
-            )
-        if sp.attention_backend not in BACKENDS:
-            raise ValueError(
-                f"sequence_parallel.attention_backend {sp.attention_backend!r} "
-                f"is not one of {list(BACKENDS)}"
-            )
-        return sp
 
 
 # DeepSpeed's documented top-level blocks and keys (deepspeed 0.19); the string constants of
@@ -253,13 +231,14 @@ class SequenceParallelMPU:
 
     def __init__(self, topo: Topology) -> None:
         self.topo = topo
-        world = dist.get_world_size()
-        self._seq_dp_group = dist.new_group(list(range(world)))
-        self._mp_group = None
-        for r in range(world):  # every rank creates every single-rank group
-            g = dist.new_group([r])
-            if r == topo.rank:
-                self._mp_group = g
+        self._seq_dp_group, self._mp_group = topo.all_group, topo.self_group
+        if self._seq_dp_group is None or self._mp_group is None:  # a hand-built topology
+            world = dist.get_world_size()
+            self._seq_dp_group = dist.new_group(list(range(world)))
+            for r in range(world):  # every rank creates every single-rank group
+                g = dist.new_group([r])
+                if r == topo.rank:
+                    self._mp_group = g
 
     def get_sequence_parallel_group(self):
         return self.topo.sp_group

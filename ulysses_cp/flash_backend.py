@@ -45,6 +45,19 @@ import torch.nn.functional as F
 
 from .derived import once
 
+__all__ = [
+    "SUPPORTED",
+    "Interface",
+    "backward",
+    "forward",
+    "import_problem",
+    "interface",
+    "parameters",
+    "reset",
+    "varlen_backward",
+    "varlen_forward",
+]
+
 SUPPORTED = "2.6, 2.7 and 2.8"
 
 # neutral values of the arguments we do not use; passed wherever the function takes them
@@ -107,7 +120,7 @@ def import_problem() -> str | None:
 def interface() -> Interface:
     """The installed flash-attn's four internal functions; ``ValueError`` if unusable."""
     found, problem = _probe()
-    if problem is not None:
+    if problem is not None or found is None:
         raise ValueError(problem)
     return found
 
@@ -165,7 +178,7 @@ def _load() -> Interface:
     ):
         fn = getattr(fai, name, None)
         params = None if fn is None else parameters(fn)
-        if params is None:
+        if fn is None or params is None:
             raise ValueError(
                 f"flash-attn {version}: flash_attn_interface.{name} is missing or its "
                 f"parameters cannot be read; ulysses_cp supports flash-attn {SUPPORTED}"

@@ -22,57 +22,36 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .attention import attention
-from .config import from_block
-from .data import shard_batch  # noqa: F401  (re-exported: full batch -> this rank's shard)
+from .config import HFModelConfig
+from .data import shard_batch
 from .memory import checkpointed, lm_loss, tile_mlps
-from .model import check_memory_options
 from .sharding import layout_of
 from .topology import Topology
+
+__all__ = [
+    "DTYPES",
+    "KEY",
+    "HFCausalLM",
+    "HFModelConfig",
+    "build_model",
+    "check_supported",
+    "load_config",
+    "register_attention",
+    "shard_batch",
+]
 
 KEY = "ulysses_cp"
 _CALLS = {"n": 0}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-@dataclass
-class HFModelConfig:
-    """The ``"model"`` block for a Hugging Face model (``hf_config`` present)."""
-
-    hf_config: str | dict = ""  # local config.json / folder, or inline fields + model_type
-    hf_weights: str | None = None  # local folder for from_pretrained; None: random init
-    dtype: str = "float32"
-    activation_checkpointing: bool = False
-    offload_activations: bool = False
-    tiled_mlp: int = 0
-    tiled_loss: int = 0
-
-    @classmethod
-    def from_dict(cls, block: dict) -> HFModelConfig:
-        mc = from_block(cls, block, "model")
-        if not mc.hf_config:
-            raise ValueError("model.hf_config must name a local config.json or hold fields")
-        if mc.dtype not in DTYPES:
-            raise ValueError(f"model.dtype {mc.dtype!r} is not one of {list(DTYPES)}")
-        check_memory_options(mc)
-        return mc
-
-    def vocab_size(self) -> int:
-        return load_config(self.hf_config).vocab_size
-
-    def heads(self) -> tuple[int, int]:
-        """(query heads, kv heads) from the transformers config, for validation."""
-        cfg = load_config(self.hf_config)
-        hq = cfg.num_attention_heads
-        return hq, getattr(cfg, "num_key_value_heads", None) or hq
 
 
 def _transformers():
@@ -175,12 +154,12 @@ class HFCausalLM(nn.Module):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Any,  # a transformers PreTrainedModel (its config and heads are read)
         *,
         topo: Topology | None = None,
         layout: str | None = None,
-        activation_checkpointing=False,
-        offload_activations=False,
+        activation_checkpointing: bool = False,
+        offload_activations: bool = False,
     ) -> None:
         super().__init__()
         check_supported(model)
@@ -271,18 +250,19 @@ def _checkpointed_layer(forward, offload, hidden_states, *args, **kwargs):
     return checkpointed(partial(forward, *args, **kwargs), hidden_states, offload=offload)
 
 
-def load_config(spec: str | dict):
+def load_config(spec: str | dict) -> Any:
     """A transformers config from a local ``config.json`` (or a folder holding one), or a
     dict with ``model_type`` and the fields; nothing is downloaded."""
     transformers = _transformers()
-    if not isinstance(spec, dict):
+    if isinstance(spec, dict):
+        fields = dict(spec)
+    else:
         path = Path(spec)
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
             raise ValueError(f"model.hf_config: {path} not found (a local config.json is needed)")
-        spec = json.loads(path.read_text())
-    fields = dict(spec)
+        fields = json.loads(path.read_text())
     model_type = fields.pop("model_type", None)
     if model_type is None:
         raise ValueError("model.hf_config needs a model_type (for example 'llama', 'qwen3')")

@@ -22,8 +22,10 @@ Causal masking needs ``sq == sk`` (the diagonal block); callers slice off-diagon
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -31,6 +33,18 @@ from . import flash_backend, math_backend, torch_backend
 from .derived import once
 from .log import get_logger
 from .math_backend import lse_dtype
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "SavedAttention",
+    "attn_backward",
+    "attn_forward",
+    "default_scale",
+    "flash_attn_unusable",
+    "local_attention",
+    "resolve_backend",
+]
 
 Backend = Literal["auto", "flash_attn", "torch", "math"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
@@ -57,13 +71,36 @@ def flash_attn_unusable(
     return flash_backend.import_problem()
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
+@dataclass(frozen=True)
+class Kernel:
+    """A local attention kernel of your own, passed as ``backend=`` wherever a backend name
+    goes: ``forward(q, k, v, causal, scale) -> (out, lse)`` and ``backward(dout, q, k, v,
+    out, lse, causal, scale) -> (dq, dk, dv)`` on ``(b, s, h, d)`` blocks (k/v may have
+    fewer heads; lse ``(b, hq, s)``), the contract of the built-in backends. For
+    experiments and tests (counting work, injecting a fault) without patching modules."""
+
+    name: str
+    forward: Callable
+    backward: Callable
+
+
+def _fwd(backend: str | Kernel) -> Callable:
+    return backend.forward if isinstance(backend, Kernel) else _FORWARD[backend]
+
+
+def _bwd(backend: str | Kernel) -> Callable:
+    return backend.backward if isinstance(backend, Kernel) else _BACKWARD[backend]
+
+
+def resolve_backend(backend: str | Kernel, q: torch.Tensor) -> str | Kernel:
     """Map ``"auto"`` to a backend that can run ``q``'s device, dtype and head dim (and say
     why, once, in the log); raise ``ValueError`` for an unknown or unusable choice.
 
     ``"auto"``: flash-attn for float16/bfloat16 CUDA tensors (sm80+) with a head dim <= 256
     when it imports, else ``"torch"``. ``"flash_attn"`` hands the tensors over as they are
     (flash-attn itself rejects CPU tensors and float32), once the module imports."""
+    if isinstance(backend, Kernel):
+        return backend
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {list(BACKENDS)}")
     if backend == "auto":
@@ -143,7 +180,7 @@ def _one_document(q, k, cu_q, cu_k) -> bool:
 
 def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend):
     if _one_document(q, k, cu_q, cu_k):
-        return _FORWARD[backend](q, k, v, causal, scale)
+        return _fwd(backend)(q, k, v, causal, scale)
     if backend == "flash_attn":
         return flash_backend.varlen_forward(q, k, v, cu_q, cu_k, causal, scale)
     out = torch.zeros_like(q)
@@ -151,7 +188,7 @@ def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend):
     lse = torch.full((1, hq, q.shape[1]), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     for qi, ki, n, lq, lk in _doc_groups(cu_q, cu_k):  # rows in no document stay (0, -inf)
         assert not causal or lq == lk, "causal documents must be square"
-        o, lg = _FORWARD[backend](
+        o, lg = _fwd(backend)(
             _take(q, qi, n, lq), _take(k, ki, n, lk), _take(v, ki, n, lk), causal, scale
         )
         out[0].index_copy_(0, qi, o.reshape(n * lq, hq, -1).to(out.dtype))
@@ -161,14 +198,14 @@ def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend):
 
 def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend):
     if _one_document(q, k, cu_q, cu_k):
-        return _BACKWARD[backend](dout, q, k, v, out, lse, causal, scale)
+        return _bwd(backend)(dout, q, k, v, out, lse, causal, scale)
     if backend == "flash_attn":
         return flash_backend.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     hq = q.shape[2]
     for qi, ki, n, lq, lk in _doc_groups(cu_q, cu_k):
         lg = lse[0].index_select(1, qi).view(hq, n, lq).transpose(0, 1)  # (n, hq, lq)
-        gq, gk, gv = _BACKWARD[backend](
+        gq, gk, gv = _bwd(backend)(
             _take(dout, qi, n, lq),
             _take(q, qi, n, lq),
             _take(k, ki, n, lk),
@@ -185,7 +222,15 @@ def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend
 
 
 def attn_forward(
-    q, k, v, *, causal: bool, softmax_scale: float | None, backend: str, cu_q=None, cu_k=None
+    q,
+    k,
+    v,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+    backend: str | Kernel,
+    cu_q=None,
+    cu_k=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32/fp64)``; no autograd.
 
@@ -197,7 +242,7 @@ def attn_forward(
         if cu_q is not None:
             return _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend)
         _check_causal(q, k, causal)
-        return _FORWARD[backend](q, k, v, causal, scale)
+        return _fwd(backend)(q, k, v, causal, scale)
 
 
 def attn_backward(
@@ -210,7 +255,7 @@ def attn_backward(
     *,
     causal: bool,
     softmax_scale: float | None,
-    backend: str,
+    backend: str | Kernel,
     accumulate: bool = False,
     cu_q=None,
     cu_k=None,
@@ -230,7 +275,7 @@ def attn_backward(
         if cu_q is not None:
             return _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend)
         _check_causal(q, k, causal)
-        return _BACKWARD[backend](dout, q, k, v, out, lse, causal, scale)
+        return _bwd(backend)(dout, q, k, v, out, lse, causal, scale)
 
 
 class SavedAttention(torch.autograd.Function):
@@ -259,7 +304,7 @@ def local_attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
-    backend: str = "auto",
+    backend: str | Kernel = "auto",
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable single-device attention, ``(b, s, hq, d)`` in and out.
@@ -267,7 +312,7 @@ def local_attention(
     ``cu_seqlens``: int32 document boundaries of a packed row (batch 1); attention stays
     inside each document."""
     backend = resolve_backend(backend, q)
-    opts = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+    opts: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     if cu_seqlens is not None:
         opts.update(cu_q=cu_seqlens, cu_k=cu_seqlens)
     return SavedAttention.apply(q, k, v, attn_forward, attn_backward, opts)

@@ -7,6 +7,10 @@ import sys
 
 import torch.distributed as dist
 
+__all__ = [
+    "get_logger",
+]
+
 
 class _RankFilter(logging.Filter):
     def __init__(self, all_ranks: bool) -> None:

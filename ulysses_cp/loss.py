@@ -17,6 +17,14 @@ import torch.nn.functional as F
 
 from .comm import collective, group_size
 
+__all__ = [
+    "local_loss_term",
+    "replicated_loss_term",
+    "scale_gradient",
+    "sequence_parallel_cross_entropy",
+    "sequence_parallel_loss_from_sums",
+]
+
 
 class _SumKeepGrad(torch.autograd.Function):
     """All-reduce (sum) in forward, identity in backward: every rank's loss value is the

@@ -9,6 +9,14 @@ from __future__ import annotations
 
 import torch
 
+__all__ = [
+    "backward",
+    "expand_kv",
+    "forward",
+    "lse_dtype",
+    "reduce_kv",
+]
+
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -27,6 +27,14 @@ from torch.utils.checkpoint import checkpoint
 
 from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss_from_sums
 
+__all__ = [
+    "TiledMLP",
+    "checkpointed",
+    "lm_loss",
+    "tile_mlps",
+    "tiled_cross_entropy",
+]
+
 
 class TiledMLP(nn.Module):
     """Wrap a per-token module (``(b, s, D) -> (b, s, D)``) to run in ``chunks`` pieces of
@@ -90,6 +98,7 @@ def tiled_cross_entropy(
             part = _ce_sum(head, h, y, ignore_index)
         total = part if total is None else total + part
     count = (labels != ignore_index).sum()
+    assert total is not None, "at least one piece"
     return sequence_parallel_loss_from_sums(total, count, topo)
 
 

@@ -11,63 +11,23 @@ Legend: b batch, s tokens held (local under SP), D model dim, h/hkv heads, d hea
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import from_block
+from .config import ModelConfig, check_memory_options
 from .memory import TiledMLP, checkpointed
 
-
-@dataclass
-class ModelConfig:
-    vocab_size: int = 256
-    dim: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_dim: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    activation_checkpointing: bool = False
-    offload_activations: bool = False  # checkpointed layer inputs wait on CPU (needs the above)
-    tiled_mlp: int = 0  # > 1: the MLP runs in this many sequence pieces (ulysses_cp.memory)
-    tiled_loss: int = 0  # > 1: LM head + loss in this many pieces, no full logits (train.py)
-
-    @classmethod
-    def from_dict(cls, cfg: dict) -> ModelConfig:
-        mc = from_block(cls, cfg, "model")
-        check_memory_options(mc)
-        if mc.dim % mc.n_heads or mc.n_heads % mc.n_kv_heads or (mc.dim // mc.n_heads) % 2:
-            raise ValueError(
-                f"model: dim ({mc.dim}) must split into n_heads ({mc.n_heads}) "
-                f"heads of even size and n_heads must be a multiple of "
-                f"n_kv_heads ({mc.n_kv_heads})"
-            )
-        return mc
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-
-def check_memory_options(block) -> None:
-    """The ALST switches shared by the reference decoder and Hugging Face models."""
-    for name in ("tiled_mlp", "tiled_loss"):
-        value = getattr(block, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"model.{name} must be a number of pieces >= 0, got {value!r}")
-    for name in ("activation_checkpointing", "offload_activations"):
-        if not isinstance(getattr(block, name), bool):
-            raise ValueError(f"model.{name} must be true or false")
-    if block.offload_activations and not block.activation_checkpointing:
-        raise ValueError(
-            "model.offload_activations moves the checkpointed layer inputs to CPU: it needs "
-            "model.activation_checkpointing: true"
-        )
+__all__ = [
+    "Block",
+    "Decoder",
+    "ModelConfig",
+    "SwiGLU",
+    "check_memory_options",
+    "rope",
+]
 
 
 class SwiGLU(nn.Module):

@@ -13,6 +13,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+__all__ = [
+    "any_rank",
+    "gradients_finite",
+    "skip_update",
+]
+
 
 def any_rank(value: bool, device) -> bool:
     """The same answer on every rank: is ``value`` true on any rank?"""

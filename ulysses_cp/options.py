@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from .kernels import BACKENDS
 from .sharding import check_layout
 
+__all__ = [
+    "RunOptions",
+]
+
 
 @dataclass(frozen=True)
 class RunOptions:

@@ -21,12 +21,22 @@ every rank.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import collective, group_rank, group_size, host_staged, stats
-from .kernels import SavedAttention, attn_backward, attn_forward, lse_dtype
+from .kernels import Kernel, SavedAttention, attn_backward, attn_forward, lse_dtype
+
+__all__ = [
+    "RingComm",
+    "merge",
+    "ring_attention",
+    "ring_backward",
+    "ring_forward",
+]
 
 
 class RingComm:
@@ -42,6 +52,7 @@ class RingComm:
         self.prev = dist.get_global_rank(group, (r - 1) % P)
         self._reqs: list = []
         self._recv: torch.Tensor | None = None
+        self._sent: torch.Tensor | None = None
         self._device: torch.device | None = None  # where the result goes, when staged
 
     def send_recv(self, x: torch.Tensor) -> None:
@@ -64,6 +75,7 @@ class RingComm:
                 req.wait()
         self._reqs, self._sent = [], None
         out, self._recv = self._recv, None
+        assert out is not None, "wait() without send_recv()"
         return out if self._device is None else out.to(self._device)
 
 
@@ -117,7 +129,7 @@ def ring_forward(
     out = torch.zeros(b, s_l, hq, d, dtype=acc, device=q.device)
     lse = torch.full((b, hq, s_l), float("-inf"), dtype=acc, device=q.device)
     kv = _pack(k, v)
-    comm = RingComm(group, "ring", "forward") if P > 1 else None
+    comm = cast(RingComm, RingComm(group, "ring", "forward") if P > 1 else None)  # P > 1 only
     for step in range(P):
         if step + 1 < P:
             comm.send_recv(kv)  # posted before the compute so they overlap
@@ -162,8 +174,9 @@ def ring_backward(
     dq = torch.zeros_like(q, dtype=acc)
     dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # travels with its kv block
     kv = _pack(k, v)
-    kv_comm = RingComm(group, "ring", "backward", tag=1) if P > 1 else None
-    dkv_comm = RingComm(group, "ring", "backward", tag=2) if P > 1 else None
+    # used only when P > 1
+    kv_comm = cast(RingComm, RingComm(group, "ring", "backward", tag=1) if P > 1 else None)
+    dkv_comm = cast(RingComm, RingComm(group, "ring", "backward", tag=2) if P > 1 else None)
     for step in range(P):
         if step + 1 < P:
             kv_comm.send_recv(kv)
@@ -207,7 +220,7 @@ def ring_attention(
     group,
     causal: bool,
     softmax_scale: float | None,
-    backend: str,
+    backend: str | Kernel,
     layout: str,
     overlap: bool = True,
     docs=None,

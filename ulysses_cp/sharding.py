@@ -20,6 +20,23 @@ import torch.distributed as dist
 from .comm import collective, comm_device, group_rank, group_size
 from .varlen import Permute, check_cu_seqlens, doc_layout_indices, inverse_permutation
 
+__all__ = [
+    "LAYOUTS",
+    "Layout",
+    "check_layout",
+    "check_same_on_every_rank",
+    "check_sequence_length",
+    "gather_sequence",
+    "layout_indices",
+    "layout_of",
+    "natural_to_pairs",
+    "pad_batch",
+    "pad_to_multiple",
+    "pairs_to_natural",
+    "sequence_multiple",
+    "shard_sequence",
+]
+
 Layout = Literal["zigzag", "contiguous"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
 

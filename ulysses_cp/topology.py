@@ -17,11 +17,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 from .comm import name_group
 from .options import RunOptions
+
+__all__ = [
+    "GroupPlan",
+    "Topology",
+    "init_topology",
+    "plan_groups",
+    "validate_degrees",
+]
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,10 @@ class Topology:
     ring_group: object | None = None
     sp_group: object | None = None
     dp_group: object | None = None
+    # every rank / this rank alone: what DeepSpeed's mpu asks for (ZeRO's sequence-data-
+    # parallel and model-parallel groups), made once here rather than per engine
+    all_group: object | None = None
+    self_group: object | None = None
     # the run's choices (layout, backend, input checks, gradient scale): frozen, read by
     # every call that takes the topology; another choice is another value (with_options)
     options: RunOptions = field(default_factory=RunOptions)
@@ -165,6 +178,7 @@ class Topology:
             dist.destroy_process_group(group)
         self._owned.clear()
         self.ulysses_group = self.ring_group = self.sp_group = self.dp_group = None
+        self.all_group = self.self_group = None
 
 
 def init_topology(
@@ -201,12 +215,14 @@ def init_topology(
         ring_degree=ring_degree,
         options=options,
     )
-    kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    kwargs: dict[str, Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     for attr, groups in (
         ("ulysses_group", plan.ulysses_groups),
         ("ring_group", plan.ring_groups),
         ("sp_group", plan.sp_groups),
         ("dp_group", plan.dp_groups),
+        ("all_group", [list(range(world))]),
+        ("self_group", [[r] for r in range(world)]),
     ):
         for ranks in groups:  # every rank creates every group, in the same order
             group = dist.new_group(ranks, **kwargs)

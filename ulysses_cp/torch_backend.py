@@ -17,6 +17,11 @@ import torch
 from . import math_backend
 from .math_backend import expand_kv, lse_dtype, reduce_kv
 
+__all__ = [
+    "backward",
+    "forward",
+]
+
 _LOW = (torch.float16, torch.bfloat16)
 
 

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from .log import get_logger
+
+__all__ = [
+    "Tracker",
+]
 
 log = get_logger(__name__)
 
@@ -75,7 +80,7 @@ def _start_wandb(block: dict, run_config: dict, output_dir: Path):
     except ImportError:
         log.warning("wandb is enabled in the config but not installed; tracking off")
         return None
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         project=block.get("project", "ulysses_cp"),
         group=block.get("group"),
         entity=block.get("team"),
@@ -85,7 +90,8 @@ def _start_wandb(block: dict, run_config: dict, output_dir: Path):
     )
     for mode in (None, "offline"):
         try:
-            return wandb.init(**kwargs, **({"mode": mode} if mode else {}))
+            extra: dict[str, Any] = {"mode": mode} if mode else {}
+            return wandb.init(**kwargs, **extra)
         except Exception as exc:  # network, auth, ... must not stop training
             log.warning(
                 f"wandb could not start ({type(exc).__name__}: {exc}); "

@@ -20,6 +20,11 @@ from .comm import group_size, head_to_seq, seq_to_head
 from .sharding import natural_to_pairs, pairs_to_natural
 from .varlen import Permute
 
+__all__ = [
+    "kv_replication",
+    "ulysses_attention",
+]
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -25,6 +25,18 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = [
+    "IGNORE",
+    "Docs",
+    "Permute",
+    "check_cu_seqlens",
+    "cu_seqlens_from_position_ids",
+    "doc_layout_indices",
+    "inverse_permutation",
+    "pack_documents",
+    "ulysses_permutation",
+]
+
 IGNORE = -100
 
 

@@ -10,8 +10,10 @@ peak of what the work allocated on top of what already existed:
   have aborted a process now and then ("terminate called without an active exception", torch 2.13).
 - ``scratch=False``: a dispatch mode (:class:`LiveBytes`) that sees every tensor an
   operator returns, forward and backward: a new storage adds its bytes, its release (a
-  weak-reference finalizer) subtracts them. No profiler; kernel scratch is not seen. For
-  whole models the two agreed to the byte (reference decoder, N = 2048 and 4096).
+  weak-reference finalizer) subtracts them. No profiler; kernel scratch is not seen, and
+  under the mode autograd may add two gradients of one tensor out of place (one gradient
+  more than the profiler saw for ``(x * x).sum().backward()``). For whole models the two
+  agreed to the byte (reference decoder, N = 2048 and 4096).
 
 Slow: measure memory and time in separate runs.
 """

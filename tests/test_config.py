@@ -1,0 +1,69 @@
+"""Every config block is declared in ulysses_cp.config and parsed once: unknown keys and
+values of the wrong type are refused naming the key; the DeepSpeed part is never changed."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tests.helpers import ROOT
+from ulysses_cp.build import cpu_optimizer
+from ulysses_cp.config import (
+    DataConfig,
+    HFModelConfig,
+    ModelConfig,
+    RunConfig,
+    SequenceParallelConfig,
+    TrainingConfig,
+    model_config,
+)
+
+SP, M, HF, D, T = SequenceParallelConfig, ModelConfig, HFModelConfig, DataConfig, TrainingConfig
+CASES = [
+    (SP, {"ring_degree": True}, "sequence_parallel.ring_degree must be an integer, got True"),
+    (SP, {"check_inputs": "yes"}, "check_inputs must be true or false, got 'yes'"),
+    (SP, {"collective_timeout_s": "60"}, "collective_timeout_s must be a number, got '60'"),
+    (SP, {"layout": "ring"}, "layout must be one of ['zigzag', 'contiguous'], got 'ring'"),
+    (M, {"dim": 12.5}, "model.dim must be an integer, got 12.5"),
+    (M, {"tiled_mlp": -1}, "model.tiled_mlp must be a number of pieces >= 0"),
+    (HF, {"hf_config": 3}, "model.hf_config must be a string or an object, got 3"),
+    (HF, {"hf_config": "x", "dtype": "half"}, "model.dtype must be one of"),
+    (D, {"files": ["a.txt", 2]}, "data.files must be a list of strings, got ['a.txt', 2]"),
+    (D, {"task": "wiki"}, "data.task must be one of ['kv_recall', 'text'], got 'wiki'"),
+    (T, {"max_steps": "10"}, "training.max_steps must be an integer, got '10'"),
+    (T, {"on_nonfinite": "ignore"}, "training.on_nonfinite must be one of ['skip', 'stop']"),
+    (T, {"log_interval": 0}, "training.log_interval must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("cls, block, message", CASES)
+def test_a_value_of_the_wrong_type_names_its_key(cls, block, message):
+    with pytest.raises(ValueError) as err:
+        cls.from_dict(block)
+    assert message in str(err.value)
+
+
+def test_a_block_that_is_not_an_object_is_refused():
+    with pytest.raises(ValueError, match='the "training" block must be a JSON object'):
+        TrainingConfig.from_dict([1, 2])
+
+
+def test_a_shipped_config_parses_once_into_every_block():
+    run = RunConfig.load(ROOT / "configs" / "tiny_cpu_hf_llama_u2r2.json")
+    assert isinstance(run.model, HFModelConfig) and run.model.hf_config.endswith("tiny_llama.json")
+    assert (run.sequence_parallel.ulysses_degree, run.sequence_parallel.ring_degree) == (2, 2)
+    assert run.raw["sequence_parallel"]["ulysses_degree"] == 2
+    assert isinstance(model_config({"dim": 64, "n_heads": 4}), ModelConfig)
+
+
+def test_the_deepspeed_config_is_never_changed():
+    """The CPU optimizer swap returns a new config; the one given keeps its blocks."""
+    config = json.loads((ROOT / "configs" / "tiny_cpu_zero2_u2r2.json").read_text())
+    before = copy.deepcopy(config)
+    optimizer, ds_config = cpu_optimizer(config, torch.nn.Linear(2, 2))
+    assert config == before
+    if optimizer is not None:  # CPU: torch's AdamW, the block removed from the copy only
+        assert "optimizer" not in ds_config and "optimizer" in config

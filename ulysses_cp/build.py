@@ -1,0 +1,113 @@
+"""What a training run builds from its config, before the loop: the checks that need no
+collective, the output folder's verdict, the model and the optimizer.
+
+``train.py`` wires these together; each is usable on its own (and tested without a
+launcher).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+from .attention import Attention
+from .data import DataConfig
+from .engine import SequenceParallelConfig
+from .model import Decoder, ModelConfig
+from .sharding import sequence_multiple
+from .topology import Topology, validate_degrees
+from .ulysses import kv_replication
+
+__all__ = [
+    "build_model",
+    "check_output_dir",
+    "cpu_optimizer",
+    "validate",
+]
+
+
+def check_output_dir(out: Path, resume: str | None, overwrite: bool) -> bool:
+    """Whether to resume from ``out``; refuses (before anything is built) a ``--resume``
+    with nothing to resume, and a fresh start over an existing run without ``--overwrite``.
+    ``resume``: None, ``"yes"`` or ``"auto"``."""
+    has_checkpoint = checkpoint.latest_tag(out) is not None
+    if resume == "yes" and not has_checkpoint:
+        raise ValueError(
+            f"--resume: no checkpoint in {out} (no {out / checkpoint.LATEST} naming a complete "
+            f"one); check --output_dir, drop --resume to start at step 0, or use --resume auto "
+            f"to resume only when a checkpoint exists"
+        )
+    if resume is None and not overwrite and (has_checkpoint or (out / "metrics.jsonl").exists()):
+        raise ValueError(
+            f"{out} already holds a run (metrics.jsonl or checkpoints): --resume continues it, "
+            f"--overwrite starts afresh there, --output_dir DIR starts a new run elsewhere"
+        )
+    return resume is not None and has_checkpoint
+
+
+def validate(sp: SequenceParallelConfig, mc, dc: DataConfig) -> None:
+    """Everything that can be checked before any collective, identically on every rank."""
+    validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
+    hq, hkv = mc.heads() if hasattr(mc, "heads") else (mc.n_heads, mc.n_kv_heads)
+    kv_replication(hq, hkv, sp.ulysses_degree)
+    vocab = mc.vocab_size() if callable(getattr(mc, "vocab_size", None)) else mc.vocab_size
+    if vocab < 256:
+        raise ValueError(
+            f"the model's vocabulary ({vocab}) is smaller than the data's (256 byte/task "
+            f"tokens); use vocab_size >= 256"
+        )
+    m = sequence_multiple(sp.ulysses_degree * sp.ring_degree, sp.layout)
+    if dc.seq_len % m:
+        raise ValueError(
+            f"data.seq_len {dc.seq_len} must be a multiple of {m} for "
+            f"u{sp.ulysses_degree} x r{sp.ring_degree} in the {sp.layout!r} layout"
+        )
+    if dc.packing and dc.pack_multiple % m:
+        raise ValueError(
+            f"data.pack_multiple {dc.pack_multiple} must be a multiple of {m}: every packed "
+            f"document is split over u{sp.ulysses_degree} x r{sp.ring_degree} ranks in the "
+            f"{sp.layout!r} layout"
+        )
+
+
+def build_model(mc, topo: Topology) -> torch.nn.Module:
+    """The reference decoder (``ModelConfig``) or a Hugging Face model (``HFModelConfig``),
+    with the run's attention (``topo.options``)."""
+    if not isinstance(mc, ModelConfig):
+        from . import hf
+
+        return hf.build_model(
+            topo,
+            hf_config=mc.hf_config,
+            hf_weights=mc.hf_weights,
+            dtype=hf.DTYPES[mc.dtype],
+            tiled_mlp=mc.tiled_mlp,
+            activation_checkpointing=mc.activation_checkpointing,
+            offload_activations=mc.offload_activations,
+        )
+    return Decoder(mc, Attention(topo))
+
+
+def cpu_optimizer(config: dict, model: torch.nn.Module) -> tuple[object | None, dict]:
+    """``(optimizer, config)``: on CPU an Adam/AdamW block becomes ``torch.optim.AdamW``
+    (DeepSpeed would JIT-compile a fused CPU Adam, minutes on 2 cores), returned with a copy
+    of the config without that block; otherwise ``(None, config)`` and DeepSpeed builds the
+    optimizer from the block. The given config is never changed."""
+    block = config.get("optimizer")
+    if (
+        torch.cuda.is_available()
+        or not block
+        or block.get("type", "").lower() not in ("adam", "adamw")
+    ):
+        return None, config
+    params = dict(block.get("params", {}))
+    params.pop("torch_adam", None)
+    params.pop("adam_w_mode", None)
+    config = copy.deepcopy(config)
+    del config["optimizer"]
+    config["zero_allow_untested_optimizer"] = True
+    return torch.optim.AdamW(model.parameters(), **params), config

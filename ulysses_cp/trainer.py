@@ -1,0 +1,283 @@
+"""The training loop: steps, gradient accumulation, metrics, checkpoints, and the reliability
+rules (non-finite loss or gradients, signals) in one place.
+
+``Trainer(engine, topo, dataset, ...).run(start)`` trains from step ``start`` to
+``training.max_steps`` and returns the :class:`TrainState`. Everything a run chooses comes
+in as arguments (the topology carries the sequence-parallel choices, ``TrainingConfig`` the
+loop's); nothing is read from the environment. Tests inject faults through
+:class:`Hooks` (``tests/faults.py``).
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+from .comm import stats as comm_stats
+from .config import TrainingConfig
+from .data import global_batch, shard_batch
+from .log import get_logger
+from .memory import lm_loss
+from .nonfinite import any_rank, gradients_finite, skip_update
+from .topology import Topology
+from .tracking import Tracker
+
+__all__ = [
+    "Hooks",
+    "SignalFlag",
+    "TrainState",
+    "Trainer",
+    "TrainingConfig",
+    "TrainingStopped",
+    "peak_memory_mb",
+]
+
+log = get_logger("train")
+log_all = get_logger("train.ranks", all_ranks=True)
+
+
+log_all = get_logger("train.ranks", all_ranks=True)
+
+
+class Hooks:
+    """Points where a test can act (the defaults do nothing): the start of a step, the loss
+    of a micro batch, and the moment a checkpoint's files are written but not published."""
+
+    def step_start(self, step: int) -> None:
+        """``step``: 1-based, the step about to be taken."""
+
+    def loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        return loss
+
+    def in_save(self, step: int) -> None:
+        """Called by :func:`checkpoint.save` between writing and publishing."""
+
+
+class TrainingStopped(Exception):
+    """The run stops on purpose (``on_nonfinite: stop``); ``exit_code`` for the process."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class SignalFlag:
+    """SIGTERM/SIGINT set a flag; the ranks agree on it at the end of every step, save,
+    and leave the loop. A second signal exits at once."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.raised, self.seen = enabled, False, False
+        if enabled:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._handle)
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank once any rank has received a signal (one all-reduce)."""
+        if self.enabled and any_rank(self.raised, device):
+            self.seen = True
+        return self.seen
+
+    def _handle(self, signum, frame) -> None:
+        if self.raised:
+            raise KeyboardInterrupt
+        self.raised = True
+        log_all.warning(f"{signal.Signals(signum).name}: saving at the end of this step")
+
+
+@dataclass
+class TrainState:
+    """Where the loop is: ``step`` (steps done), the mean losses logged so far, updates
+    skipped, and what accumulates between two log lines."""
+
+    step: int
+    losses: list[float] = field(default_factory=list)
+    skipped: int = 0
+    stopped_by_signal: bool = False
+    since: int = 0  # finite steps since the last log line
+    started: float = field(default_factory=time.perf_counter)
+
+
+def attention_bytes() -> int:
+    """This rank's attention traffic since the last reset: all-to-all and ring bytes (the
+    input checks' few bytes are counted apart, under ``all_gather``)."""
+    return comm_stats.total("all_to_all") + comm_stats.total("ring")
+
+
+def peak_memory_mb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class Trainer:
+    """One run's loop. ``tc``: a ``TrainingConfig``; ``seq_len``: tokens per sample;
+    ``tiled_loss``: the LM head and loss in this many pieces (> 1)."""
+
+    def __init__(
+        self,
+        engine,
+        topo: Topology,
+        dataset,
+        *,
+        tc,
+        seq_len: int,
+        out: Path,
+        tracker: Tracker | None = None,
+        tiled_loss: int = 0,
+        hooks: Hooks | None = None,
+    ) -> None:
+        self.engine, self.topo, self.dataset, self.tc = engine, topo, dataset, tc
+        self.seq_len, self.out, self.tracker, self.tiled_loss = seq_len, out, tracker, tiled_loss
+        self.hooks = hooks or Hooks()
+        self.signals = SignalFlag(tc.save_on_signal)
+        self.device = engine.device  # inputs and the loss accumulator live with the model
+
+    # ------------------------------------------------------------------ batches and losses
+
+    def batch(self, step: int, micro_step: int) -> dict[str, torch.Tensor]:
+        """This rank's shard of micro batch ``micro_step`` of ``step``, on the device."""
+        full = global_batch(
+            self.dataset,
+            step=step,
+            micro_step=micro_step,
+            grad_accum=self.engine.gradient_accumulation_steps(),
+            micro_batch=self.engine.train_micro_batch_size_per_gpu(),
+            dp_rank=self.topo.dp_rank,
+            dp_degree=self.topo.dp_degree,
+        )
+        return {k: t.to(self.device) for k, t in shard_batch(full, self.topo).items()}
+
+    def loss(self, local: dict[str, torch.Tensor]) -> torch.Tensor:
+        """SP cross-entropy of this rank's shard; LM head + loss tiled when asked."""
+        return lm_loss(
+            self.engine,
+            self.engine.module.head,
+            local["input_ids"],
+            local["position_ids"],
+            local["shift_labels"],
+            self.topo,
+            cu_seqlens=local.get("cu_seqlens"),
+            tiled_loss=self.tiled_loss,
+        )
+
+    def ignored_loss(self, local: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of ``local`` with every label ignored (zero gradient), with the run's
+        memory features: under ``tiled_loss`` the full logits are never materialised."""
+        ignored = torch.full_like(local["shift_labels"], -100)
+        return self.loss({**local, "shift_labels": ignored})
+
+    def zero_loss(self) -> torch.Tensor:
+        """A loss with zero gradient (one real batch, every label ignored): what
+        ``checkpoint.load`` needs to create ZeRO's optimizer state."""
+        return self.ignored_loss(self.batch(0, 0))
+
+    def save(self, step: int) -> Path:
+        return checkpoint.save(
+            self.engine, self.out, step, portable=self.tc.portable_checkpoint, hook=self.hooks
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, start: int) -> TrainState:
+        """Train steps ``start + 1 .. max_steps``; saves at ``save_interval``, on a signal
+        (then returns early) and, unless stopped by a signal, at the end."""
+        state = TrainState(step=start)
+        acc = torch.zeros((), device=self.device)
+        comm_stats.reset()
+        for step in range(start, self.tc.max_steps):
+            n = step + 1  # the step being taken, as logged
+            self.hooks.step_start(n)
+            finite = self._step(step, acc, state)
+            state.step, state.since = n, state.since + finite
+            if n % self.tc.log_interval == 0 or n == self.tc.max_steps:
+                self._log(state, acc)
+            if self.signals.agreed(self.device):
+                self.save(n)
+                log.info(f"stopped by signal after step {n}; saved {self.out / f'step{n}'}")
+                state.stopped_by_signal = True
+                return state
+            if self.tc.save_interval and n % self.tc.save_interval == 0 and n < self.tc.max_steps:
+                self.save(n)
+        if state.step > start:
+            self.save(state.step)
+        return state
+
+    def _step(self, step: int, acc: torch.Tensor, state: TrainState) -> bool:
+        """One optimizer step over the accumulated micro batches; False when skipped."""
+        n, gas, bad = step + 1, self.engine.gradient_accumulation_steps(), None
+        for m in range(gas):
+            local = self.batch(step, m)
+            loss = self.hooks.loss(self.loss(local), n)
+            if any_rank(not torch.isfinite(loss).item(), self.device):
+                bad = bad or f"non-finite loss at step {n} (micro step {m})"
+                self._nonfinite(bad, step)
+                # the micro batch contributes nothing: a no-target loss keeps DeepSpeed's
+                # backward/step sequence (and its gradient reduction) in line
+                del loss  # frees the bad graph before the second forward
+                loss = self.ignored_loss(local)
+            self.engine.backward(loss)
+            boundary = m == gas - 1
+            check = boundary and bad is None and self.tc.check_gradients
+            if check and any_rank(not gradients_finite(self.engine), self.device):
+                bad = f"non-finite gradients at step {n}"
+                self._nonfinite(bad, step)
+            if boundary and bad is not None:
+                skip_update(self.engine)
+                state.skipped += 1
+                log.warning(f"{bad}: update skipped ({state.skipped} so far)")
+            else:
+                self.engine.step()
+                if bad is None:
+                    acc += loss.detach().float() / gas
+        return bad is None
+
+    def _nonfinite(self, what: str, step: int) -> None:
+        """``stop``: save the state before this step's update, then stop (exit code 3)."""
+        if self.tc.on_nonfinite == "stop":
+            self.save(step)
+            raise TrainingStopped(
+                f"{what}; training.on_nonfinite is 'stop': saved {self.out / f'step{step}'} "
+                f"(the state before this step) and stopped. Lower the learning rate or "
+                f"inspect the data of this step, then --resume.",
+                exit_code=3,
+            )
+
+    def _log(self, state: TrainState, acc: torch.Tensor) -> None:
+        topo, engine, since = self.topo, self.engine, state.since
+        dist.all_reduce(acc, group=topo.dp_group)  # mean over data-parallel replicas
+        # None when every step since the last log was skipped
+        mean_loss = acc.item() / (topo.dp_degree * since) if since else None
+        tokens_per_step = (
+            engine.train_micro_batch_size_per_gpu()
+            * engine.gradient_accumulation_steps()
+            * topo.dp_degree
+            * self.seq_len
+        )
+        metrics = {
+            "loss": mean_loss,
+            "lr": engine.get_lr()[0],
+            "tokens_per_s": tokens_per_step * max(since, 1) / (time.perf_counter() - state.started),
+            "peak_mem_mb": peak_memory_mb(),
+            "comm_bytes_per_step": attention_bytes() / max(since, 1),
+            "skipped_steps": state.skipped,
+        }
+        if self.tracker is not None:
+            self.tracker.log(state.step, metrics)
+        shown = "skipped" if mean_loss is None else f"{mean_loss:.4f}"
+        log.info(
+            f"step {state.step:5d}  loss {shown}  lr {metrics['lr']:.2e}  "
+            f"tok/s {metrics['tokens_per_s']:.0f}  peak {metrics['peak_mem_mb']:.0f}MB"
+        )
+        if mean_loss is not None:
+            state.losses.append(mean_loss)
+        acc.zero_()
+        state.since = 0
+        comm_stats.reset()
+        state.started = time.perf_counter()
