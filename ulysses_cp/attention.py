@@ -201,7 +201,17 @@ _FIELDS = [
 ]
 
 
-def check_across_ranks(q, k, v, topo: Topology, *, causal, layout, backend, cu) -> None:
+def check_across_ranks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    topo: Topology,
+    *,
+    causal: bool,
+    layout: str,
+    backend,
+    cu: torch.Tensor | None,
+) -> None:
     """One all-gather of a few integers over the SP group, before any other check: every
     rank must call attention with the same shapes, dtypes, devices, options and documents,
     or the all-to-all would hang or mix data (and a check that only some ranks fail would
@@ -234,7 +244,7 @@ def check_across_ranks(q, k, v, topo: Topology, *, causal, layout, backend, cu) 
     )
 
 
-def packed_plan(q: torch.Tensor, cu_seqlens, topo: Topology, layout: str):
+def packed_plan(q: torch.Tensor, cu_seqlens: torch.Tensor, topo: Topology, layout: str):
     """A packed row's checked bounds turned into ``(perm, docs)``: the all-to-all output
     permutation and its inverse (Ulysses degree > 1, else None) and this rank's documents
     at the ring/kernel level (:class:`~ulysses_cp.varlen.Docs`)."""
@@ -247,7 +257,9 @@ def packed_plan(q: torch.Tensor, cu_seqlens, topo: Topology, layout: str):
     return perm, Docs.from_bounds(bounds, r, q.device)
 
 
-def validate_packed(q: torch.Tensor, cu_seqlens, topo: Topology, layout: str) -> list[int]:
+def validate_packed(
+    q: torch.Tensor, cu_seqlens: torch.Tensor, topo: Topology, layout: str
+) -> list[int]:
     """Check a packed row's ``cu_seqlens`` against the local q; return the boundaries."""
     if q.shape[0] != 1:
         raise ValueError(

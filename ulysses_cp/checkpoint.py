@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .log import get_logger
+from .protocols import Engine
 
 __all__ = [
     "LATEST",
@@ -82,16 +83,16 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _stage(engine) -> int:
+def _stage(engine: Engine) -> int:
     return int(engine.zero_optimization_stage())
 
 
-def _base_optimizer(engine):
+def _base_optimizer(engine: Engine):
     opt = engine.optimizer
     return getattr(opt, "optimizer", opt)
 
 
-def _optimizer_step(engine) -> int:
+def _optimizer_step(engine: Engine) -> int:
     """The optimizer's own step count (Adam, Adagrad...), 0 for optimizers without one."""
     for state in _base_optimizer(engine).state.values():
         if "step" in state:
@@ -99,7 +100,7 @@ def _optimizer_step(engine) -> int:
     return 0
 
 
-def _state_keys(engine) -> list[str]:
+def _state_keys(engine: Engine) -> list[str]:
     """The per-parameter tensors the optimizer keeps, whatever they are called (Adam's
     ``exp_avg``/``exp_avg_sq``, momentum SGD's ``momentum_buffer``, Adagrad's ``sum``...);
     under ZeRO they are the same for every flat partition."""
@@ -115,7 +116,7 @@ def _hp_mapped(p) -> bool:
     return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
 
-def _masters(engine) -> dict[int, tuple[torch.Tensor, torch.Tensor, int]]:
+def _masters(engine: Engine) -> dict[int, tuple[torch.Tensor, torch.Tensor, int]]:
     """ZeRO 0 in bf16/fp16: DeepSpeed's FP16 optimizers keep an fp32 master copy of every
     parameter and key the optimizer state by the masters. ``id(param) -> (master, owner,
     offset)``: ``master`` a view of the parameter's fp32 copy, ``owner`` the tensor its
@@ -139,7 +140,7 @@ def _masters(engine) -> dict[int, tuple[torch.Tensor, torch.Tensor, int]]:
     return out
 
 
-def settle_initial_state(engine) -> None:
+def settle_initial_state(engine: Engine) -> None:
     """Optimizers that create their state in ``__init__`` (Adagrad's ``sum``) break
     DeepSpeed's checkpoints (deepspeed 0.19.8), so that a run could train but not save or
     resume. Called by ``ucp.initialize``; does nothing for the other optimizers.
@@ -158,7 +159,7 @@ def settle_initial_state(engine) -> None:
             group["params"] = []
 
 
-def move_state_to_masters(engine) -> int:
+def move_state_to_masters(engine: Engine) -> int:
     """Move state keyed by a model parameter that the optimizer no longer holds (ZeRO 0,
     bf16/fp16: it holds the fp32 masters) to that parameter's master, in fp32. Returns how
     many entries moved."""
@@ -190,21 +191,21 @@ def _slice(state: torch.Tensor, owner: torch.Tensor, offset: int, like: torch.Te
 SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
-def _scaler(engine):
+def _scaler(engine: Engine):
     if not engine.fp16_enabled():
         return None
     opt = engine.optimizer
     return getattr(opt, "loss_scale_config", None) or getattr(opt, "loss_scaler", None)
 
 
-def _scaler_state(engine) -> dict | None:
+def _scaler_state(engine: Engine) -> dict | None:
     scaler = _scaler(engine)
     if scaler is None:
         return None
     return {k: getattr(scaler, k) for k in SCALER_FIELDS if getattr(scaler, k, None) is not None}
 
 
-def _set_scaler_state(engine, state: dict | None) -> None:
+def _set_scaler_state(engine: Engine, state: dict | None) -> None:
     scaler = _scaler(engine)
     if scaler is None or not state:
         return
@@ -213,7 +214,7 @@ def _set_scaler_state(engine, state: dict | None) -> None:
             setattr(scaler, key, value)
 
 
-def _portable_state(engine) -> dict:
+def _portable_state(engine: Engine) -> dict:
     """Full fp32 parameters and every optimizer state tensor by parameter name
     (collective)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -259,7 +260,7 @@ def _wants_step(opt) -> bool:
     )
 
 
-def _load_portable(engine, path: Path, zero_loss) -> None:
+def _load_portable(engine: Engine, path: Path, zero_loss) -> None:
     import deepspeed
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
@@ -324,7 +325,9 @@ def _load_portable(engine, path: Path, zero_loss) -> None:
     _set_scaler_state(engine, state.get("loss_scaler"))
 
 
-def save(engine, out_dir: str | Path, step: int, *, portable: bool = True, hook=None) -> Path:
+def save(
+    engine: Engine, out_dir: str | Path, step: int, *, portable: bool = True, hook=None
+) -> Path:
     """Save the engine (model, optimizer, scheduler), ``step`` and RNG states atomically as
     ``out_dir/step{step}``; every rank must call it. Returns the checkpoint path.
     ``hook.in_save(step)`` (``trainer.Hooks``) runs when this rank's files are written and
@@ -366,7 +369,7 @@ def latest_tag(out_dir: str | Path) -> str | None:
     return tag if tag and (Path(out_dir) / tag).is_dir() else None
 
 
-def load(engine, out_dir: str | Path, *, zero_loss=None) -> int | None:
+def load(engine: Engine, out_dir: str | Path, *, zero_loss=None) -> int | None:
     """Load the checkpoint ``latest`` names; returns its step, or None when there is none.
 
     Restores model, optimizer and scheduler (DeepSpeed), the step, and this rank's RNG

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
+from .protocols import Group
+
 __all__ = [
     "CollectiveError",
     "CommStats",
@@ -71,13 +73,13 @@ class CollectiveError(RuntimeError):
 _GROUP_NAMES: dict[int, str] = {}
 
 
-def name_group(group, name: str) -> None:
+def name_group(group: Group, name: str) -> None:
     """Register a readable name (``"ulysses"``, ``"ring"``, ...) for error messages."""
     if group is not None:
         _GROUP_NAMES[id(group)] = name
 
 
-def describe_group(group) -> str:
+def describe_group(group: Group) -> str:
     name = _GROUP_NAMES.get(id(group), "process")
     try:
         ranks = str(dist.get_process_group_ranks(group))
@@ -87,7 +89,7 @@ def describe_group(group) -> str:
 
 
 @contextmanager
-def collective(op: str, phase: str, group):
+def collective(op: str, phase: str, group: Group):
     """Re-raise any failure inside as :class:`CollectiveError` naming the op and group."""
     try:
         yield
@@ -103,7 +105,7 @@ def collective(op: str, phase: str, group):
         ) from exc
 
 
-def host_staged(group, device: torch.device) -> bool:
+def host_staged(group: Group, device: torch.device) -> bool:
     """Must point-to-point traffic of ``device`` tensors go through host memory on
     ``group``? gloo moves CUDA tensors in its collectives (all-to-all, all-gather,
     all-reduce) but its send/recv read raw host pointers, so ring steps on a gloo group
@@ -114,7 +116,7 @@ def host_staged(group, device: torch.device) -> bool:
     return "nccl" not in backend and "cuda:" not in backend
 
 
-def comm_device(group, device: torch.device) -> torch.device:
+def comm_device(group: Group, device: torch.device) -> torch.device:
     """Where a small bookkeeping tensor must live for a collective on ``group``: NCCL takes
     only CUDA tensors (this rank's current GPU), gloo takes CPU and CUDA tensors."""
     backend = str(dist.get_backend(group)).lower()
@@ -123,15 +125,15 @@ def comm_device(group, device: torch.device) -> torch.device:
     return device
 
 
-def group_size(group) -> int:
+def group_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def group_rank(group) -> int:
+def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_to_all(x: torch.Tensor, group, phase: str) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, group: Group, phase: str) -> torch.Tensor:
     """All-to-all over dim 0 (which must equal the group size); dim 0 of the result indexes
     the source rank."""
     P = x.shape[0]
@@ -143,7 +145,7 @@ def _all_to_all(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     return out
 
 
-def _seq_to_head(x: torch.Tensor, group, phase: str) -> torch.Tensor:
+def _seq_to_head(x: torch.Tensor, group: Group, phase: str) -> torch.Tensor:
     P = group_size(group)
     if P == 1:
         return x
@@ -154,7 +156,7 @@ def _seq_to_head(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     return rearrange(x, "p b s h d -> b (p s) h d")
 
 
-def _head_to_seq(x: torch.Tensor, group, phase: str) -> torch.Tensor:
+def _head_to_seq(x: torch.Tensor, group: Group, phase: str) -> torch.Tensor:
     P = group_size(group)
     if P == 1:
         return x
@@ -179,12 +181,12 @@ class _AllToAll(torch.autograd.Function):
         return ctx.bwd(grad, ctx.group, "backward"), None, None, None
 
 
-def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
+def seq_to_head(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``(b, s/P, h, d)`` sequence-sharded -> ``(b, s, h/P, d)`` head-sharded; rank j gets
     heads ``[j*h/P, (j+1)*h/P)`` and the sequence in group-rank order. Differentiable."""
     return _AllToAll.apply(x, group, _seq_to_head, _head_to_seq)
 
 
-def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+def head_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Inverse of :func:`seq_to_head`: ``(b, s, h/P, d)`` -> ``(b, s/P, h, d)``."""
     return _AllToAll.apply(x, group, _head_to_seq, _seq_to_head)

@@ -24,13 +24,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .config import DataConfig
 from .sharding import layout_of, sequence_multiple, shard_sequence
 from .varlen import IGNORE, check_cu_seqlens, pack_documents
+
+if TYPE_CHECKING:  # a type only: topology imports this module's neighbours
+    from .topology import Topology
 
 __all__ = [
     "ByteText",
@@ -210,7 +213,7 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE) -> torch.Tens
 
 
 def shard_batch(
-    batch: dict[str, torch.Tensor], topo, layout: str | None = None
+    batch: dict[str, torch.Tensor], topo: Topology, layout: str | None = None
 ) -> dict[str, torch.Tensor]:
     """This SP rank's ``input_ids``, global ``position_ids`` and ``shift_labels``, in the
     run's layout (``topo.layout``; a ``layout=`` that disagrees raises).

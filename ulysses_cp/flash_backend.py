@@ -240,7 +240,7 @@ def _pad8(x: torch.Tensor) -> torch.Tensor:
 _FULL = (-1, -1)  # flash-attn's "no window"
 
 
-def forward(q, k, v, causal, scale):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
     fa = interface()
     b, s, h, d = q.shape
     values = dict(q=_pad8(q), k=_pad8(k), v=_pad8(v), softmax_scale=scale, causal=causal)
@@ -249,7 +249,16 @@ def forward(q, k, v, causal, scale):
     return res[0][..., :d], lse
 
 
-def backward(dout, q, k, v, out, lse, causal, scale):
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+):
     fa = interface()
     d = q.shape[-1]
     qp, kp, vp = _pad8(q), _pad8(k), _pad8(v)
@@ -275,12 +284,12 @@ def backward(dout, q, k, v, out, lse, causal, scale):
 # q (1, tq, hq, d) -> flash-attn's (tq, hq, d); lse (hq, tq) -> (1, hq, tq)
 
 
-def _cu_args(cu_q, cu_k, device) -> dict:
+def _cu_args(cu_q, cu_k, device: torch.device) -> dict:
     """Once per batch (``derived.once``): the longest documents are a host sync."""
     return once((cu_q, cu_k), ("flash cu", str(device)), lambda: _cu_values(cu_q, cu_k, device))
 
 
-def _cu_values(cu_q, cu_k, device) -> dict:
+def _cu_values(cu_q, cu_k, device: torch.device) -> dict:
     lens_q, lens_k = (c.diff().max().item() for c in (cu_q, cu_k))
     return dict(
         cu_seqlens_q=cu_q.to(device=device, dtype=torch.int32).contiguous(),
@@ -290,7 +299,15 @@ def _cu_values(cu_q, cu_k, device) -> dict:
     )
 
 
-def varlen_forward(q, k, v, cu_q, cu_k, causal, scale):
+def varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+):
     fa = interface()
     tq, h, d = q.shape[1:]
     values = dict(
@@ -306,7 +323,18 @@ def varlen_forward(q, k, v, cu_q, cu_k, causal, scale):
     return res[0][None, ..., :d], lse[None]
 
 
-def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
+def varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+):
     fa = interface()
     d = q.shape[-1]
     qp, kp, vp = _pad8(q[0]), _pad8(k[0]), _pad8(v[0])

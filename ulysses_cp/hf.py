@@ -77,7 +77,7 @@ def _attention_forward(
     scaling=None,
     dropout=0.0,
     *,
-    topo,
+    topo: Topology,
     backend,
     layout,
     **kwargs,
@@ -206,7 +206,13 @@ class HFCausalLM(nn.Module):
     def head(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
-    def forward(self, input_ids, position_ids=None, cu_seqlens=None, return_hidden=False):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ):
         if position_ids is None:
             raise ValueError(
                 "position_ids are required under sequence parallelism: pass the GLOBAL "
@@ -230,7 +236,16 @@ class HFCausalLM(nn.Module):
         hidden = out.last_hidden_state
         return hidden if return_hidden else self.head(hidden)
 
-    def loss(self, input_ids, position_ids, labels, topo, *, cu_seqlens=None, tiled_loss=0):
+    def loss(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor,
+        topo: Topology,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        tiled_loss: int = 0,
+    ):
         """SP cross-entropy of shifted ``labels`` (tiled when ``tiled_loss > 1``)."""
         return lm_loss(
             self,

@@ -222,15 +222,15 @@ def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend
 
 
 def attn_forward(
-    q,
-    k,
-    v,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     *,
     causal: bool,
     softmax_scale: float | None,
     backend: str | Kernel,
-    cu_q=None,
-    cu_k=None,
+    cu_q: torch.Tensor | None = None,
+    cu_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32/fp64)``; no autograd.
 
@@ -246,19 +246,19 @@ def attn_forward(
 
 
 def attn_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
     *,
     causal: bool,
     softmax_scale: float | None,
     backend: str | Kernel,
     accumulate: bool = False,
-    cu_q=None,
-    cu_k=None,
+    cu_q: torch.Tensor | None = None,
+    cu_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` from the final ``out`` and ``lse``, in the inputs' dtypes.
 

@@ -11,11 +11,16 @@ DeepSpeed's gradient reduction does) the shares give the single-process gradient
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import collective, group_size
+
+if TYPE_CHECKING:  # a type only: topology imports this module's neighbours
+    from .topology import Topology
 
 __all__ = [
     "local_loss_term",
@@ -50,7 +55,7 @@ def scale_gradient(loss: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def sequence_parallel_cross_entropy(
-    logits_local: torch.Tensor, labels_local: torch.Tensor, topo, ignore_index: int = -100
+    logits_local: torch.Tensor, labels_local: torch.Tensor, topo: Topology, ignore_index: int = -100
 ) -> torch.Tensor:
     """Mean cross-entropy over every non-ignored token of the whole sequence (all SP ranks).
 
@@ -70,7 +75,9 @@ def sequence_parallel_cross_entropy(
     return sequence_parallel_loss_from_sums(ce, (labels_local != ignore_index).sum(), topo)
 
 
-def sequence_parallel_loss_from_sums(ce: torch.Tensor, count: torch.Tensor, topo) -> torch.Tensor:
+def sequence_parallel_loss_from_sums(
+    ce: torch.Tensor, count: torch.Tensor, topo: Topology
+) -> torch.Tensor:
     """The token mean over the SP group from this rank's summed loss and target count
     (value: the global mean on every rank; gradient: this rank's share, times
     ``topo.grad_scale``)."""
@@ -85,7 +92,7 @@ def sequence_parallel_loss_from_sums(ce: torch.Tensor, count: torch.Tensor, topo
     return scale_gradient(loss, topo.grad_scale)
 
 
-def replicated_loss_term(term: torch.Tensor, topo) -> torch.Tensor:
+def replicated_loss_term(term: torch.Tensor, topo: Topology) -> torch.Tensor:
     """A loss term of your own that every SP rank computes identically (from the
     parameters, or from data every SP rank holds in full: a regulariser, say). Same value;
     gradient times ``topo.grad_scale / sp_world_size``: the gradient reduction SUMS over the
@@ -94,7 +101,7 @@ def replicated_loss_term(term: torch.Tensor, topo) -> torch.Tensor:
     return scale_gradient(term, topo.grad_scale / topo.sp_world_size)
 
 
-def local_loss_term(term_local: torch.Tensor, topo) -> torch.Tensor:
+def local_loss_term(term_local: torch.Tensor, topo: Topology) -> torch.Tensor:
     """A loss term of your own summed over this rank's tokens (an auxiliary per-token loss:
     normalise by the GLOBAL token count yourself, as the SP cross-entropy does). Value: the
     sum over the SP group, the same on every rank; gradient: this rank's share, times

@@ -45,14 +45,23 @@ def _math_probs(q, k, lse, causal, scale, cdt):
     return torch.exp(s - safe.unsqueeze(-1)), lse
 
 
-def forward(q, k, v, causal, scale):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
     cdt = lse_dtype(q.dtype)
     p, lse = _math_probs(q, k, None, causal, scale, cdt)
     out = torch.einsum("bhqk,bkhd->bqhd", p, expand_kv(v, q.shape[2]).to(cdt))
     return out.to(q.dtype), lse
 
 
-def backward(dout, q, k, v, out, lse, causal, scale):
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+):
     cdt = lse_dtype(q.dtype)
     hq, hkv = q.shape[2], k.shape[2]
     p, _ = _math_probs(q, k, lse.to(cdt), causal, scale, cdt)  # (b, hq, sq, sk)

@@ -20,12 +20,17 @@ parameter gathers in step (the local length is the same on every rank).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss_from_sums
+
+if TYPE_CHECKING:  # a type only: topology imports this module's neighbours
+    from .topology import Topology
 
 __all__ = [
     "TiledMLP",
@@ -76,7 +81,7 @@ def tiled_cross_entropy(
     hidden: torch.Tensor,
     head: nn.Module,
     labels: torch.Tensor,
-    topo,
+    topo: Topology,
     *,
     chunks: int,
     ignore_index: int = -100,
@@ -102,7 +107,17 @@ def tiled_cross_entropy(
     return sequence_parallel_loss_from_sums(total, count, topo)
 
 
-def lm_loss(forward, head, input_ids, position_ids, labels, topo, *, cu_seqlens=None, tiled_loss=0):
+def lm_loss(
+    forward,
+    head,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    labels: torch.Tensor,
+    topo: Topology,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    tiled_loss: int = 0,
+):
     """SP cross-entropy of a causal LM on this rank's shard. ``forward(input_ids,
     position_ids, cu_seqlens, return_hidden=...)`` is the model (or its DeepSpeed engine);
     with ``tiled_loss > 1`` it returns hidden states and ``head`` + loss run tiled."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .protocols import Engine
+
 __all__ = [
     "any_rank",
     "gradients_finite",
@@ -20,14 +22,14 @@ __all__ = [
 ]
 
 
-def any_rank(value: bool, device) -> bool:
+def any_rank(value: bool, device: torch.device) -> bool:
     """The same answer on every rank: is ``value`` true on any rank?"""
     flag = torch.tensor([float(value)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 
-def gradients_finite(engine) -> bool:
+def gradients_finite(engine: Engine) -> bool:
     """This rank's view of the reduced gradients, before the update (ZeRO 0-3)."""
     from deepspeed.utils import safe_get_full_grad, safe_get_local_grad
 
@@ -39,7 +41,7 @@ def gradients_finite(engine) -> bool:
     return True
 
 
-def skip_update(engine) -> None:
+def skip_update(engine: Engine) -> None:
     """Zero the gradients and step with learning rate 0: no parameter moves, DeepSpeed's
     accumulation and step counters stay in line (the scheduler and Adam's moments advance
     one step on a zero gradient)."""

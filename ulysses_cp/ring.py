@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from .comm import collective, group_rank, group_size, host_staged, stats
 from .kernels import Kernel, SavedAttention, attn_backward, attn_forward, lse_dtype
+from .protocols import Group
 
 __all__ = [
     "RingComm",
@@ -45,8 +46,9 @@ class RingComm:
     whose send/recv cannot take them (gloo) travel through host copies
     (:func:`~ulysses_cp.comm.host_staged`)."""
 
-    def __init__(self, group, op: str, phase: str, tag: int = 0) -> None:
+    def __init__(self, group: Group, op: str, phase: str, tag: int = 0) -> None:
         self.group, self.op, self.phase, self.tag = group, op, phase, tag
+        assert group is not None, "a ring needs its process group"
         P, r = group_size(group), group_rank(group)
         self.next = dist.get_global_rank(group, (r + 1) % P)
         self.prev = dist.get_global_rank(group, (r - 1) % P)
@@ -79,7 +81,7 @@ class RingComm:
         return out if self._device is None else out.to(self._device)
 
 
-def merge(out, lse, out_b, lse_b):
+def merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
     """Merge a partial result into the accumulators (all fp32/fp64); returns (out, lse).
 
     out ``(b, s, h, d)``, lse ``(b, h, s)``. Rows empty on both sides stay empty (-inf)."""
@@ -121,7 +123,17 @@ def _pack(k, v):
 
 
 def ring_forward(
-    q, k, v, *, group, causal, softmax_scale, backend, layout, overlap=True, docs=None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Group,
+    causal: bool,
+    softmax_scale: float | None,
+    backend,
+    layout: str,
+    overlap: bool = True,
+    docs=None,
 ):
     P, rank = group_size(group), group_rank(group)
     b, s_l, hq, d = q.shape
@@ -153,19 +165,19 @@ def ring_forward(
 
 
 def ring_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
     *,
-    group,
-    causal,
-    softmax_scale,
+    group: Group,
+    causal: bool,
+    softmax_scale: float | None,
     backend,
-    layout,
-    overlap=True,
+    layout: str,
+    overlap: bool = True,
     docs=None,
 ):
     P, rank = group_size(group), group_rank(group)
@@ -217,7 +229,7 @@ def ring_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    group,
+    group: Group,
     causal: bool,
     softmax_scale: float | None,
     backend: str | Kernel,

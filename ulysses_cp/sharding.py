@@ -12,13 +12,17 @@ Legend: s full sequence, P = sp_world_size, c = s / (2P) tokens per zigzag chunk
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 import torch.distributed as dist
 
 from .comm import collective, comm_device, group_rank, group_size
+from .protocols import Group
 from .varlen import Permute, check_cu_seqlens, doc_layout_indices, inverse_permutation
+
+if TYPE_CHECKING:  # a type only: topology imports this module's neighbours
+    from .topology import Topology
 
 __all__ = [
     "LAYOUTS",
@@ -46,7 +50,7 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
 
 
-def layout_of(topo, layout: str | None = None) -> str:
+def layout_of(topo: Topology | None, layout: str | None = None) -> str:
     """The layout a call uses: the run's (``topo.layout``, fixed by ``init_topology`` or
     the ``"sequence_parallel"`` block) when ``layout`` is None. A ``layout`` that disagrees
     with the run's raises ``ValueError`` naming both: shards, attention and gathers in two
@@ -66,7 +70,7 @@ def layout_of(topo, layout: str | None = None) -> str:
     return layout
 
 
-def check_same_on_every_rank(x: torch.Tensor, topo, dim: int) -> None:
+def check_same_on_every_rank(x: torch.Tensor, topo: Topology, dim: int) -> None:
     """Every SP rank must shard the SAME full tensor: a rank with other data (another seed,
     another sample) silently gives a wrong result. One all-gather of two float64 checksums
     (the sum, and the sum of the first half along ``dim``, which also sees a reordering);
@@ -166,7 +170,7 @@ def _shard(x: torch.Tensor, P: int, rank: int, layout: str, dim: int) -> torch.T
     return x.chunk(P, dim=dim)[rank]
 
 
-def _gather(x: torch.Tensor, group, layout: str, dim: int) -> torch.Tensor:
+def _gather(x: torch.Tensor, group: Group, layout: str, dim: int) -> torch.Tensor:
     P = group_size(group)
     if P == 1:
         return x
@@ -197,7 +201,7 @@ def _packed(cu_seqlens, seq_len: int, P: int, layout: str) -> list[int] | None:
 
 def shard_sequence(
     x: torch.Tensor,
-    topo,
+    topo: Topology,
     dim: int = 1,
     layout: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
@@ -221,7 +225,7 @@ def shard_sequence(
 
 def gather_sequence(
     x_local: torch.Tensor,
-    topo,
+    topo: Topology,
     dim: int = 1,
     layout: str | None = None,
     cu_seqlens: torch.Tensor | None = None,

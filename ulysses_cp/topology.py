@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .comm import name_group
 from .options import RunOptions
+from .protocols import Group
 
 __all__ = [
     "GroupPlan",
@@ -95,14 +96,14 @@ class Topology:
     world_size: int
     ulysses_degree: int
     ring_degree: int
-    ulysses_group: object | None = None
-    ring_group: object | None = None
-    sp_group: object | None = None
-    dp_group: object | None = None
+    ulysses_group: Group = None
+    ring_group: Group = None
+    sp_group: Group = None
+    dp_group: Group = None
     # every rank / this rank alone: what DeepSpeed's mpu asks for (ZeRO's sequence-data-
     # parallel and model-parallel groups), made once here rather than per engine
-    all_group: object | None = None
-    self_group: object | None = None
+    all_group: Group = None
+    self_group: Group = None
     # the run's choices (layout, backend, input checks, gradient scale): frozen, read by
     # every call that takes the topology; another choice is another value (with_options)
     options: RunOptions = field(default_factory=RunOptions)

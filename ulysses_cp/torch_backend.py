@@ -87,7 +87,7 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
     return _bhsd(dq)[..., :d], dk, dv
 
 
-def forward(q, k, v, causal, scale):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
     if q.dtype == torch.float64 and q.device.type != "cpu":
         return math_backend.forward(q, k, v, causal, scale)  # no fused float64 kernel on CUDA
     if q.device.type != "cpu":
@@ -99,7 +99,16 @@ def forward(q, k, v, causal, scale):
     return _bhsd(out), lse
 
 
-def backward(dout, q, k, v, out, lse, causal, scale):
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+):
     out = out.to(q.dtype)
     if q.dtype == torch.float64 and q.device.type != "cpu":
         return math_backend.backward(dout, q, k, v, out, lse, causal, scale)

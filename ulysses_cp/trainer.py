@@ -26,6 +26,7 @@ from .data import global_batch, shard_batch
 from .log import get_logger
 from .memory import lm_loss
 from .nonfinite import any_rank, gradients_finite, skip_update
+from .protocols import Engine
 from .topology import Topology
 from .tracking import Tracker
 
@@ -122,7 +123,7 @@ class Trainer:
 
     def __init__(
         self,
-        engine,
+        engine: Engine,
         topo: Topology,
         dataset,
         *,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from .comm import group_size, head_to_seq, seq_to_head
+from .protocols import Group
 from .sharding import natural_to_pairs, pairs_to_natural
 from .varlen import Permute
 
@@ -62,7 +63,7 @@ def ulysses_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    group,
+    group: Group,
     layout: str,
     inner: Callable,
     perm: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -40,7 +40,9 @@ __all__ = [
 IGNORE = -100
 
 
-def check_cu_seqlens(cu, seq_len: int, multiple: int = 1, *, what: str = "cu_seqlens") -> list[int]:
+def check_cu_seqlens(
+    cu: torch.Tensor, seq_len: int, multiple: int = 1, *, what: str = "cu_seqlens"
+) -> list[int]:
     """Validate ``cu`` for a packed row of ``seq_len`` tokens; return it as a list.
 
     Raises ``ValueError`` naming the offending document and the fix."""
@@ -131,7 +133,7 @@ class Docs:
     cu_half: torch.Tensor
 
     @classmethod
-    def from_bounds(cls, bounds: list[int], P: int, device) -> Docs:
+    def from_bounds(cls, bounds: list[int], P: int, device: torch.device) -> Docs:
         local = torch.tensor(bounds, dtype=torch.int32) // P
         lens = (local[1:] - local[:-1]).long()
         half = lens // 2
