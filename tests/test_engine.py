@@ -325,3 +325,40 @@ def test_low_precision_means_low_precision_under_every_stage(pools, stage, preci
     want = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     for kinds, logits in pools(2).run(_dtypes, stage, precision):
         assert kinds == {want} and logits == want, (kinds, logits)
+
+
+def _trainer_run(rank, out):
+    """The trainer in process (no launcher): every step reaches the hooks, losses are
+    logged, and the end of the run is checkpointed."""
+    from ulysses_cp import checkpoint
+    from ulysses_cp.trainer import Hooks, Trainer, TrainingConfig
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    cfg = ds_config(2, 1, 2)
+    topo = topology_for(cfg)
+    torch.manual_seed(0)
+    model = Decoder(TINY, ucp.Attention(topo))
+    engine = ucp.initialize(
+        model=model, config=cfg, topo=topo, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)
+    )
+    seen = []
+
+    class Record(Hooks):
+        def after_step(self, trainer, state):
+            # an evaluation would go here: the loss of a held-out batch, on every rank
+            with torch.no_grad():
+                held_out = trainer.loss(trainer.batch(1000 + state.step, 0)).item()
+            seen.append((state.step, held_out))
+
+    tc = TrainingConfig(max_steps=3, log_interval=1, save_on_signal=False)
+    data = KVRecall(DataConfig(seq_len=64, n_queries=8))
+    trainer = Trainer(engine, topo, data, tc=tc, seq_len=64, out=Path(out), hooks=Record())
+    state = trainer.run(0)
+    return state.step, len(state.losses), seen, checkpoint.latest_tag(out)
+
+
+def test_trainer_runs_in_process_with_hooks_after_every_step(pools, tmp_path):
+    for steps, logged, seen, tag in pools(2).run(_trainer_run, str(tmp_path)):
+        assert (steps, logged, tag) == (3, 3, "step3")
+        assert [s for s, _ in seen] == [1, 2, 3]
+        assert all(0 < loss < 10 for _, loss in seen), seen

@@ -60,6 +60,11 @@ class Hooks:
     def in_save(self, step: int) -> None:
         """Called by :func:`checkpoint.save` between writing and publishing."""
 
+    def after_step(self, trainer: Trainer, state: TrainState) -> None:
+        """After every step (and its log line), on every rank: where an evaluation or a
+        custom metric goes (``trainer.batch``, ``trainer.loss`` and the engine are there;
+        any collective must run on every rank)."""
+
 
 class TrainingStopped(Exception):
     """The run stops on purpose (``on_nonfinite: stop``); ``exit_code`` for the process."""
@@ -199,6 +204,7 @@ class Trainer:
             state.step, state.since = n, state.since + finite
             if n % self.tc.log_interval == 0 or n == self.tc.max_steps:
                 self._log(state, acc)
+            self.hooks.after_step(self, state)
             if self.signals.agreed(self.device):
                 self.save(n)
                 log.info(f"stopped by signal after step {n}; saved {self.out / f'step{n}'}")
