@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -98,7 +99,7 @@ def topology_for(config: dict):
     return topology(
         sp.get("ulysses_degree", 1),
         sp.get("ring_degree", 1),
-        **{f: getattr(options, f) for f in ("layout", "backend", "check_inputs", "grad_scale")},
+        **asdict(options),
     )
 
 

@@ -172,12 +172,19 @@ def move_state_to_masters(engine: Engine) -> int:
         slot = opt.state[owner]
         for name, value in opt.state.pop(key).items():
             if torch.is_tensor(value) and value.shape == key.shape:
-                slot.setdefault(name, torch.zeros_like(owner))
-                _slice(slot[name], owner, offset, master).copy_(value)
+                _put(slot, name, owner, offset, master, value)
             else:
                 slot.setdefault(name, value)
         moved += 1
     return moved
+
+
+def _put(slot: dict, key: str, owner: torch.Tensor, offset: int, master, value) -> None:
+    """Write one parameter's part of the optimizer state ``slot[key]`` (shaped like
+    ``owner``, created as zeros when the optimizer has none yet)."""
+    if key not in slot:
+        slot[key] = torch.zeros_like(owner)
+    _slice(slot[key], owner, offset, master).copy_(value)
 
 
 def _slice(state: torch.Tensor, owner: torch.Tensor, offset: int, like: torch.Tensor):
@@ -293,9 +300,7 @@ def _load_portable(engine: Engine, path: Path, zero_loss) -> None:
             master.data.copy_(entry["param"].to(master.device, master.dtype))
             slot = opt.state[owner]
             for key, value in moments.items():
-                if key not in slot:
-                    slot[key] = torch.zeros_like(owner)
-                _slice(slot[key], owner, offset, master).copy_(value)
+                _put(slot, key, owner, offset, master, value)
             if _wants_step(opt):
                 slot["step"] = torch.tensor(float(step))
         elif _hp_mapped(p):

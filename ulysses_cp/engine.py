@@ -17,7 +17,7 @@ import copy
 import difflib
 import json
 import os
-from dataclasses import fields
+from dataclasses import asdict, fields
 from datetime import timedelta
 from pathlib import Path
 
@@ -197,7 +197,7 @@ def topology_from_config(config: str | Path | dict) -> Topology:
         sp.ulysses_degree,
         sp.ring_degree,
         timeout_s=sp.collective_timeout_s,
-        **{f.name: getattr(options, f.name) for f in fields(options)},
+        **asdict(options),
     )
 
 

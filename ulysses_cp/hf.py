@@ -24,14 +24,14 @@ import importlib.util
 import json
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .attention import attention
-from .config import HFModelConfig
+from .config import HFDtype, HFModelConfig
 from .data import shard_batch
 from .memory import checkpointed, lm_loss, tile_mlps
 from .sharding import layout_of
@@ -51,7 +51,8 @@ __all__ = [
 
 KEY = "ulysses_cp"
 _CALLS = {"n": 0}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# the names model.dtype accepts (config.HFDtype), as torch dtypes
+DTYPES = {name: getattr(torch, name) for name in get_args(HFDtype)}
 
 
 def _transformers():

@@ -112,7 +112,7 @@ class Topology:
     def with_options(self, **changes) -> Topology:
         """The same process groups with other run choices (a new value: this topology and
         everything built with it keep theirs; the groups are shared, so destroy only one)."""
-        return replace(self, options=replace(self.options, **changes), _owned=self._owned)
+        return replace(self, options=replace(self.options, **changes))
 
     def with_layout(self, layout: str) -> Topology:
         """``with_options(layout=layout)``."""
