@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .config import SequenceParallelConfig
+from .log import get_logger
 from .options import RunOptions
 from .topology import Topology, init_topology, validate_degrees
 
@@ -352,5 +353,9 @@ def initialize(
     from .checkpoint import settle_initial_state
 
     settle_initial_state(engine)  # state an optimizer made in __init__ (Adagrad)
+    get_logger(__name__).info(
+        f"DeepSpeed engine ready: ZeRO-{_zero_stage(config)}, {topo.mode} "
+        f"u{topo.ulysses_degree} r{topo.ring_degree} dp{topo.dp_degree}, {topo.options}"
+    )
     engine.topology = topo
     return engine
