@@ -6,8 +6,8 @@
 The JSON is a DeepSpeed config plus our blocks: "sequence_parallel" (degrees, layout,
 attention backend), "model" (the reference decoder or a Hugging Face model), "data" (task,
 seq_len, files) and "training" (steps, intervals, reliability). See docs/training.md.
-This file only wires the library together: the loop is ulysses_cp.trainer, the pieces
-it builds are ulysses_cp.build.
+This file only wires the library together: the loop is ulysses_cp.training.trainer, the pieces
+it builds are ulysses_cp.training.build.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 import ulysses_cp as ucp
-from ulysses_cp import checkpoint
-from ulysses_cp.build import build_model, check_output_dir, cpu_optimizer, validate
 from ulysses_cp.config import RunConfig
-from ulysses_cp.data import make_dataset
-from ulysses_cp.log import get_logger
-from ulysses_cp.tracking import Tracker
-from ulysses_cp.trainer import Hooks, Trainer, TrainingStopped
+from ulysses_cp.core.log import get_logger
+from ulysses_cp.training import checkpoint
+from ulysses_cp.training.build import build_model, check_output_dir, cpu_optimizer, validate
+from ulysses_cp.training.data import make_dataset
+from ulysses_cp.training.tracking import Tracker
+from ulysses_cp.training.trainer import Hooks, Trainer, TrainingStopped
 
 log = get_logger("train")
 log_all = get_logger("train.ranks", all_ranks=True)

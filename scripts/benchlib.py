@@ -85,7 +85,7 @@ def init_rank(rank: int, world: int, init_method: str) -> torch.device:
         **init_kwargs(backend, world, device),
     )
     if shared and rank == 0:
-        from ulysses_cp.log import get_logger
+        from ulysses_cp.core.log import get_logger
 
         get_logger().info(
             f"{local_world} ranks on this machine share "

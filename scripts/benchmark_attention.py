@@ -34,7 +34,7 @@ from benchlib import barrier, gather_floats, max_over_ranks, run_ranks, sync
 from profiling import longest_fitting, peak_memory
 
 import ulysses_cp as ucp
-import ulysses_cp.ring as ring_mod
+import ulysses_cp.modes.ring as ring_mod
 
 HQ, HKV, D = 8, 4, 64
 
@@ -239,8 +239,8 @@ def bench_lengths(args, topos, P, device, dtype) -> list[dict]:
 
 def max_length(args, topos, P, device, dtype, what: str) -> dict:
     """Longest N (a multiple of 2P*64) whose per-rank peak fits ``args.budget_mb``."""
-    from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
-    from ulysses_cp.model import Decoder, ModelConfig
+    from ulysses_cp.models.decoder import Decoder, ModelConfig
+    from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
 
     budget = args.budget_mb * 2**20
     out = {}

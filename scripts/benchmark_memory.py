@@ -4,7 +4,7 @@ features, for the reference decoder and a tiny Hugging Face Llama, on 1 and 4 ra
 For each (ranks, model, features) it searches the longest sequence (multiples of 2P*64)
 whose training step (forward, SP loss, backward; no optimizer) keeps each rank's peak
 allocation within ``--budget-mb`` (CPU: the live bytes of every tensor the step creates,
-``ulysses_cp/profiling.py`` with ``scratch=False``; CUDA: ``max_memory_allocated``), then
+``scripts/profiling.py`` with ``scratch=False``; CUDA: ``max_memory_allocated``), then
 times steps at a common length (tokens/s, median of repeats, interleaved). 4 ranks run
 hybrid Ulysses 2 x ring 2, zigzag. Features: ``none``; ``tiled`` (MLP in 4 pieces, LM
 head + loss in 4 pieces); ``tiled+ckpt`` (plus activation checkpointing);
@@ -31,9 +31,9 @@ from benchlib import barrier, max_over_ranks, run_ranks, sync
 from profiling import longest_fitting, peak_memory
 
 import ulysses_cp as ucp
-from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
-from ulysses_cp.memory import tiled_cross_entropy
-from ulysses_cp.model import Decoder, ModelConfig
+from ulysses_cp.models.decoder import Decoder, ModelConfig
+from ulysses_cp.models.memory import tiled_cross_entropy
+from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,7 +56,7 @@ FEATURES = {
 def build(kind: str, features: dict, topo, device):
     torch.manual_seed(0)
     if kind == "hf":
-        from ulysses_cp import hf
+        from ulysses_cp.models import hf
 
         model = hf.build_model(
             topo,

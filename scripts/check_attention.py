@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ulysses_cp as ucp
-from ulysses_cp.log import get_logger
+from ulysses_cp.core.log import get_logger
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

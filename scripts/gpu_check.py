@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from benchlib import run_ranks, sync  # noqa: E402
 
 import ulysses_cp as ucp  # noqa: E402
-from ulysses_cp import flash_backend  # noqa: E402
+from ulysses_cp.kernels import flash_backend  # noqa: E402
 
 # max |error| / max |reference| allowed, by dtype (float64 reference)
 TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float64: 1e-10}

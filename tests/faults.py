@@ -1,5 +1,5 @@
 """Fault injection for the reliability tests: :class:`FaultHooks` acts at the trainer's
-hook points (``ulysses_cp.trainer.Hooks``), and ``tests/train_with_faults.py`` runs
+hook points (``ulysses_cp.training.trainer.Hooks``), and ``tests/train_with_faults.py`` runs
 ``train.py`` with them, built from the ``UCP_FAULT`` environment variable of the test that
 launched it (the library itself reads no such variable).
 
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ulysses_cp.trainer import Hooks
+from ulysses_cp.training.trainer import Hooks
 
 KINDS = ("kill", "hang", "crash_in_save", "nan_loss", "nan_grad")
 

@@ -15,7 +15,7 @@ import torch
 
 import ulysses_cp as ucp
 from tests.distributed import COLLECTIVE_TIMEOUT_S
-from ulysses_cp.model import ModelConfig
+from ulysses_cp.models.decoder import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)

@@ -13,9 +13,9 @@ import torch
 
 import ulysses_cp as ucp
 from tests.helpers import ds_config, topology_for
-from ulysses_cp import checkpoint
-from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
-from ulysses_cp.model import Decoder, ModelConfig
+from ulysses_cp.models.decoder import Decoder, ModelConfig
+from ulysses_cp.training import checkpoint
+from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
 
 TINY = ModelConfig(vocab_size=256, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64)
 OPTIMIZERS = {

@@ -7,8 +7,8 @@ import torch
 
 import ulysses_cp as ucp
 from tests.helpers import make_qkv, topology
-from ulysses_cp.comm import head_to_seq, seq_to_head
-from ulysses_cp.sharding import natural_to_pairs, pairs_to_natural
+from ulysses_cp.core.comm import head_to_seq, seq_to_head
+from ulysses_cp.core.sharding import natural_to_pairs, pairs_to_natural
 
 
 def encoded(b: int, s: int, h: int, d: int) -> torch.Tensor:

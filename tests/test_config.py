@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tests.helpers import ROOT
-from ulysses_cp.build import cpu_optimizer
 from ulysses_cp.config import (
     DataConfig,
     HFModelConfig,
@@ -20,6 +19,7 @@ from ulysses_cp.config import (
     TrainingConfig,
     model_config,
 )
+from ulysses_cp.training.build import cpu_optimizer
 
 SP, M, HF, D, T = SequenceParallelConfig, ModelConfig, HFModelConfig, DataConfig, TrainingConfig
 CASES = [

@@ -9,8 +9,15 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from ulysses_cp.data import ByteText, DataConfig, KVRecall, global_batch, shard_batch, shift_labels
-from ulysses_cp.topology import Topology
+from ulysses_cp.core.topology import Topology
+from ulysses_cp.training.data import (
+    ByteText,
+    DataConfig,
+    KVRecall,
+    global_batch,
+    shard_batch,
+    shift_labels,
+)
 
 
 def test_kv_recall_targets_are_the_bound_values():

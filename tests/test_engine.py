@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 import ulysses_cp as ucp
 from tests.helpers import ROOT, TINY, ds_config, sdpa_attention, topology, topology_for
-from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
-from ulysses_cp.model import Decoder, ModelConfig
+from ulysses_cp.models.decoder import Decoder, ModelConfig
+from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
 
 
 def _step(rank, u, r, stage, layout, grad_factor=1.0, own_terms=False):
@@ -238,7 +238,7 @@ def test_a_config_means_what_it_says(tmp_path):
 
 
 def test_output_folder_is_never_silently_reused(tmp_path):
-    from ulysses_cp.build import check_output_dir as check
+    from ulysses_cp.training.build import check_output_dir as check
 
     empty = tmp_path / "empty"
     with pytest.raises(ValueError, match="--resume: no checkpoint in"):
@@ -259,7 +259,7 @@ def test_the_skip_path_keeps_the_tiled_loss():
     """A non-finite micro batch is re-run with every label ignored: with tiled_loss the LM
     head still sees one tile at a time (the full logits are never materialised) and the
     loss has no gradient."""
-    from ulysses_cp.trainer import Trainer, TrainingConfig
+    from ulysses_cp.training.trainer import Trainer, TrainingConfig
 
     model = Decoder(TINY, lambda q, k, v: ucp.local_attention(q, k, v, backend="math"))
 
@@ -330,8 +330,8 @@ def test_low_precision_means_low_precision_under_every_stage(pools, stage, preci
 def _trainer_run(rank, out):
     """The trainer in process (no launcher): every step reaches the hooks, losses are
     logged, and the end of the run is checkpointed."""
-    from ulysses_cp import checkpoint
-    from ulysses_cp.trainer import Hooks, Trainer, TrainingConfig
+    from ulysses_cp.training import checkpoint
+    from ulysses_cp.training.trainer import Hooks, Trainer, TrainingConfig
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     cfg = ds_config(2, 1, 2)

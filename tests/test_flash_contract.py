@@ -17,7 +17,8 @@ import torch
 import ulysses_cp as ucp
 from tests.flash_standin import unuse, use
 from tests.helpers import reference as float64_attention
-from ulysses_cp import flash_backend, kernels, torch_backend
+from ulysses_cp import kernels
+from ulysses_cp.kernels import flash_backend, torch_backend
 
 # (release, wrap): 2.6 has plain functions; 2.7/2.8 custom ops (torch 2.4-2.9) or plain
 # functions (torch >= 2.10, where the release's string version check fails)
@@ -322,7 +323,7 @@ def test_every_mode_on_four_ranks_matches_float64(pools, version, wrap):
 def _host_staged(rank):
     import torch.distributed as dist
 
-    from ulysses_cp.comm import host_staged
+    from ulysses_cp.core.comm import host_staged
 
     group = dist.group.WORLD
     return host_staged(group, torch.device("cuda", 0)), host_staged(group, torch.device("cpu"))

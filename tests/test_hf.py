@@ -11,8 +11,8 @@ import torch.distributed as dist
 from tests.helpers import topology
 
 transformers = pytest.importorskip("transformers")
-from ulysses_cp import hf  # noqa: E402
-from ulysses_cp.data import shard_batch  # noqa: E402
+from ulysses_cp.models import hf  # noqa: E402
+from ulysses_cp.training.data import shard_batch  # noqa: E402
 
 TOL = dict(rtol=1e-9, atol=1e-10)
 

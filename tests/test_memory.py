@@ -10,9 +10,9 @@ import torch
 
 import ulysses_cp as ucp
 from tests.helpers import ds_config, topology_for
-from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
-from ulysses_cp.memory import TiledMLP, tiled_cross_entropy
-from ulysses_cp.model import Decoder, ModelConfig
+from ulysses_cp.models.decoder import Decoder, ModelConfig
+from ulysses_cp.models.memory import TiledMLP, tiled_cross_entropy
+from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
 
 FEATURES = dict(tiled_mlp=3, tiled_loss=4, activation_checkpointing=True, offload_activations=True)
 OFF = dict(tiled_mlp=0, tiled_loss=0, activation_checkpointing=False, offload_activations=False)
@@ -26,7 +26,7 @@ def _step(rank, kind, stage, features):
     topo = topology_for(cfg)
     torch.manual_seed(0)
     if kind == "hf":
-        from ulysses_cp import hf
+        from ulysses_cp.models import hf
 
         model = hf.build_model(
             topo,

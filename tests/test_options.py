@@ -10,8 +10,8 @@ import torch
 
 import ulysses_cp as ucp
 from tests.helpers import ds_config
-from ulysses_cp.engine import check_topology
-from ulysses_cp.topology import Topology
+from ulysses_cp.core.topology import Topology
+from ulysses_cp.training.engine import check_topology
 
 
 def test_the_choices_cannot_change_halfway():

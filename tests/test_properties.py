@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ulysses_cp as ucp
-from ulysses_cp.sharding import _shard, natural_to_pairs, pairs_to_natural
-from ulysses_cp.varlen import doc_layout_indices, ulysses_permutation
+from ulysses_cp.core.sharding import _shard, natural_to_pairs, pairs_to_natural
+from ulysses_cp.core.varlen import doc_layout_indices, ulysses_permutation
 
 layouts = st.sampled_from(["zigzag", "contiguous"])
 

@@ -9,7 +9,7 @@ import torch
 
 import ulysses_cp as ucp
 from tests.helpers import ds_config, topology, topology_for
-from ulysses_cp.comm import CollectiveError, collective
+from ulysses_cp.core.comm import CollectiveError, collective
 
 
 def _mismatch(rank, u, r, what):
@@ -99,9 +99,9 @@ def _skip_nonfinite(rank, stage):
 
     from tests.faults import FaultHooks
     from tests.helpers import TINY
-    from ulysses_cp.data import DataConfig, KVRecall, global_batch, shard_batch
-    from ulysses_cp.model import Decoder
-    from ulysses_cp.nonfinite import any_rank, gradients_finite, skip_update
+    from ulysses_cp.models.decoder import Decoder
+    from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
+    from ulysses_cp.training.nonfinite import any_rank, gradients_finite, skip_update
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     cfg = ds_config(2, 1, stage)

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-import ulysses_cp.ring as ring_mod
+import ulysses_cp.modes.ring as ring_mod
 from tests.helpers import make_qkv, reference, sharded_run, topology
-from ulysses_cp import math_backend
-from ulysses_cp.kernels import Kernel
-from ulysses_cp.ring import merge
+from ulysses_cp.kernels import Kernel, math_backend
+from ulysses_cp.modes.ring import merge
 
 TOL64 = dict(rtol=1e-10, atol=1e-10)
 

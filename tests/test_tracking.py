@@ -6,7 +6,7 @@ import json
 import sys
 import types
 
-from ulysses_cp.tracking import Tracker
+from ulysses_cp.training.tracking import Tracker
 
 WANDB_ON = {"wandb": {"enabled": True, "project": "p"}}
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from ulysses_cp.attention import validate_qkv
-from ulysses_cp.data import shard_batch
-from ulysses_cp.sharding import check_sequence_length, natural_to_pairs, pairs_to_natural
-from ulysses_cp.topology import Topology
+from ulysses_cp.core.sharding import check_sequence_length, natural_to_pairs, pairs_to_natural
+from ulysses_cp.core.topology import Topology
+from ulysses_cp.modes.attention import validate_qkv
+from ulysses_cp.training.data import shard_batch
 
 
 def test_plan_groups_hybrid_8_ranks():

@@ -9,7 +9,7 @@ import torch
 
 import ulysses_cp as ucp
 from tests.helpers import make_qkv, reference, topology
-from ulysses_cp.varlen import doc_layout_indices, ulysses_permutation
+from ulysses_cp.core.varlen import doc_layout_indices, ulysses_permutation
 
 TOL64 = dict(rtol=1e-10, atol=1e-10)
 MODES = [(4, 1), (1, 4), (2, 2)]  # u4, r4, hybrid u2r2
@@ -212,9 +212,9 @@ def test_local_packed_kernel_gives_empty_rows_outside_documents():
 
 def _derived_counts(rank, u, r, n_layers):
     """Cache misses and hits of one packed batch's forward+backward through a decoder."""
-    from ulysses_cp import derived
-    from ulysses_cp.data import shard_batch
-    from ulysses_cp.model import Decoder, ModelConfig
+    from ulysses_cp.core import derived
+    from ulysses_cp.models.decoder import Decoder, ModelConfig
+    from ulysses_cp.training.data import shard_batch
 
     topo = topology(u, r, backend="math")
     docs = [torch.arange(2, 2 + n) for n in (13, 30, 5)]
@@ -246,7 +246,7 @@ def test_packed_row_plans_are_made_once_per_batch_not_per_layer(pools, u, r):
 
 
 def test_derived_values_follow_in_place_changes():
-    from ulysses_cp import derived
+    from ulysses_cp.core import derived
 
     cu = torch.tensor([0, 4, 8])
     calls = []

@@ -1,20 +1,10 @@
 """ulysses_cp: sequence-parallel attention (Ulysses all-to-all, ring, hybrid) for
 long-context training. Public API: see README.md and docs/api.md."""
 
-from . import comm, engine
-from .attention import Attention, attention, forward_comm_bytes
-from .comm import stats as comm_stats
-from .engine import (
-    SequenceParallelConfig,
-    init_distributed,
-    initialize,
-    run_options,
-    topology_from_config,
-)
-from .kernels import BACKENDS, Kernel, attn_backward, attn_forward, local_attention
-from .loss import local_loss_term, replicated_loss_term, sequence_parallel_cross_entropy
-from .options import RunOptions
-from .sharding import (
+from .core import comm
+from .core.comm import stats as comm_stats
+from .core.options import RunOptions
+from .core.sharding import (
     LAYOUTS,
     gather_sequence,
     layout_indices,
@@ -24,11 +14,41 @@ from .sharding import (
     sequence_multiple,
     shard_sequence,
 )
-from .topology import Topology, init_topology, plan_groups, validate_degrees
-from .ulysses import kv_replication
-from .varlen import cu_seqlens_from_position_ids, pack_documents
+from .core.topology import Topology, init_topology, plan_groups, validate_degrees
+from .core.varlen import cu_seqlens_from_position_ids, pack_documents
+from .kernels.dispatch import BACKENDS, Kernel, attn_backward, attn_forward, local_attention
+from .models.loss import local_loss_term, replicated_loss_term, sequence_parallel_cross_entropy
+from .modes.attention import Attention, attention, forward_comm_bytes
+from .modes.ulysses import kv_replication
+from .moved import MOVED, install
+from .training import engine
+from .training.engine import (
+    SequenceParallelConfig,
+    init_distributed,
+    initialize,
+    run_options,
+    topology_from_config,
+)
 
 __version__ = "0.1.0"
+
+
+def _keep_old_paths() -> None:
+    """``ulysses_cp.ring`` and the other pre-folder module paths: modules already imported
+    are registered under their old names now (as attributes too, as before, except
+    ``attention``, which is the function); the rest on first import (:mod:`.moved`)."""
+    import sys
+
+    install(__name__)
+    for old, new in MOVED.items():
+        module = sys.modules.get(f"{__name__}.{new}")
+        if module is not None:
+            sys.modules.setdefault(f"{__name__}.{old}", module)
+            if old not in globals():
+                globals()[old] = module
+
+
+_keep_old_paths()
 
 __all__ = [
     "BACKENDS",

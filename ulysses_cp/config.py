@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, TypeVar, get_args, get_origin
 
-from .kernels import Backend
-from .sharding import Layout
+from .core.sharding import Layout
+from .kernels.dispatch import Backend
 
 __all__ = [
     "DataConfig",
@@ -148,7 +148,7 @@ class SequenceParallelConfig:
 # ---------------------------------------------------------------- model
 
 
-def check_memory_options(block) -> None:
+def check_memory_options(block: ModelConfig | HFModelConfig) -> None:
     """The ALST switches shared by the reference decoder and Hugging Face models."""
     for n in ("tiled_mlp", "tiled_loss"):
         if getattr(block, n) < 0:
@@ -220,13 +220,13 @@ class HFModelConfig:
         check_memory_options(self)
 
     def vocab_size(self) -> int:
-        from .hf import load_config
+        from .models.hf import load_config
 
         return load_config(self.hf_config).vocab_size
 
     def heads(self) -> tuple[int, int]:
         """(query heads, kv heads) from the transformers config, for validation."""
-        from .hf import load_config
+        from .models.hf import load_config
 
         cfg = load_config(self.hf_config)
         hq = cfg.num_attention_heads
@@ -339,7 +339,7 @@ class RunConfig:
 
     @classmethod
     def load(cls, config: str | Path | dict) -> RunConfig:
-        from .engine import load_config
+        from .training.engine import load_config
 
         raw = load_config(config)
         return cls(

@@ -13,14 +13,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..config import HFModelConfig
+from ..core.sharding import sequence_multiple
+from ..core.topology import Topology, validate_degrees
+from ..models.decoder import Decoder, ModelConfig
+from ..modes.attention import Attention
+from ..modes.ulysses import kv_replication
 from . import checkpoint
-from .attention import Attention
 from .data import DataConfig
 from .engine import SequenceParallelConfig
-from .model import Decoder, ModelConfig
-from .sharding import sequence_multiple
-from .topology import Topology, validate_degrees
-from .ulysses import kv_replication
 
 __all__ = [
     "build_model",
@@ -49,12 +50,14 @@ def check_output_dir(out: Path, resume: str | None, overwrite: bool) -> bool:
     return resume is not None and has_checkpoint
 
 
-def validate(sp: SequenceParallelConfig, mc, dc: DataConfig) -> None:
+def validate(sp: SequenceParallelConfig, mc: ModelConfig | HFModelConfig, dc: DataConfig) -> None:
     """Everything that can be checked before any collective, identically on every rank."""
     validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
-    hq, hkv = mc.heads() if hasattr(mc, "heads") else (mc.n_heads, mc.n_kv_heads)
+    if isinstance(mc, ModelConfig):
+        hq, hkv, vocab = mc.n_heads, mc.n_kv_heads, mc.vocab_size
+    else:
+        (hq, hkv), vocab = mc.heads(), mc.vocab_size()
     kv_replication(hq, hkv, sp.ulysses_degree)
-    vocab = mc.vocab_size() if callable(getattr(mc, "vocab_size", None)) else mc.vocab_size
     if vocab < 256:
         raise ValueError(
             f"the model's vocabulary ({vocab}) is smaller than the data's (256 byte/task "
@@ -74,11 +77,11 @@ def validate(sp: SequenceParallelConfig, mc, dc: DataConfig) -> None:
         )
 
 
-def build_model(mc, topo: Topology) -> torch.nn.Module:
+def build_model(mc: ModelConfig | HFModelConfig, topo: Topology) -> torch.nn.Module:
     """The reference decoder (``ModelConfig``) or a Hugging Face model (``HFModelConfig``),
     with the run's attention (``topo.options``)."""
     if not isinstance(mc, ModelConfig):
-        from . import hf
+        from ..models import hf
 
         return hf.build_model(
             topo,

@@ -14,6 +14,7 @@ stays local and is not counted), per op and per phase (``forward`` / ``backward`
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -89,7 +90,7 @@ def describe_group(group: Group) -> str:
 
 
 @contextmanager
-def collective(op: str, phase: str, group: Group):
+def collective(op: str, phase: str, group: Group) -> Iterator[None]:
     """Re-raise any failure inside as :class:`CollectiveError` naming the op and group."""
     try:
         yield

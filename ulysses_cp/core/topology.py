@@ -109,7 +109,7 @@ class Topology:
     options: RunOptions = field(default_factory=RunOptions)
     _owned: list = field(default_factory=list, repr=False)
 
-    def with_options(self, **changes) -> Topology:
+    def with_options(self, **changes: Any) -> Topology:
         """The same process groups with other run choices (a new value: this topology and
         everything built with it keep theirs; the groups are shared, so destroy only one)."""
         return replace(self, options=replace(self.options, **changes))

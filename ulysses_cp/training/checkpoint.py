@@ -28,17 +28,20 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from .log import get_logger
-from .protocols import Engine
+from ..core.log import get_logger
+from ..core.protocols import Engine
 
 __all__ = [
     "LATEST",
     "SCALER_FIELDS",
+    "SaveHook",
     "latest_tag",
     "load",
     "move_state_to_masters",
@@ -267,7 +270,9 @@ def _wants_step(opt) -> bool:
     )
 
 
-def _load_portable(engine: Engine, path: Path, zero_loss) -> None:
+def _load_portable(
+    engine: Engine, path: Path, zero_loss: Callable[[], torch.Tensor] | None
+) -> None:
     import deepspeed
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
@@ -330,8 +335,19 @@ def _load_portable(engine: Engine, path: Path, zero_loss) -> None:
     _set_scaler_state(engine, state.get("loss_scaler"))
 
 
+class SaveHook(Protocol):
+    """What :func:`save` calls once this rank's files are written (``trainer.Hooks``)."""
+
+    def in_save(self, step: int) -> None: ...
+
+
 def save(
-    engine: Engine, out_dir: str | Path, step: int, *, portable: bool = True, hook=None
+    engine: Engine,
+    out_dir: str | Path,
+    step: int,
+    *,
+    portable: bool = True,
+    hook: SaveHook | None = None,
 ) -> Path:
     """Save the engine (model, optimizer, scheduler), ``step`` and RNG states atomically as
     ``out_dir/step{step}``; every rank must call it. Returns the checkpoint path.
@@ -374,7 +390,9 @@ def latest_tag(out_dir: str | Path) -> str | None:
     return tag if tag and (Path(out_dir) / tag).is_dir() else None
 
 
-def load(engine: Engine, out_dir: str | Path, *, zero_loss=None) -> int | None:
+def load(
+    engine: Engine, out_dir: str | Path, *, zero_loss: Callable[[], torch.Tensor] | None = None
+) -> int | None:
     """Load the checkpoint ``latest`` names; returns its step, or None when there is none.
 
     Restores model, optimizer and scheduler (DeepSpeed), the step, and this rank's RNG

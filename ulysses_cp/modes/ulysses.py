@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import torch
 
-from .comm import group_size, head_to_seq, seq_to_head
-from .protocols import Group
-from .sharding import natural_to_pairs, pairs_to_natural
-from .varlen import Permute
+from ..core.comm import group_size, head_to_seq, seq_to_head
+from ..core.protocols import Group
+from ..core.sharding import natural_to_pairs, pairs_to_natural
+from ..core.varlen import Permute
 
 __all__ = [
     "kv_replication",

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import collective, group_size
+from ..core.comm import collective, group_size
 
 if TYPE_CHECKING:  # a type only: topology imports this module's neighbours
-    from .topology import Topology
+    from ..core.topology import Topology
 
 __all__ = [
     "local_loss_term",

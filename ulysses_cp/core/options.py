@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from .kernels import BACKENDS
 from .sharding import check_layout
 
 __all__ = [
+    "BACKENDS",
+    "Backend",
     "RunOptions",
 ]
+
+# The local attention kernels by name (implemented in ``ulysses_cp.kernels``).
+Backend = Literal["auto", "flash_attn", "torch", "math"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,16 @@ import os
 from dataclasses import asdict, fields
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .config import SequenceParallelConfig
-from .log import get_logger
-from .options import RunOptions
-from .topology import Topology, init_topology, validate_degrees
+from ..config import SequenceParallelConfig
+from ..core.log import get_logger
+from ..core.options import RunOptions
+from ..core.protocols import Engine, Group
+from ..core.topology import Topology, init_topology, validate_degrees
 
 __all__ = [
     "DEEPSPEED_KEYS",
@@ -241,7 +243,7 @@ class SequenceParallelMPU:
                 if r == topo.rank:
                     self._mp_group = g
 
-    def get_sequence_parallel_group(self):
+    def get_sequence_parallel_group(self) -> Group:
         return self.topo.sp_group
 
     def get_sequence_parallel_world_size(self) -> int:
@@ -250,7 +252,7 @@ class SequenceParallelMPU:
     def get_sequence_parallel_rank(self) -> int:
         return self.topo.sp_rank
 
-    def get_sequence_data_parallel_group(self):
+    def get_sequence_data_parallel_group(self) -> Group:
         return self._seq_dp_group
 
     def get_sequence_data_parallel_world_size(self) -> int:
@@ -259,7 +261,7 @@ class SequenceParallelMPU:
     def get_sequence_data_parallel_rank(self) -> int:
         return self.topo.rank
 
-    def get_data_parallel_group(self):
+    def get_data_parallel_group(self) -> Group:
         return self.topo.dp_group
 
     def get_data_parallel_world_size(self) -> int:
@@ -268,7 +270,7 @@ class SequenceParallelMPU:
     def get_data_parallel_rank(self) -> int:
         return self.topo.dp_rank
 
-    def get_model_parallel_group(self):
+    def get_model_parallel_group(self) -> Group:
         return self._mp_group
 
     def get_model_parallel_world_size(self) -> int:
@@ -322,10 +324,10 @@ def initialize(
     model: torch.nn.Module,
     config: str | Path | dict,
     topo: Topology | None = None,
-    optimizer=None,
-    model_parameters=None,
-    lr_scheduler=None,
-):
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    lr_scheduler: Any = None,
+) -> Engine:
     """``deepspeed.initialize`` with our mpu; returns the DeepSpeed engine.
 
     ``engine.topology`` is the topology (built from the config's ``"sequence_parallel"``

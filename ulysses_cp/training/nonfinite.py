@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .protocols import Engine
+from ..core.protocols import Engine
 
 __all__ = [
     "any_rank",

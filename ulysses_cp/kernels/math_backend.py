@@ -45,7 +45,9 @@ def _math_probs(q, k, lse, causal, scale, cdt):
     return torch.exp(s - safe.unsqueeze(-1)), lse
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     cdt = lse_dtype(q.dtype)
     p, lse = _math_probs(q, k, None, causal, scale, cdt)
     out = torch.einsum("bhqk,bkhd->bqhd", p, expand_kv(v, q.shape[2]).to(cdt))
@@ -61,7 +63,7 @@ def backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cdt = lse_dtype(q.dtype)
     hq, hkv = q.shape[2], k.shape[2]
     p, _ = _math_probs(q, k, lse.to(cdt), causal, scale, cdt)  # (b, hq, sq, sk)

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import DataConfig
-from .sharding import layout_of, sequence_multiple, shard_sequence
-from .varlen import IGNORE, check_cu_seqlens, pack_documents
+from ..config import DataConfig
+from ..core.sharding import layout_of, sequence_multiple, shard_sequence
+from ..core.varlen import IGNORE, check_cu_seqlens, pack_documents
 
 if TYPE_CHECKING:  # a type only: topology imports this module's neighbours
-    from .topology import Topology
+    from ..core.topology import Topology
 
 __all__ = [
     "ByteText",
@@ -86,14 +86,18 @@ class KVRecall:
         c = self.cfg
         g = torch.Generator().manual_seed(c.seed * 1_000_003 + index)
 
-        def doc(length: int):
+        def doc(length: int) -> tuple[torch.Tensor, torch.Tensor]:
             return self._document(g, length, min(c.n_queries, (length - 1 - c.n_pairs) // 2))
 
-        def draw(room: int):
+        def draw(room: int) -> tuple[torch.Tensor, torch.Tensor] | None:
             length = int(torch.randint(c.min_doc_len, c.max_doc_len + 1, (1,), generator=g))
             return doc(length) if _padded(length, c.pack_multiple) <= room else None
 
-        def last(room: int):  # fill the row: an instance if it fits one, else no target
+        def last(
+            room: int,
+        ) -> tuple[
+            torch.Tensor, torch.Tensor
+        ]:  # fill the row: an instance if it fits one, else no target
             if room >= c.n_pairs + 3:
                 return doc(room)
             return torch.randint(2, 18, (room,), generator=g), torch.full((room,), IGNORE)
@@ -158,7 +162,7 @@ class ByteText:
         g = torch.Generator().manual_seed(c.seed * 1_000_003 + index)
         nxt = [int(torch.randint(len(self.lengths), (1,), generator=g))]
 
-        def take(room: int):
+        def take(room: int) -> tuple[torch.Tensor, torch.Tensor]:
             d = nxt[0] % len(self.lengths)
             nxt[0] += 1
             start, n = self.starts[d], min(self.lengths[d], room)
@@ -173,7 +177,7 @@ def make_dataset(cfg: DataConfig) -> KVRecall | ByteText:
 
 
 def global_batch(
-    dataset,
+    dataset: KVRecall | ByteText,
     *,
     step: int,
     micro_step: int,

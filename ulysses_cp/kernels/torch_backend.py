@@ -87,7 +87,9 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
     return _bhsd(dq)[..., :d], dk, dv
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     if q.dtype == torch.float64 and q.device.type != "cpu":
         return math_backend.forward(q, k, v, causal, scale)  # no fused float64 kernel on CUDA
     if q.device.type != "cpu":
@@ -108,7 +110,7 @@ def backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = out.to(q.dtype)
     if q.dtype == torch.float64 and q.device.type != "cpu":
         return math_backend.backward(dout, q, k, v, out, lse, causal, scale)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .log import get_logger
+from ..core.log import get_logger
 
 __all__ = [
     "Tracker",

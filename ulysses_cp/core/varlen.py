@@ -92,7 +92,9 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def ulysses_permutation(bounds: list[int], u: int, r: int, ring_rank: int, layout: str):
+def ulysses_permutation(
+    bounds: list[int], u: int, r: int, ring_rank: int, layout: str
+) -> torch.Tensor:
     """Index into the all-to-all output (ulysses ranks' local tokens, in rank order) that
     yields ring rank ``ring_rank``'s document-wise tokens over ``r`` ranks, in order."""
     held = torch.cat(

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .derived import once
+from ..core.derived import once
 
 __all__ = [
     "SUPPORTED",
@@ -240,7 +240,9 @@ def _pad8(x: torch.Tensor) -> torch.Tensor:
 _FULL = (-1, -1)  # flash-attn's "no window"
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     fa = interface()
     b, s, h, d = q.shape
     values = dict(q=_pad8(q), k=_pad8(k), v=_pad8(v), softmax_scale=scale, causal=causal)
@@ -258,7 +260,7 @@ def backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fa = interface()
     d = q.shape[-1]
     qp, kp, vp = _pad8(q), _pad8(k), _pad8(v)
@@ -307,7 +309,7 @@ def varlen_forward(
     cu_k: torch.Tensor,
     causal: bool,
     scale: float,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     fa = interface()
     tq, h, d = q.shape[1:]
     values = dict(
@@ -334,7 +336,7 @@ def varlen_backward(
     cu_k: torch.Tensor,
     causal: bool,
     scale: float,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fa = interface()
     d = q.shape[-1]
     qp, kp, vp = _pad8(q[0]), _pad8(k[0]), _pad8(v[0])

@@ -20,6 +20,7 @@ parameter gathers in step (the local length is the same on every rank).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss_from_sums
 
 if TYPE_CHECKING:  # a type only: topology imports this module's neighbours
-    from .topology import Topology
+    from ..core.topology import Topology
 
 __all__ = [
     "TiledMLP",
@@ -108,8 +109,8 @@ def tiled_cross_entropy(
 
 
 def lm_loss(
-    forward,
-    head,
+    forward: Callable[..., torch.Tensor],
+    head: torch.nn.Module,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     labels: torch.Tensor,
@@ -117,7 +118,7 @@ def lm_loss(
     *,
     cu_seqlens: torch.Tensor | None = None,
     tiled_loss: int = 0,
-):
+) -> torch.Tensor:
     """SP cross-entropy of a causal LM on this rank's shard. ``forward(input_ids,
     position_ids, cu_seqlens, return_hidden=...)`` is the model (or its DeepSpeed engine);
     with ``tiled_loss > 1`` it returns hidden states and ``head`` + loss run tiled."""
@@ -153,7 +154,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         return None, x.grad
 
 
-def checkpointed(run, x: torch.Tensor, *, offload: bool = False) -> torch.Tensor:
+def checkpointed(
+    run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *, offload: bool = False
+) -> torch.Tensor:
     """``run(x)`` (a layer, other arguments bound) under activation checkpointing: only its
     input is kept, the rest is recomputed in backward. ``offload`` keeps that input on CPU
     until backward (pinned on CUDA). Layers must be deterministic (no dropout)."""

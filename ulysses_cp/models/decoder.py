@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig, check_memory_options
+from ..config import ModelConfig, check_memory_options
 from .memory import TiledMLP, checkpointed
 
 __all__ = [

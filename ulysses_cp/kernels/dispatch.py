@@ -25,18 +25,20 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
+from ..core.derived import once
+from ..core.log import get_logger
+from ..core.options import BACKENDS, Backend
 from . import flash_backend, math_backend, torch_backend
-from .derived import once
-from .log import get_logger
 from .math_backend import lse_dtype
 
 __all__ = [
     "BACKENDS",
     "Backend",
+    "Kernel",
     "SavedAttention",
     "attn_backward",
     "attn_forward",
@@ -45,9 +47,6 @@ __all__ = [
     "local_attention",
     "resolve_backend",
 ]
-
-Backend = Literal["auto", "flash_attn", "torch", "math"]
-BACKENDS: tuple[str, ...] = get_args(Backend)
 
 
 _LOW = (torch.float16, torch.bfloat16)

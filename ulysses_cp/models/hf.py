@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .attention import attention
-from .config import HFDtype, HFModelConfig
-from .data import shard_batch
+from ..config import HFDtype, HFModelConfig
+from ..core.sharding import layout_of
+from ..core.topology import Topology
+from ..modes.attention import attention
+from ..training.data import shard_batch
 from .memory import checkpointed, lm_loss, tile_mlps
-from .sharding import layout_of
-from .topology import Topology
 
 __all__ = [
     "DTYPES",
@@ -246,7 +246,7 @@ class HFCausalLM(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         tiled_loss: int = 0,
-    ):
+    ) -> torch.Tensor:
         """SP cross-entropy of shifted ``labels`` (tiled when ``tiled_loss > 1``)."""
         return lm_loss(
             self,

@@ -8,14 +8,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import collective, stats
-from .derived import once
-from .kernels import BACKENDS, Kernel, local_attention, resolve_backend
+from ..core.comm import collective, stats
+from ..core.derived import once
+from ..core.sharding import LAYOUTS, check_layout, layout_of, sequence_multiple
+from ..core.topology import Topology
+from ..core.varlen import Docs, check_cu_seqlens, inverse_permutation, ulysses_permutation
+from ..kernels.dispatch import BACKENDS, Kernel, local_attention, resolve_backend
 from .ring import ring_attention
-from .sharding import LAYOUTS, check_layout, layout_of, sequence_multiple
-from .topology import Topology
 from .ulysses import kv_replication, ulysses_attention
-from .varlen import Docs, check_cu_seqlens, inverse_permutation, ulysses_permutation
 
 __all__ = [
     "Attention",
@@ -129,7 +129,11 @@ class Attention:
         self.backend = backend
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return attention(
             q,
@@ -209,7 +213,7 @@ def check_across_ranks(
     *,
     causal: bool,
     layout: str,
-    backend,
+    backend: str | Kernel,
     cu: torch.Tensor | None,
 ) -> None:
     """One all-gather of a few integers over the SP group, before any other check: every
@@ -244,7 +248,9 @@ def check_across_ranks(
     )
 
 
-def packed_plan(q: torch.Tensor, cu_seqlens: torch.Tensor, topo: Topology, layout: str):
+def packed_plan(
+    q: torch.Tensor, cu_seqlens: torch.Tensor, topo: Topology, layout: str
+) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, Docs]:
     """A packed row's checked bounds turned into ``(perm, docs)``: the all-to-all output
     permutation and its inverse (Ulysses degree > 1, else None) and this rank's documents
     at the ring/kernel level (:class:`~ulysses_cp.varlen.Docs`)."""

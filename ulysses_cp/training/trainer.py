@@ -19,15 +19,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..config import TrainingConfig
+from ..core.comm import stats as comm_stats
+from ..core.log import get_logger
+from ..core.protocols import Engine
+from ..core.topology import Topology
+from ..models.memory import lm_loss
 from . import checkpoint
-from .comm import stats as comm_stats
-from .config import TrainingConfig
-from .data import global_batch, shard_batch
-from .log import get_logger
-from .memory import lm_loss
+from .data import ByteText, KVRecall, global_batch, shard_batch
 from .nonfinite import any_rank, gradients_finite, skip_update
-from .protocols import Engine
-from .topology import Topology
 from .tracking import Tracker
 
 __all__ = [
@@ -130,9 +130,9 @@ class Trainer:
         self,
         engine: Engine,
         topo: Topology,
-        dataset,
+        dataset: KVRecall | ByteText,
         *,
-        tc,
+        tc: TrainingConfig,
         seq_len: int,
         out: Path,
         tracker: Tracker | None = None,

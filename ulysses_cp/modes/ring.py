@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import collective, group_rank, group_size, host_staged, stats
-from .kernels import Kernel, SavedAttention, attn_backward, attn_forward, lse_dtype
-from .protocols import Group
+from ..core.comm import collective, group_rank, group_size, host_staged, stats
+from ..core.protocols import Group
+from ..core.varlen import Docs
+from ..kernels.dispatch import Kernel, SavedAttention, attn_backward, attn_forward, lse_dtype
 
 __all__ = [
     "RingComm",
@@ -81,7 +82,9 @@ class RingComm:
         return out if self._device is None else out.to(self._device)
 
 
-def merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+def merge(
+    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge a partial result into the accumulators (all fp32/fp64); returns (out, lse).
 
     out ``(b, s, h, d)``, lse ``(b, h, s)``. Rows empty on both sides stay empty (-inf)."""
@@ -130,11 +133,11 @@ def ring_forward(
     group: Group,
     causal: bool,
     softmax_scale: float | None,
-    backend,
+    backend: str | Kernel,
     layout: str,
     overlap: bool = True,
-    docs=None,
-):
+    docs: Docs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     P, rank = group_size(group), group_rank(group)
     b, s_l, hq, d = q.shape
     acc = lse_dtype(q.dtype)
@@ -175,11 +178,11 @@ def ring_backward(
     group: Group,
     causal: bool,
     softmax_scale: float | None,
-    backend,
+    backend: str | Kernel,
     layout: str,
     overlap: bool = True,
-    docs=None,
-):
+    docs: Docs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     P, rank = group_size(group), group_rank(group)
     s_l = q.shape[1]
     acc = lse_dtype(q.dtype)
@@ -235,7 +238,7 @@ def ring_attention(
     backend: str | Kernel,
     layout: str,
     overlap: bool = True,
-    docs=None,
+    docs: Docs | None = None,
 ) -> torch.Tensor:
     """Ring attention over ``group``; inputs validated by the caller.
 
