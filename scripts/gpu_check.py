@@ -11,7 +11,10 @@ reported as skipped when they do not. Sections, each a list of rows with ``ok``:
    float64 attention on the gathered tensors.
 3. ``training``: a few steps of ``train.py`` as one process on the GPU (bf16,
    ``attention_backend: auto``, ZeRO-2) when deepspeed imports; the loss must fall.
-4. ``timing``: causal forward+backward of one attention layer at 8K and 32K tokens (bf16,
+4. ``torch_native``: ``scripts/cp_example.py`` (PyTorch's ``context_parallel`` example
+   through ``ulysses_cp.context_parallel``) under ``torch.distributed.run``, 2 ranks sharing
+   the GPU over gloo, bf16, 8K tokens, Ulysses and then the ring; its errors vs SDPA.
+5. ``timing``: causal forward+backward of one attention layer at 8K and 32K tokens (bf16,
    hq 32, hkv 8, d 128) per backend: median time, TFLOP/s (causal FLOPs: fwd 2*N^2*hq*d,
    fwd+bwd 3.5x that) and the fraction of ``--peak-tflops``.
 
@@ -191,6 +194,30 @@ def training_rows(out_dir: Path, dry: bool) -> list[dict]:
 # ---------------------------------------------------------------- 4. timing
 
 
+def torch_native_rows(dry: bool) -> list[dict]:
+    """scripts/cp_example.py (PyTorch's context_parallel example through ucp) under
+    torch.distributed.run: 2 ranks sharing the GPU over gloo, bf16, Ulysses and ring."""
+    rows = []
+    for extra in ([], ["--mode", "ring", "--heads", "2"]):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(ROOT / "scripts" / "cp_example.py"),
+               "--seq", "256" if dry else "8192", "--dist-backend", "gloo", *extra]  # fmt: skip
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        lines = [x for x in proc.stdout.splitlines() if "max |error|" in x or " ranks on " in x]
+        rows.append(
+            dict(
+                args=extra,
+                returncode=proc.returncode,
+                seconds=time.perf_counter() - t,
+                report=lines,
+                tail=proc.stderr[-1500:],
+                ok=proc.returncode == 0,
+            )
+        )
+    return rows
+
+
 def timing_rows(device: torch.device, dry: bool, peak_tflops: float) -> list[dict]:
     rows = []
     hq, hkv, d = 32, 8, 128
@@ -231,7 +258,8 @@ def main() -> None:
     p.add_argument(
         "--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)"
     )
-    p.add_argument("--only", nargs="+", choices=["kernels", "modes", "training", "timing"])
+    sections_all = ["kernels", "modes", "training", "torch_native", "timing"]
+    p.add_argument("--only", nargs="+", choices=sections_all)
     args = p.parse_args()
     dry = args.dry_run or not torch.cuda.is_available()
     if not args.dry_run and dry:
@@ -251,6 +279,7 @@ def main() -> None:
         "kernels": lambda: kernel_rows(device, dry),
         "modes": lambda: run_ranks(_mode_body, args.world, {"dry": dry}),
         "training": lambda: training_rows(out, dry),
+        "torch_native": lambda: torch_native_rows(dry),
         "timing": lambda: timing_rows(device, dry, args.peak_tflops),
     }
     failed = []

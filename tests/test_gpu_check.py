@@ -34,4 +34,7 @@ def test_gpu_check_dry_run_passes_every_section(tmp_path):
     assert len(modes) == 2 * 3 * 2 * 2
     (train,) = sections["training"]
     assert train["ok"] and train["returncode"] == 0 and train["losses"][-1] < train["losses"][0]
+    native = sections["torch_native"]  # scripts/cp_example.py: Ulysses, then the ring
+    assert [row["report"][0].split(" over ")[0] for row in native] == ["ulysses", "ring"]
+    assert all(sum(" ok" in x for x in row["report"]) == 4 for row in native), native
     assert all(row["ok"] for rows in sections.values() for row in rows if "ok" in row)

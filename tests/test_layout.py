@@ -14,7 +14,7 @@ from ulysses_cp.moved import MOVED
 
 PKG = ROOT / "ulysses_cp"
 # A layer may import from the layers after it in this list, never from those before it.
-LAYERS = ["training", "models", "modes", "kernels", "core"]
+LAYERS = ["training", "integrations", "models", "modes", "kernels", "core"]
 ALLOWED_UP = {("models/hf.py", "training.data")}  # shard_batch for a Hugging Face batch
 
 

@@ -16,6 +16,11 @@ from .core.sharding import (
 )
 from .core.topology import Topology, init_topology, plan_groups, validate_degrees
 from .core.varlen import cu_seqlens_from_position_ids, pack_documents
+from .integrations.torch_native import (
+    context_parallel,
+    context_parallel_unshard,
+    set_rotate_method,
+)
 from .kernels.dispatch import BACKENDS, Kernel, attn_backward, attn_forward, local_attention
 from .models.loss import local_loss_term, replicated_loss_term, sequence_parallel_cross_entropy
 from .modes.attention import Attention, attention, forward_comm_bytes
@@ -63,6 +68,8 @@ __all__ = [
     "attn_forward",
     "comm",
     "comm_stats",
+    "context_parallel",
+    "context_parallel_unshard",
     "cu_seqlens_from_position_ids",
     "engine",
     "forward_comm_bytes",
@@ -83,6 +90,7 @@ __all__ = [
     "run_options",
     "sequence_multiple",
     "sequence_parallel_cross_entropy",
+    "set_rotate_method",
     "shard_sequence",
     "topology_from_config",
     "validate_degrees",
