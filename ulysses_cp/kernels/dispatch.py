@@ -40,12 +40,14 @@ __all__ = [
     "Backend",
     "Kernel",
     "SavedAttention",
+    "add_sinks",
     "attn_backward",
     "attn_forward",
     "default_scale",
     "flash_attn_unusable",
     "local_attention",
     "resolve_backend",
+    "sinks_grad",
 ]
 
 
@@ -75,20 +77,23 @@ class Kernel:
     """A local attention kernel of your own, passed as ``backend=`` wherever a backend name
     goes: ``forward(q, k, v, causal, scale) -> (out, lse)`` and ``backward(dout, q, k, v,
     out, lse, causal, scale) -> (dq, dk, dv)`` on ``(b, s, h, d)`` blocks (k/v may have
-    fewer heads; lse ``(b, hq, s)``), the contract of the built-in backends. For
-    experiments and tests (counting work, injecting a fault) without patching modules."""
+    fewer heads; lse ``(b, hq, s)``), the contract of the built-in backends; a logit
+    softcap other than 0 comes as the keyword ``softcap=``. For experiments and tests
+    (counting work, injecting a fault) without patching modules."""
 
     name: str
     forward: Callable
     backward: Callable
 
 
-def _fwd(backend: str | Kernel) -> Callable:
-    return backend.forward if isinstance(backend, Kernel) else _FORWARD[backend]
+def _fwd(backend: str | Kernel, softcap: float = 0.0) -> Callable:
+    fn = backend.forward if isinstance(backend, Kernel) else _FORWARD[backend]
+    return partial(fn, softcap=softcap) if softcap else fn
 
 
-def _bwd(backend: str | Kernel) -> Callable:
-    return backend.backward if isinstance(backend, Kernel) else _BACKWARD[backend]
+def _bwd(backend: str | Kernel, softcap: float = 0.0) -> Callable:
+    fn = backend.backward if isinstance(backend, Kernel) else _BACKWARD[backend]
+    return partial(fn, softcap=softcap) if softcap else fn
 
 
 def resolve_backend(backend: str | Kernel, q: torch.Tensor) -> str | Kernel:
@@ -177,17 +182,17 @@ def _one_document(q, k, cu_q, cu_k) -> bool:
     return once((cu_q, cu_k), key, lambda: (cu_q.tolist(), cu_k.tolist()) == whole)
 
 
-def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend):
+def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend, softcap):
     if _one_document(q, k, cu_q, cu_k):
-        return _fwd(backend)(q, k, v, causal, scale)
+        return _fwd(backend, softcap)(q, k, v, causal, scale)
     if backend == "flash_attn":
-        return flash_backend.varlen_forward(q, k, v, cu_q, cu_k, causal, scale)
+        return flash_backend.varlen_forward(q, k, v, cu_q, cu_k, causal, scale, softcap)
     out = torch.zeros_like(q)
     hq = q.shape[2]
     lse = torch.full((1, hq, q.shape[1]), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     for qi, ki, n, lq, lk in _doc_groups(cu_q, cu_k):  # rows in no document stay (0, -inf)
         assert not causal or lq == lk, "causal documents must be square"
-        o, lg = _fwd(backend)(
+        o, lg = _fwd(backend, softcap)(
             _take(q, qi, n, lq), _take(k, ki, n, lk), _take(v, ki, n, lk), causal, scale
         )
         out[0].index_copy_(0, qi, o.reshape(n * lq, hq, -1).to(out.dtype))
@@ -195,16 +200,18 @@ def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend):
     return out, lse
 
 
-def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend):
+def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend, softcap):
     if _one_document(q, k, cu_q, cu_k):
-        return _bwd(backend)(dout, q, k, v, out, lse, causal, scale)
+        return _bwd(backend, softcap)(dout, q, k, v, out, lse, causal, scale)
     if backend == "flash_attn":
-        return flash_backend.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+        return flash_backend.varlen_backward(
+            dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap
+        )
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     hq = q.shape[2]
     for qi, ki, n, lq, lk in _doc_groups(cu_q, cu_k):
         lg = lse[0].index_select(1, qi).view(hq, n, lq).transpose(0, 1)  # (n, hq, lq)
-        gq, gk, gv = _bwd(backend)(
+        gq, gk, gv = _bwd(backend, softcap)(
             _take(dout, qi, n, lq),
             _take(q, qi, n, lq),
             _take(k, ki, n, lk),
@@ -230,18 +237,20 @@ def attn_forward(
     backend: str | Kernel,
     cu_q: torch.Tensor | None = None,
     cu_k: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32/fp64)``; no autograd.
 
     Packed (``cu_q``/``cu_k`` given, batch 1): document i's queries
     ``q[:, cu_q[i]:cu_q[i+1]]`` attend only its keys ``k[:, cu_k[i]:cu_k[i+1]]``; rows in
-    no document come back empty (out 0, lse -inf). Causal documents must be square."""
+    no document come back empty (out 0, lse -inf). Causal documents must be square.
+    ``softcap > 0``: scores ``softcap * tanh(scores / softcap)`` (flash-attn's meaning)."""
     scale = default_scale(q, softmax_scale)
     with torch.no_grad():
         if cu_q is not None:
-            return _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend)
+            return _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend, softcap)
         _check_causal(q, k, causal)
-        return _fwd(backend)(q, k, v, causal, scale)
+        return _fwd(backend, softcap)(q, k, v, causal, scale)
 
 
 def attn_backward(
@@ -258,6 +267,7 @@ def attn_backward(
     accumulate: bool = False,
     cu_q: torch.Tensor | None = None,
     cu_k: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` from the final ``out`` and ``lse``, in the inputs' dtypes.
 
@@ -272,28 +282,57 @@ def attn_backward(
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
     with torch.no_grad():
         if cu_q is not None:
-            return _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend)
+            return _varlen_backward(
+                dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend, softcap
+            )
         _check_causal(q, k, causal)
-        return _bwd(backend)(dout, q, k, v, out, lse, causal, scale)
+        return _bwd(backend, softcap)(dout, q, k, v, out, lse, causal, scale)
+
+
+def add_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with one more logit per head, ``sinks (hq,)``, whose value vector is 0
+    (GPT-OSS): ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``. The
+    backward of attention from ``(out', lse')`` is the exact backward with the sink."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    new = torch.logaddexp(lse, sink)
+    return out.to(lse.dtype) * torch.exp(lse - new).transpose(1, 2).unsqueeze(-1), new
+
+
+def sinks_grad(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """``d loss / d sinks`` from the final ``out``/``lse`` (with the sink): the sink's
+    probability times ``-rowsum(dout * out)``, summed over batch and tokens."""
+    cdt = lse.dtype
+    delta = (dout.to(cdt) * out.to(cdt)).sum(-1).transpose(1, 2)  # (b, hq, s)
+    p_sink = torch.exp(sinks.to(cdt).view(1, -1, 1) - lse)
+    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
 
 
 class SavedAttention(torch.autograd.Function):
     """``fwd(q, k, v, **opts) -> (out, lse)`` in forward, saving q, k, v, out (in q's dtype)
     and lse; ``bwd(dout, q, k, v, out, lse, **opts) -> (dq, dk, dv)`` in backward. Serves
-    the local kernel and ring attention alike."""
+    the local kernel and ring attention alike. ``sinks`` (``(hq,)`` or None): one logit per
+    query head joins every softmax (:func:`add_sinks`), differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fwd, bwd, opts):
+    def forward(ctx, q, k, v, sinks, fwd, bwd, opts):
         out, lse = fwd(q, k, v, **opts)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)  # as returned: no extra copy when it already is
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.bwd, ctx.opts = bwd, opts
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*ctx.bwd(dout, q, k, v, out, lse, **ctx.opts), None, None, None)
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        grads = ctx.bwd(dout, q, k, v, out, lse, **ctx.opts)
+        dsinks = None if sinks is None else sinks_grad(dout, out, lse, sinks)
+        return (*grads, dsinks, None, None, None)
 
 
 def local_attention(
@@ -305,13 +344,18 @@ def local_attention(
     softmax_scale: float | None = None,
     backend: str | Kernel = "auto",
     cu_seqlens: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable single-device attention, ``(b, s, hq, d)`` in and out.
 
     ``cu_seqlens``: int32 document boundaries of a packed row (batch 1); attention stays
-    inside each document."""
+    inside each document. ``softcap``: flash-attn's logit softcap (0 = off). ``sinks``:
+    ``(hq,)`` attention-sink logits (GPT-OSS), differentiable."""
     backend = resolve_backend(backend, q)
     opts: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+    if softcap:
+        opts.update(softcap=softcap)
     if cu_seqlens is not None:
         opts.update(cu_q=cu_seqlens, cu_k=cu_seqlens)
-    return SavedAttention.apply(q, k, v, attn_forward, attn_backward, opts)
+    return SavedAttention.apply(q, k, v, sinks, attn_forward, attn_backward, opts)

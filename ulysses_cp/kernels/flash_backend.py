@@ -241,12 +241,17 @@ _FULL = (-1, -1)  # flash-attn's "no window"
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     fa = interface()
     b, s, h, d = q.shape
     values = dict(q=_pad8(q), k=_pad8(k), v=_pad8(v), softmax_scale=scale, causal=causal)
-    res = _call(fa.forward, fa.version, values, _FULL, 0.0)
+    res = _call(fa.forward, fa.version, values, _FULL, softcap)
     lse = _lse_from(res, fa.version, fa.forward.name, (b, h, s))
     return res[0][..., :d], lse
 
@@ -260,6 +265,7 @@ def backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fa = interface()
     d = q.shape[-1]
@@ -278,7 +284,7 @@ def backward(
         softmax_scale=scale,
         causal=causal,
     )
-    _call(fa.backward, fa.version, values, _FULL, 0.0)  # writes into dq, dk, dv
+    _call(fa.backward, fa.version, values, _FULL, softcap)  # writes into dq, dk, dv
     return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
@@ -309,6 +315,7 @@ def varlen_forward(
     cu_k: torch.Tensor,
     causal: bool,
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     fa = interface()
     tq, h, d = q.shape[1:]
@@ -320,7 +327,7 @@ def varlen_forward(
         causal=causal,
         **_cu_args(cu_q, cu_k, q.device),
     )
-    res = _call(fa.varlen_forward, fa.version, values, _FULL, 0.0)
+    res = _call(fa.varlen_forward, fa.version, values, _FULL, softcap)
     lse = _lse_from(res, fa.version, fa.varlen_forward.name, (h, tq))
     return res[0][None, ..., :d], lse[None]
 
@@ -336,6 +343,7 @@ def varlen_backward(
     cu_k: torch.Tensor,
     causal: bool,
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fa = interface()
     d = q.shape[-1]
@@ -355,5 +363,5 @@ def varlen_backward(
         causal=causal,
         **_cu_args(cu_q, cu_k, q.device),
     )
-    _call(fa.varlen_backward, fa.version, values, _FULL, 0.0)
+    _call(fa.varlen_backward, fa.version, values, _FULL, softcap)
     return dq[None, ..., :d], dk[None, ..., :d], dv[None, ..., :d]

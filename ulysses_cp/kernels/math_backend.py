@@ -33,23 +33,36 @@ def reduce_kv(grad: torch.Tensor, hkv: int) -> torch.Tensor:
     return grad.reshape(b, s, hkv, hq // hkv, d).sum(3)
 
 
-def _math_probs(q, k, lse, causal, scale, cdt):
-    # scores (b, hq, sq, sk) in the compute dtype; probabilities given the row lse
+def _math_probs(q, k, lse, causal, scale, cdt, softcap=0.0):
+    """Scores ``(b, hq, sq, sk)`` in the compute dtype and the probabilities given the row
+    lse (computed when None); with ``softcap`` also ``tanh(scores / softcap)`` (for the
+    backward), else None."""
     s = torch.einsum("bqhd,bkhd->bhqk", q.to(cdt), expand_kv(k, q.shape[2]).to(cdt)) * scale
+    t = None
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
     if causal:
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(s, dim=-1)  # (b, hq, sq)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # empty rows -> p = 0
-    return torch.exp(s - safe.unsqueeze(-1)), lse
+    return torch.exp(s - safe.unsqueeze(-1)), lse, t
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softcap > 0``: scores become ``softcap * tanh(scores / softcap)`` (flash-attn's
+    logit softcapping, Gemma 2) before the mask and the softmax."""
     cdt = lse_dtype(q.dtype)
-    p, lse = _math_probs(q, k, None, causal, scale, cdt)
+    p, lse, _ = _math_probs(q, k, None, causal, scale, cdt, softcap)
     out = torch.einsum("bhqk,bkhd->bqhd", p, expand_kv(v, q.shape[2]).to(cdt))
     return out.to(q.dtype), lse
 
@@ -63,15 +76,18 @@ def backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cdt = lse_dtype(q.dtype)
     hq, hkv = q.shape[2], k.shape[2]
-    p, _ = _math_probs(q, k, lse.to(cdt), causal, scale, cdt)  # (b, hq, sq, sk)
+    p, _, t = _math_probs(q, k, lse.to(cdt), causal, scale, cdt, softcap)  # (b, hq, sq, sk)
     do = dout.to(cdt)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, do)  # (b, sk, hq, d)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, expand_kv(v, hq).to(cdt))
     delta = (do * out.to(cdt)).sum(-1).transpose(1, 2)  # (b, hq, sq)
     ds = p * (dp - delta.unsqueeze(-1)) * scale
+    if t is not None:  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
+        ds = ds * (1 - t * t)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, expand_kv(k, hq).to(cdt))
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(cdt))
     return dq.to(q.dtype), reduce_kv(dk, hkv).to(k.dtype), reduce_kv(dv, hkv).to(v.dtype)

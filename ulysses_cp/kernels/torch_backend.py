@@ -88,8 +88,15 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if softcap:  # torch's fused kernels have no softcap: the exact math path
+        return math_backend.forward(q, k, v, causal, scale, softcap)
     if q.dtype == torch.float64 and q.device.type != "cpu":
         return math_backend.forward(q, k, v, causal, scale)  # no fused float64 kernel on CUDA
     if q.device.type != "cpu":
@@ -110,8 +117,11 @@ def backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = out.to(q.dtype)
+    if softcap:
+        return math_backend.backward(dout, q, k, v, out, lse, causal, scale, softcap)
     if q.dtype == torch.float64 and q.device.type != "cpu":
         return math_backend.backward(dout, q, k, v, out, lse, causal, scale)
     if q.device.type != "cpu":

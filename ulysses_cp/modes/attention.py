@@ -25,6 +25,7 @@ __all__ = [
     "packed_plan",
     "validate_packed",
     "validate_qkv",
+    "validate_variants",
 ]
 
 
@@ -60,6 +61,26 @@ def validate_qkv(
     kv_replication(hq, hkv, topo.ulysses_degree)
 
 
+def validate_variants(q: torch.Tensor, softcap: float, sinks: torch.Tensor | None) -> None:
+    """``softcap`` a finite number >= 0; ``sinks`` one floating logit per query head on q's
+    device. ``ValueError`` with the values."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
+    if not (0.0 <= float(softcap) < float("inf")):
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {softcap}")
+    if sinks is None:
+        return
+    hq = q.shape[2]
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.numel() != hq:
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a ({hq},) tensor, one logit per query head; got {shape}")
+    if not sinks.dtype.is_floating_point or sinks.device != q.device:
+        raise ValueError(
+            f"sinks must be floating point on q's device ({q.device}); got {sinks.dtype} "
+            f"on {sinks.device}"
+        )
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -71,6 +92,8 @@ def attention(
     softmax_scale: float | None = None,
     backend: str | Kernel | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sequence-parallel attention equal to full attention on the gathered sequence.
 
@@ -82,29 +105,51 @@ def attention(
     every rank; q/k/v sharded document-wise (``shard_sequence(..., cu_seqlens=cu)``).
     Attention stays inside each document.
 
-    ``backend``: the local kernel; None takes the run's (``topo.backend``)."""
+    ``backend``: the local kernel; None takes the run's (``topo.backend``).
+
+    ``softcap`` (flash-attn's meaning, 0 = off): scores become ``softcap * tanh(scores /
+    softcap)`` before the mask (Gemma 2). ``sinks``: ``(hq,)`` logits, one per query head,
+    that join every softmax denominator with a zero value vector (GPT-OSS attention sinks);
+    differentiable, every SP rank passes the same values (the gradient of each rank is its
+    share: sum it over the SP group, as for every replicated parameter)."""
     layout = layout_of(topo, layout)  # the same verdict on every rank: before any collective
     if backend is None:
         backend = topo.backend
     if topo.check_inputs and topo.sp_world_size > 1:
         # first, so that input that only some ranks would reject fails on every rank
         check_across_ranks(
-            q, k, v, topo, causal=causal, layout=layout, backend=backend, cu=cu_seqlens
+            q,
+            k,
+            v,
+            topo,
+            causal=causal,
+            layout=layout,
+            backend=backend,
+            cu=cu_seqlens,
+            softcap=softcap,
+            sinks=sinks,
         )
     validate_qkv(q, k, v, topo, layout)
+    validate_variants(q, softcap, sinks)
     backend = resolve_backend(backend, q)
     opts: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
+    if softcap:
+        opts.update(softcap=float(softcap))
     u, r = topo.ulysses_degree, topo.ring_degree
     perm, docs = None, None
     if cu_seqlens is not None:  # once per batch, not per layer (derived.once)
         key = ("packed", *q.shape[:2], u, r, topo.ring_rank, layout, str(q.device))
         perm, docs = once((cu_seqlens,), key, partial(packed_plan, q, cu_seqlens, topo, layout))
+    if sinks is not None and u > 1:  # the all-to-all gives this rank a contiguous head range
+        sinks = sinks.unflatten(0, (u, -1))[topo.ulysses_rank]
     if r == 1:
         if docs is not None:
             opts.update(cu_seqlens=docs.cu)
-        inner = partial(local_attention, **opts)
+        inner = partial(local_attention, sinks=sinks, **opts)
     else:
-        inner = partial(ring_attention, group=topo.ring_group, layout=layout, docs=docs, **opts)
+        inner = partial(
+            ring_attention, group=topo.ring_group, layout=layout, docs=docs, sinks=sinks, **opts
+        )
     # ulysses: a2a around the local kernel; ring: no a2a (degree 1); hybrid: a2a around ring
     return ulysses_attention(
         q, k, v, group=topo.ulysses_group, layout=layout, inner=inner, perm=perm
@@ -177,7 +222,7 @@ def _cu_hash(cu: torch.Tensor) -> list[int]:
     return [cu.numel(), h]
 
 
-def _signature(q, k, v, *, causal, layout, backend, cu) -> list[int]:
+def _signature(q, k, v, *, causal, layout, backend, cu, softcap=0.0, sinks=None) -> list[int]:
     dtypes = [_code(t.dtype, _DTYPES) for t in (q, k, v)]
     devices = [_code(t.device.type, ["cpu", "cuda"]) for t in (q, k, v)]
     return [
@@ -190,6 +235,8 @@ def _signature(q, k, v, *, causal, layout, backend, cu) -> list[int]:
         _code(layout, list(LAYOUTS)),
         _code(backend, list(BACKENDS)),
         *_cu_summary(cu),
+        round(float(softcap) * 1e6) if isinstance(softcap, (int, float)) else -1,
+        sinks.numel() if isinstance(sinks, torch.Tensor) else -1,
     ]
 
 
@@ -202,6 +249,8 @@ _FIELDS = [
     "backend",
     "cu_seqlens entries",
     "cu_seqlens hash",
+    "softcap (x 1e6)",
+    "sinks entries",
 ]
 
 
@@ -215,6 +264,8 @@ def check_across_ranks(
     layout: str,
     backend: str | Kernel,
     cu: torch.Tensor | None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """One all-gather of a few integers over the SP group, before any other check: every
     rank must call attention with the same shapes, dtypes, devices, options and documents,
@@ -222,7 +273,17 @@ def check_across_ranks(
     leave the others waiting). Raises the same ``ValueError`` on every rank, naming what
     differs; identical inputs then meet the same local checks everywhere."""
     sig = torch.tensor(
-        _signature(q, k, v, causal=causal, layout=layout, backend=backend, cu=cu),
+        _signature(
+            q,
+            k,
+            v,
+            causal=causal,
+            layout=layout,
+            backend=backend,
+            cu=cu,
+            softcap=softcap,
+            sinks=sinks,
+        ),
         dtype=torch.int64,
         device=q.device if isinstance(q, torch.Tensor) else "cpu",
     )

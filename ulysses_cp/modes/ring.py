@@ -137,6 +137,7 @@ def ring_forward(
     layout: str,
     overlap: bool = True,
     docs: Docs | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     P, rank = group_size(group), group_rank(group)
     b, s_l, hq, d = q.shape
@@ -159,6 +160,7 @@ def ring_forward(
                 causal=is_causal,
                 softmax_scale=softmax_scale,
                 backend=backend,
+                softcap=softcap,
                 **cu,
             )
             out[:, qs], lse[:, :, qs] = merge(out[:, qs], lse[:, :, qs], o_b.to(acc), l_b.to(acc))
@@ -182,6 +184,7 @@ def ring_backward(
     layout: str,
     overlap: bool = True,
     docs: Docs | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     P, rank = group_size(group), group_rank(group)
     s_l = q.shape[1]
@@ -210,6 +213,7 @@ def ring_backward(
                 softmax_scale=softmax_scale,
                 backend=backend,
                 accumulate=True,
+                softcap=softcap,
                 **cu,
             )
             dq[:, qs] += dq_b
@@ -239,13 +243,18 @@ def ring_attention(
     layout: str,
     overlap: bool = True,
     docs: Docs | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ring attention over ``group``; inputs validated by the caller.
 
     q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` in ``layout`` over the ring ->
     ``(b, s_l, hq, d)`` in q's dtype. ``overlap=False`` waits for each kv transfer before
     computing (only to measure what the overlap buys). ``docs``: the packed row's documents
-    in this ring's document-wise layout (:class:`~ulysses_cp.varlen.Docs`), batch 1."""
+    in this ring's document-wise layout (:class:`~ulysses_cp.varlen.Docs`), batch 1.
+    ``softcap``: flash-attn's logit softcap per block (exact: the merge only needs each
+    block's lse). ``sinks`` ``(hq,)``: attention-sink logits, applied once to the merged
+    result (:func:`~ulysses_cp.kernels.dispatch.add_sinks`)."""
     opts = dict(
         group=group,
         causal=causal,
@@ -254,5 +263,6 @@ def ring_attention(
         layout=layout,
         overlap=overlap,
         docs=docs,
+        softcap=softcap,
     )
-    return SavedAttention.apply(q, k, v, ring_forward, ring_backward, opts)
+    return SavedAttention.apply(q, k, v, sinks, ring_forward, ring_backward, opts)

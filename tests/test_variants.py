@@ -1,0 +1,184 @@
+"""Attention variants: logit softcap and attention sinks, exact in every mode.
+
+Reference: float64 attention written here on the full tensors, with the softcap applied to
+the scores and the sinks as one more column of logits whose value vector is zero."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import ulysses_cp as ucp
+from tests.distributed import WorkerError
+from tests.helpers import make_qkv, topology
+
+TOL64 = dict(rtol=1e-10, atol=1e-10)
+MODES = [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]
+
+
+def reference(q, k, v, dout, *, causal, softcap=0.0, sinks=None, bounds=None):
+    """float64 ``[out, dq, dk, dv, dsinks]`` of full attention (b, s, h, d)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    sk = None if sinks is None else sinks.detach().double().requires_grad_()
+    hq, n = q.shape[2], q.shape[1]
+    kk, vv = (t.repeat_interleave(hq // t.shape[2], dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * q.shape[-1] ** -0.5
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    mask = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        mask = mask.tril()
+    if bounds is not None:
+        doc = torch.zeros(n, dtype=torch.long)
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+            doc[a:b] = i
+        mask &= doc[:, None] == doc[None, :]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sk is not None:  # one more logit per head, value zero
+        column = sk.view(1, hq, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, column], dim=-1)
+        vv = torch.cat([vv, torch.zeros_like(vv[:, :1])], dim=1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), vv)
+    inputs = (q, k, v) if sk is None else (q, k, v, sk)
+    grads = torch.autograd.grad(out, inputs, dout.double())
+    return [out.detach(), *grads, None] if sk is None else [out.detach(), *grads]
+
+
+def _sinks(hq: int) -> torch.Tensor:
+    return torch.linspace(-1.0, 2.0, hq, dtype=torch.float64)
+
+
+def _run(rank, u, r, layout, *, causal, softcap, with_sinks, hq, hkv, backend, bounds=None):
+    topo = topology(u, r, layout)
+    s = 32 if bounds is None else bounds[-1]
+    q, k, v, dout = make_qkv(seed=11, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=8)
+    cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
+    kw = dict(layout=layout, cu_seqlens=cu)
+    ql, kl, vl = (ucp.shard_sequence(t, topo, **kw).detach().requires_grad_() for t in (q, k, v))
+    sinks = _sinks(hq).requires_grad_() if with_sinks else None
+    out = ucp.attention(
+        ql, kl, vl, topo, causal=causal, backend=backend, softcap=softcap, sinks=sinks, **kw
+    )
+    out.backward(ucp.shard_sequence(dout, topo, **kw))
+    got = [ucp.gather_sequence(t, topo, **kw).detach() for t in (out, ql.grad, kl.grad, vl.grad)]
+    return [*got, None if sinks is None else sinks.grad]
+
+
+def _check(results, *, causal, softcap, with_sinks, hq, hkv, bounds=None):
+    s = 32 if bounds is None else bounds[-1]
+    q, k, v, dout = make_qkv(seed=11, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=8)
+    ref = reference(
+        q, k, v, dout, causal=causal, softcap=softcap,
+        sinks=_sinks(hq) if with_sinks else None, bounds=bounds,
+    )  # fmt: skip
+    for got in results:
+        for name, g, x in zip(("out", "dq", "dk", "dv"), got[:4], ref[:4]):
+            torch.testing.assert_close(g, x, **TOL64, msg=lambda m, n=name: f"{n}: {m}")
+    if with_sinks:  # each rank's share: summed over the SP ranks, the full gradient
+        torch.testing.assert_close(sum(got[4] for got in results), ref[4], **TOL64)
+
+
+@pytest.mark.parametrize("u,r", MODES)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("softcap,with_sinks", [(5.0, False), (0.0, True), (2.0, True)])
+def test_softcap_and_sinks_match_float64(pools, u, r, layout, causal, softcap, with_sinks):
+    kw = dict(causal=causal, softcap=softcap, with_sinks=with_sinks, hq=4, hkv=2)
+    results = pools(u * r).run(_run, u, r, layout, backend="math", **kw)
+    _check(results, **kw)
+
+
+@pytest.mark.parametrize("u,r", [(4, 1), (1, 4), (2, 2)])
+def test_packed_rows_with_softcap_and_sinks(pools, u, r):
+    bounds = [0, 8, 32, 40, 64]  # every document a multiple of 2P = 8
+    kw = dict(causal=True, softcap=3.0, with_sinks=True, hq=8, hkv=2)
+    results = pools(u * r).run(_run, u, r, "zigzag", backend="math", bounds=bounds, **kw)
+    _check(results, bounds=bounds, **kw)
+
+
+@pytest.mark.parametrize("u,r", [(1, 1), (2, 2)])
+def test_torch_backend_takes_the_exact_path(pools, u, r):
+    kw = dict(causal=True, softcap=4.0, with_sinks=True, hq=4, hkv=4)
+    results = pools(u * r).run(_run, u, r, "zigzag", backend="torch", **kw)
+    _check(results, **kw)
+
+
+def test_sinks_and_softcap_are_off_by_default():
+    q, k, v, _ = make_qkv(seed=3, b=1, s=16, hq=2, hkv=2, d=8)
+    plain = ucp.local_attention(q, k, v, backend="math")
+    off = ucp.local_attention(q, k, v, backend="math", softcap=0.0, sinks=None)
+    assert torch.equal(plain, off)
+    # a very negative sink changes nothing measurable; a large one empties the rows
+    low = ucp.local_attention(q, k, v, backend="math", sinks=torch.full((2,), -80.0).double())
+    torch.testing.assert_close(low, plain, rtol=0, atol=1e-30)
+    high = ucp.local_attention(q, k, v, backend="math", sinks=torch.full((2,), 80.0).double())
+    assert high.abs().max() < 1e-30
+
+
+def _refused(rank, what):
+    topo = topology(2, 1)
+    q, k, v, _ = make_qkv(seed=1, b=1, s=16, hq=4, hkv=4, d=8)
+    ql, kl, vl = (ucp.shard_sequence(t, topo) for t in (q, k, v))
+    kw = {
+        "negative softcap": dict(softcap=-1.0),
+        "softcap not a number": dict(softcap="5"),
+        "sinks of the wrong length": dict(sinks=torch.zeros(3, dtype=torch.float64)),
+        "integer sinks": dict(sinks=torch.zeros(4, dtype=torch.long)),
+        "ranks disagree": dict(softcap=float(rank)),
+    }[what]
+    ucp.attention(ql, kl, vl, topo, backend="math", **kw)
+
+
+REFUSALS = {
+    "negative softcap": r"softcap must be finite and >= 0 \(0 = off\), got -1.0",
+    "softcap not a number": r"softcap must be a number \(0 = off\), got '5'",
+    "sinks of the wrong length": r"sinks must be a \(4,\) tensor, one logit per query head",
+    "integer sinks": "sinks must be floating point",
+    "ranks disagree": r"softcap \(x 1e6\): rank 0 0, rank 1 1000000",
+}
+
+
+@pytest.mark.parametrize("what", list(REFUSALS))
+def test_bad_variants_are_refused_on_every_rank(pools, what):
+    with pytest.raises(WorkerError, match=REFUSALS[what]) as err:
+        pools(2).run(_refused, what)
+    assert str(err.value).count("Traceback") == 2
+
+
+# ---------------------------------------------------------------- flash-attn adapter
+# softcap reaches flash-attn (stand-ins of each release: tests/flash_standin) and sinks
+# apply on top of its (out, lse), dense and packed
+
+
+@pytest.mark.parametrize("release", ["2.6.0", "2.7.4", "2.8.3"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_flash_attn_takes_softcap_and_sinks(release, packed):
+    from tests.flash_standin import unuse, use
+    from ulysses_cp.kernels import flash_backend
+
+    use(release, "plain")
+    flash_backend.reset()
+    try:
+        q, k, v, dout = make_qkv(seed=5, b=1, s=64, hq=4, hkv=2, d=16)
+        bounds = [0, 16, 40, 64] if packed else None
+        cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
+        sinks = _sinks(4)
+        ref = reference(q, k, v, dout, causal=True, softcap=3.0, sinks=sinks, bounds=bounds)
+        leaves = [t.to(torch.float16).requires_grad_() for t in (q, k, v)]
+        sk = sinks.float().requires_grad_()
+        out = ucp.local_attention(
+            *leaves, backend="flash_attn", cu_seqlens=cu, softcap=3.0, sinks=sk
+        )
+        out.backward(dout.to(torch.float16))
+        for name, got, want in zip(
+            ("out", "dq", "dk", "dv", "dsinks"),
+            (out, *(t.grad for t in leaves), sk.grad),
+            ref,
+        ):
+            err = float((got.detach().double() - want).abs().max() / want.abs().max())
+            assert err < 5e-3, (release, name, err)
+    finally:
+        unuse()
+        flash_backend.reset()
