@@ -18,7 +18,7 @@ TOL64 = dict(rtol=1e-10, atol=1e-10)
 MODES = [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]
 
 
-def reference(q, k, v, dout, *, causal, softcap=0.0, sinks=None, bounds=None):
+def reference(q, k, v, dout, *, causal, softcap=0.0, sinks=None, bounds=None, window=(-1, -1)):
     """float64 ``[out, dq, dk, dv, dsinks]`` of full attention (b, s, h, d)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     sk = None if sinks is None else sinks.detach().double().requires_grad_()
@@ -30,6 +30,11 @@ def reference(q, k, v, dout, *, causal, softcap=0.0, sinks=None, bounds=None):
     mask = torch.ones(n, n, dtype=torch.bool)
     if causal:
         mask = mask.tril()
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    if window[0] >= 0:
+        mask &= j >= i - window[0]
+    if window[1] >= 0:
+        mask &= j <= i + window[1]
     if bounds is not None:
         doc = torch.zeros(n, dtype=torch.long)
         for i, (a, b) in enumerate(itertools.pairwise(bounds)):
@@ -40,7 +45,8 @@ def reference(q, k, v, dout, *, causal, softcap=0.0, sinks=None, bounds=None):
         column = sk.view(1, hq, 1, 1).expand(*scores.shape[:3], 1)
         scores = torch.cat([scores, column], dim=-1)
         vv = torch.cat([vv, torch.zeros_like(vv[:, :1])], dim=1)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), vv)
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row that sees nothing: zeros
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, vv)
     inputs = (q, k, v) if sk is None else (q, k, v, sk)
     grads = torch.autograd.grad(out, inputs, dout.double())
     return [out.detach(), *grads, None] if sk is None else [out.detach(), *grads]
@@ -50,7 +56,21 @@ def _sinks(hq: int) -> torch.Tensor:
     return torch.linspace(-1.0, 2.0, hq, dtype=torch.float64)
 
 
-def _run(rank, u, r, layout, *, causal, softcap, with_sinks, hq, hkv, backend, bounds=None):
+def _run(
+    rank,
+    u,
+    r,
+    layout,
+    *,
+    causal,
+    softcap,
+    with_sinks,
+    hq,
+    hkv,
+    backend,
+    bounds=None,
+    window=(-1, -1),
+):
     topo = topology(u, r, layout)
     s = 32 if bounds is None else bounds[-1]
     q, k, v, dout = make_qkv(seed=11, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=8)
@@ -59,19 +79,28 @@ def _run(rank, u, r, layout, *, causal, softcap, with_sinks, hq, hkv, backend, b
     ql, kl, vl = (ucp.shard_sequence(t, topo, **kw).detach().requires_grad_() for t in (q, k, v))
     sinks = _sinks(hq).requires_grad_() if with_sinks else None
     out = ucp.attention(
-        ql, kl, vl, topo, causal=causal, backend=backend, softcap=softcap, sinks=sinks, **kw
+        ql,
+        kl,
+        vl,
+        topo,
+        causal=causal,
+        backend=backend,
+        softcap=softcap,
+        sinks=sinks,
+        window=window,
+        **kw,
     )
     out.backward(ucp.shard_sequence(dout, topo, **kw))
     got = [ucp.gather_sequence(t, topo, **kw).detach() for t in (out, ql.grad, kl.grad, vl.grad)]
     return [*got, None if sinks is None else sinks.grad]
 
 
-def _check(results, *, causal, softcap, with_sinks, hq, hkv, bounds=None):
+def _check(results, *, causal, softcap, with_sinks, hq, hkv, bounds=None, window=(-1, -1)):
     s = 32 if bounds is None else bounds[-1]
     q, k, v, dout = make_qkv(seed=11, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=8)
     ref = reference(
         q, k, v, dout, causal=causal, softcap=softcap,
-        sinks=_sinks(hq) if with_sinks else None, bounds=bounds,
+        sinks=_sinks(hq) if with_sinks else None, bounds=bounds, window=window,
     )  # fmt: skip
     for got in results:
         for name, g, x in zip(("out", "dq", "dk", "dv"), got[:4], ref[:4]):
@@ -182,3 +211,131 @@ def test_flash_attn_takes_softcap_and_sinks(release, packed):
     finally:
         unuse()
         flash_backend.reset()
+
+
+# ---------------------------------------------------------------- sliding windows
+
+WINDOWS = [(3, -1), (9, -1), (5, 2), (0, 0), (-1, 4)]
+
+
+@pytest.mark.parametrize("u,r", MODES)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+def test_sliding_window_matches_float64(pools, u, r, layout, causal, window):
+    kw = dict(causal=causal, softcap=0.0, with_sinks=False, hq=4, hkv=2, window=window)
+    results = pools(u * r).run(_run, u, r, layout, backend="math", **kw)
+    _check(results, **kw)
+
+
+@pytest.mark.parametrize("u,r", [(4, 1), (2, 2)])
+def test_window_with_softcap_and_sinks(pools, u, r):
+    kw = dict(causal=True, softcap=2.5, with_sinks=True, hq=4, hkv=2, window=(6, -1))
+    results = pools(u * r).run(_run, u, r, "zigzag", backend="torch", **kw)
+    _check(results, **kw)
+
+
+@pytest.mark.parametrize("u", [1, 4])
+def test_window_in_packed_rows_is_per_document(pools, u):
+    bounds = [0, 8, 32, 40, 64]
+    kw = dict(causal=True, softcap=0.0, with_sinks=True, hq=8, hkv=2, window=(5, -1))
+    results = pools(u).run(_run, u, 1, "zigzag", backend="math", bounds=bounds, **kw)
+    _check(results, bounds=bounds, **kw)
+
+
+def test_flash_window_translation_sees_the_same_keys():
+    """flash-attn's bottom-right aligned window, written here from its documented rule,
+    against the band; bands it cannot express come back None (the math path takes them)."""
+    from ulysses_cp.kernels.flash_backend import flash_window
+    from ulysses_cp.kernels.math_backend import band_mask
+
+    seen = {"expressed": 0, "refused": 0}
+    for sq, sk in [(4, 4), (4, 6), (6, 4), (1, 5)]:
+        for lo in [None, -7, -3, -1, 0, 2, 5]:
+            for hi in [None, -4, -1, 0, 1, 3, 8]:
+                if lo is not None and hi is not None and lo > hi:
+                    continue
+                want = band_mask(sq, sk, (lo, hi), torch.device("cpu"))
+                window = flash_window((lo, hi), sq, sk)
+                if window is None:
+                    seen["refused"] += 1
+                    assert (lo is not None and lo > sk - sq) or (hi is not None and hi < sk - sq)
+                    continue
+                seen["expressed"] += 1
+                left, right = window
+                i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+                got = torch.ones(sq, sk, dtype=torch.bool)
+                if left >= 0:
+                    got &= j >= i + sk - sq - left
+                if right >= 0:
+                    got &= j <= i + sk - sq + right
+                assert torch.equal(got, want), (sq, sk, lo, hi, window)
+    assert seen["expressed"] > 50 and seen["refused"] > 20
+
+
+@pytest.mark.parametrize("release", ["2.6.0", "2.8.3"])
+@pytest.mark.parametrize("offset", [0, 4, 12, -4])
+def test_flash_attn_takes_windows(release, offset):
+    """Blocks as the ring calls them (a q chunk ``offset`` tokens after the kv chunk):
+    flash-attn's window where it can express the band, the math path where not."""
+    from tests.flash_standin import unuse, use
+    from ulysses_cp.kernels import attn_backward, attn_forward, flash_backend
+
+    use(release, "plain")
+    flash_backend.reset()
+    try:
+        q, k, v, dout = make_qkv(seed=9, b=1, s=16, hq=4, hkv=2, d=16, dtype=torch.float16)
+        kw = dict(causal=True, softmax_scale=None, window=(10, -1), offset=offset)
+        got_out, got_lse = attn_forward(q, k, v, backend="flash_attn", **kw)
+        want_out, want_lse = attn_forward(*(t.double() for t in (q, k, v)), backend="math", **kw)
+        assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse))  # the same empty rows
+        assert float((got_out.double() - want_out).abs().max()) < 2e-3
+        grads = attn_backward(dout, q, k, v, got_out, got_lse, backend="flash_attn", **kw)
+        want = attn_backward(
+            *(t.double() for t in (dout, q, k, v, want_out)), want_lse, backend="math", **kw
+        )
+        for g, w in zip(grads, want):
+            assert float((g.double() - w).abs().max()) < 5e-3 * max(1.0, float(w.abs().max()))
+    finally:
+        unuse()
+        flash_backend.reset()
+
+
+def _work(rank, layout, window):
+    topo = topology(1, 4, layout)
+    q, k, v, dout = make_qkv(seed=2, b=1, s=64, hq=2, hkv=2, d=8)
+    ql, kl, vl = (ucp.shard_sequence(t, topo).detach().requires_grad_() for t in (q, k, v))
+    ucp.work_stats.reset()
+    ucp.comm_stats.reset()
+    out = ucp.attention(ql, kl, vl, topo, causal=True, backend="math", window=window)
+    out.backward(ucp.shard_sequence(dout, topo))
+    return ucp.work_stats.snapshot(), ucp.comm_stats.total("ring")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_the_ring_skips_blocks_outside_every_window(pools, layout):
+    """Work per rank: chunk pairs with a visible (query, key), counted here by brute force
+    over global positions, times the chunk's scores; the rest are skipped."""
+    P, s, window = 4, 64, (5, -1)
+    n_chunks = 2 * P if layout == "zigzag" else P
+    c = s // n_chunks
+    results = pools(P).run(_work, layout, window)
+    full = pools(P).run(_work, layout, (-1, -1))
+
+    def chunks(rank):
+        return [rank, 2 * P - 1 - rank] if layout == "zigzag" else [rank]
+
+    def visible(qc, kc):
+        i = torch.arange(qc * c, (qc + 1) * c)[:, None]
+        j = torch.arange(kc * c, (kc + 1) * c)[None, :]
+        return bool(((j <= i) & (j >= i - window[0])).any())
+
+    for rank, (snap, ring_bytes) in enumerate(results):
+        mine = chunks(rank)
+        theirs = [x for src in range(P) for x in chunks(src)]
+        pairs = sum(visible(qc, kc) for qc in mine for kc in theirs)
+        assert snap["scores/forward"] == snap["scores/backward"] == pairs * 2 * c * c
+        assert snap["skipped/forward"] == len(mine) * len(theirs) - pairs
+        assert ring_bytes == full[rank][1]  # the ring still passes every block
+    total = sum(snap["scores/forward"] for snap, _ in results)
+    assert total < sum(snap["scores/forward"] for snap, _ in full)  # causal, no window

@@ -22,6 +22,7 @@ from .integrations.torch_native import (
     set_rotate_method,
 )
 from .kernels.dispatch import BACKENDS, Kernel, attn_backward, attn_forward, local_attention
+from .kernels.dispatch import work as work_stats
 from .models.loss import local_loss_term, replicated_loss_term, sequence_parallel_cross_entropy
 from .modes.attention import Attention, attention, forward_comm_bytes
 from .modes.ulysses import kv_replication
@@ -94,4 +95,5 @@ __all__ = [
     "shard_sequence",
     "topology_from_config",
     "validate_degrees",
+    "work_stats",
 ]

@@ -22,6 +22,7 @@ Causal masking needs ``sq == sk`` (the diagonal block); callers slice off-diagon
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -33,21 +34,26 @@ from ..core.derived import once
 from ..core.log import get_logger
 from ..core.options import BACKENDS, Backend
 from . import flash_backend, math_backend, torch_backend
-from .math_backend import lse_dtype
+from .math_backend import Band, lse_dtype
 
 __all__ = [
     "BACKENDS",
+    "FULL_WINDOW",
     "Backend",
     "Kernel",
     "SavedAttention",
+    "WorkStats",
     "add_sinks",
     "attn_backward",
     "attn_forward",
+    "band_is_empty",
     "default_scale",
     "flash_attn_unusable",
     "local_attention",
     "resolve_backend",
     "sinks_grad",
+    "window_band",
+    "work",
 ]
 
 
@@ -86,14 +92,79 @@ class Kernel:
     backward: Callable
 
 
-def _fwd(backend: str | Kernel, softcap: float = 0.0) -> Callable:
+def _variant(fn: Callable, softcap: float, band: Band | None) -> Callable:
+    kw: dict[str, Any] = {}
+    if softcap:
+        kw["softcap"] = softcap
+    if band is not None:
+        kw["band"] = band
+    return partial(fn, **kw) if kw else fn
+
+
+def _fwd(backend: str | Kernel, softcap: float = 0.0, band: Band | None = None) -> Callable:
     fn = backend.forward if isinstance(backend, Kernel) else _FORWARD[backend]
-    return partial(fn, softcap=softcap) if softcap else fn
+    return _variant(fn, softcap, band)
 
 
-def _bwd(backend: str | Kernel, softcap: float = 0.0) -> Callable:
+def _bwd(backend: str | Kernel, softcap: float = 0.0, band: Band | None = None) -> Callable:
     fn = backend.backward if isinstance(backend, Kernel) else _BACKWARD[backend]
-    return partial(fn, softcap=softcap) if softcap else fn
+    return _variant(fn, softcap, band)
+
+
+FULL_WINDOW = (-1, -1)
+
+
+class WorkStats:
+    """Attention work per phase (``"forward"``, ``"backward"``), process-wide, reset by the
+    caller: ``scores`` = score entries the kernels computed (batch x query heads x queries x
+    keys per call, masked entries included), ``skipped`` = blocks a mode left out because no
+    query could see them (sliding windows)."""
+
+    def __init__(self) -> None:
+        self.scores: dict[str, int] = defaultdict(int)
+        self.skipped: dict[str, int] = defaultdict(int)
+
+    def reset(self) -> None:
+        self.scores.clear()
+        self.skipped.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        out = {f"scores/{p}": n for p, n in sorted(self.scores.items())}
+        return out | {f"skipped/{p}": n for p, n in sorted(self.skipped.items())}
+
+
+work = WorkStats()
+
+
+def _count(phase: str, q: torch.Tensor, k: torch.Tensor, cu_q, cu_k) -> None:
+    b, sq, hq = q.shape[:3]
+    if cu_q is None:
+        work.scores[phase] += b * hq * sq * k.shape[1]
+    else:
+        work.scores[phase] += hq * sum(n * lq * lk for _, _, n, lq, lk in _doc_groups(cu_q, cu_k))
+
+
+def window_band(window: tuple[int, int], causal: bool, offset: int = 0) -> Band | None:
+    """The visible diagonals (``lo <= j - i <= hi``) of a block whose first query is
+    ``offset`` tokens after its first key, for flash-attn's ``window_size=(left, right)``
+    (-1: unbounded) and ``causal``; None for full attention (no window)."""
+    left, right = window
+    if left < 0 and right < 0:
+        return None
+    lo = None if left < 0 else offset - left
+    hi = None if right < 0 else offset + right
+    if causal:
+        hi = offset if hi is None else min(hi, offset)
+    return lo, hi
+
+
+def band_is_empty(band: Band, sq: int, sk: int) -> bool:
+    """No key visible to any query of an ``sq x sk`` block (``j - i`` spans
+    ``[-(sq - 1), sk - 1]``)."""
+    lo, hi = band
+    lo = -(sq - 1) if lo is None else max(lo, -(sq - 1))
+    hi = sk - 1 if hi is None else min(hi, sk - 1)
+    return lo > hi
 
 
 def resolve_backend(backend: str | Kernel, q: torch.Tensor) -> str | Kernel:
@@ -182,17 +253,18 @@ def _one_document(q, k, cu_q, cu_k) -> bool:
     return once((cu_q, cu_k), key, lambda: (cu_q.tolist(), cu_k.tolist()) == whole)
 
 
-def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend, softcap):
+def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend, softcap, band=None):
     if _one_document(q, k, cu_q, cu_k):
-        return _fwd(backend, softcap)(q, k, v, causal, scale)
+        return _fwd(backend, softcap, band)(q, k, v, causal, scale)
     if backend == "flash_attn":
-        return flash_backend.varlen_forward(q, k, v, cu_q, cu_k, causal, scale, softcap)
+        return flash_backend.varlen_forward(q, k, v, cu_q, cu_k, causal, scale, softcap, band)
     out = torch.zeros_like(q)
     hq = q.shape[2]
     lse = torch.full((1, hq, q.shape[1]), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     for qi, ki, n, lq, lk in _doc_groups(cu_q, cu_k):  # rows in no document stay (0, -inf)
         assert not causal or lq == lk, "causal documents must be square"
-        o, lg = _fwd(backend, softcap)(
+        assert band is None or lq == lk, "a window in packed rows needs square documents"
+        o, lg = _fwd(backend, softcap, band)(
             _take(q, qi, n, lq), _take(k, ki, n, lk), _take(v, ki, n, lk), causal, scale
         )
         out[0].index_copy_(0, qi, o.reshape(n * lq, hq, -1).to(out.dtype))
@@ -200,18 +272,20 @@ def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend, softcap):
     return out, lse
 
 
-def _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend, softcap):
+def _varlen_backward(
+    dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend, softcap, band=None
+):
     if _one_document(q, k, cu_q, cu_k):
-        return _bwd(backend, softcap)(dout, q, k, v, out, lse, causal, scale)
+        return _bwd(backend, softcap, band)(dout, q, k, v, out, lse, causal, scale)
     if backend == "flash_attn":
         return flash_backend.varlen_backward(
-            dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap
+            dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap, band
         )
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     hq = q.shape[2]
     for qi, ki, n, lq, lk in _doc_groups(cu_q, cu_k):
         lg = lse[0].index_select(1, qi).view(hq, n, lq).transpose(0, 1)  # (n, hq, lq)
-        gq, gk, gv = _bwd(backend, softcap)(
+        gq, gk, gv = _bwd(backend, softcap, band)(
             _take(dout, qi, n, lq),
             _take(q, qi, n, lq),
             _take(k, ki, n, lk),
@@ -238,19 +312,30 @@ def attn_forward(
     cu_q: torch.Tensor | None = None,
     cu_k: torch.Tensor | None = None,
     softcap: float = 0.0,
+    window: tuple[int, int] = FULL_WINDOW,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32/fp64)``; no autograd.
 
     Packed (``cu_q``/``cu_k`` given, batch 1): document i's queries
     ``q[:, cu_q[i]:cu_q[i+1]]`` attend only its keys ``k[:, cu_k[i]:cu_k[i+1]]``; rows in
     no document come back empty (out 0, lse -inf). Causal documents must be square.
-    ``softcap > 0``: scores ``softcap * tanh(scores / softcap)`` (flash-attn's meaning)."""
+    ``softcap > 0``: scores ``softcap * tanh(scores / softcap)`` (flash-attn's meaning).
+    ``window=(left, right)``: flash-attn's sliding window (-1 unbounded) for a block whose
+    first query comes ``offset`` tokens after its first key (0: aligned blocks, the only
+    choice for packed rows); rows that see no key come back empty."""
     scale = default_scale(q, softmax_scale)
+    band = window_band(window, causal, offset)
+    if band is not None:
+        causal = False  # folded into the band
+    _count("forward", q, k, cu_q, cu_k)
     with torch.no_grad():
         if cu_q is not None:
-            return _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend, softcap)
-        _check_causal(q, k, causal)
-        return _fwd(backend, softcap)(q, k, v, causal, scale)
+            assert offset == 0, "packed rows take aligned blocks only"
+            return _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend, softcap, band)
+        if band is None:
+            _check_causal(q, k, causal)
+        return _fwd(backend, softcap, band)(q, k, v, causal, scale)
 
 
 def attn_backward(
@@ -268,6 +353,8 @@ def attn_backward(
     cu_q: torch.Tensor | None = None,
     cu_k: torch.Tensor | None = None,
     softcap: float = 0.0,
+    window: tuple[int, int] = FULL_WINDOW,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` from the final ``out`` and ``lse``, in the inputs' dtypes.
 
@@ -280,13 +367,18 @@ def attn_backward(
     low = q.dtype in (torch.bfloat16, torch.float16)
     if accumulate and low and q.device.type == "cpu" and backend in ("math", "torch"):
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
+    band = window_band(window, causal, offset)
+    if band is not None:
+        causal = False
+    _count("backward", q, k, cu_q, cu_k)
     with torch.no_grad():
         if cu_q is not None:
             return _varlen_backward(
-                dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend, softcap
+                dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend, softcap, band
             )
-        _check_causal(q, k, causal)
-        return _bwd(backend, softcap)(dout, q, k, v, out, lse, causal, scale)
+        if band is None:
+            _check_causal(q, k, causal)
+        return _bwd(backend, softcap, band)(dout, q, k, v, out, lse, causal, scale)
 
 
 def add_sinks(
@@ -346,16 +438,20 @@ def local_attention(
     cu_seqlens: torch.Tensor | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    window: tuple[int, int] = FULL_WINDOW,
 ) -> torch.Tensor:
     """Differentiable single-device attention, ``(b, s, hq, d)`` in and out.
 
     ``cu_seqlens``: int32 document boundaries of a packed row (batch 1); attention stays
     inside each document. ``softcap``: flash-attn's logit softcap (0 = off). ``sinks``:
-    ``(hq,)`` attention-sink logits (GPT-OSS), differentiable."""
+    ``(hq,)`` attention-sink logits (GPT-OSS), differentiable. ``window=(left, right)``:
+    flash-attn's sliding window (-1 unbounded; ``(-1, -1)`` is full attention)."""
     backend = resolve_backend(backend, q)
     opts: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     if softcap:
         opts.update(softcap=softcap)
+    if tuple(window) != FULL_WINDOW:
+        opts.update(window=tuple(window))
     if cu_seqlens is not None:
         opts.update(cu_q=cu_seqlens, cu_k=cu_seqlens)
     return SavedAttention.apply(q, k, v, sinks, attn_forward, attn_backward, opts)

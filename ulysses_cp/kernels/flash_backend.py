@@ -44,11 +44,13 @@ import torch
 import torch.nn.functional as F
 
 from ..core.derived import once
+from . import math_backend
 
 __all__ = [
     "SUPPORTED",
     "Interface",
     "backward",
+    "flash_window",
     "forward",
     "import_problem",
     "interface",
@@ -240,6 +242,21 @@ def _pad8(x: torch.Tensor) -> torch.Tensor:
 _FULL = (-1, -1)  # flash-attn's "no window"
 
 
+def flash_window(band: tuple[int | None, int | None] | None, sq: int, sk: int):
+    """flash-attn's ``(window_left, window_right)`` for a band of visible diagonals
+    (``lo <= j - i <= hi``; see ``math_backend.Band``), or None when flash-attn cannot
+    express it. flash-attn aligns its window to the bottom-right corner: key j is visible
+    to query i when ``i + sk - sq - left <= j <= i + sk - sq + right``, -1 unbounded."""
+    if band is None:
+        return _FULL
+    lo, hi = band
+    left = -1 if lo is None else (sk - sq) - lo
+    right = -1 if hi is None else hi - (sk - sq)
+    if (lo is not None and left < 0) or (hi is not None and right < 0):
+        return None
+    return left, right
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -247,11 +264,15 @@ def forward(
     causal: bool,
     scale: float,
     softcap: float = 0.0,
+    band: tuple[int | None, int | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    window = flash_window(band, q.shape[1], k.shape[1])
+    if window is None:  # a band flash-attn cannot express: the exact math path
+        return math_backend.forward(q, k, v, causal, scale, softcap, band)
     fa = interface()
     b, s, h, d = q.shape
     values = dict(q=_pad8(q), k=_pad8(k), v=_pad8(v), softmax_scale=scale, causal=causal)
-    res = _call(fa.forward, fa.version, values, _FULL, softcap)
+    res = _call(fa.forward, fa.version, values, window, softcap)
     lse = _lse_from(res, fa.version, fa.forward.name, (b, h, s))
     return res[0][..., :d], lse
 
@@ -266,7 +287,11 @@ def backward(
     causal: bool,
     scale: float,
     softcap: float = 0.0,
+    band: tuple[int | None, int | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    window = flash_window(band, q.shape[1], k.shape[1])
+    if window is None:
+        return math_backend.backward(dout, q, k, v, out, lse, causal, scale, softcap, band)
     fa = interface()
     d = q.shape[-1]
     qp, kp, vp = _pad8(q), _pad8(k), _pad8(v)
@@ -284,7 +309,7 @@ def backward(
         softmax_scale=scale,
         causal=causal,
     )
-    _call(fa.backward, fa.version, values, _FULL, softcap)  # writes into dq, dk, dv
+    _call(fa.backward, fa.version, values, window, softcap)  # writes into dq, dk, dv
     return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
@@ -316,7 +341,10 @@ def varlen_forward(
     causal: bool,
     scale: float,
     softcap: float = 0.0,
+    band: tuple[int | None, int | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    window = flash_window(band, 1, 1)  # documents are square: sk - sq = 0 in each
+    assert window is not None, f"band {band} needs the diagonal visible in packed rows"
     fa = interface()
     tq, h, d = q.shape[1:]
     values = dict(
@@ -327,7 +355,7 @@ def varlen_forward(
         causal=causal,
         **_cu_args(cu_q, cu_k, q.device),
     )
-    res = _call(fa.varlen_forward, fa.version, values, _FULL, softcap)
+    res = _call(fa.varlen_forward, fa.version, values, window, softcap)
     lse = _lse_from(res, fa.version, fa.varlen_forward.name, (h, tq))
     return res[0][None, ..., :d], lse[None]
 
@@ -344,7 +372,10 @@ def varlen_backward(
     causal: bool,
     scale: float,
     softcap: float = 0.0,
+    band: tuple[int | None, int | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    window = flash_window(band, 1, 1)
+    assert window is not None, f"band {band} needs the diagonal visible in packed rows"
     fa = interface()
     d = q.shape[-1]
     qp, kp, vp = _pad8(q[0]), _pad8(k[0]), _pad8(v[0])
@@ -363,5 +394,5 @@ def varlen_backward(
         causal=causal,
         **_cu_args(cu_q, cu_k, q.device),
     )
-    _call(fa.varlen_backward, fa.version, values, _FULL, softcap)
+    _call(fa.varlen_backward, fa.version, values, window, softcap)
     return dq[None, ..., :d], dk[None, ..., :d], dv[None, ..., :d]

@@ -10,12 +10,33 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "Band",
     "backward",
+    "band_mask",
     "expand_kv",
     "forward",
     "lse_dtype",
     "reduce_kv",
 ]
+
+
+# Which keys each query sees, as a band of diagonals: key j is visible to query i when
+# lo <= j - i <= hi (None: unbounded). Causal aligned blocks are (None, 0); a sliding window
+# (left, right) over blocks whose first query is ``offset`` tokens after their first key is
+# (offset - left, offset + right), capped at offset when causal.
+Band = tuple[int | None, int | None]
+
+
+def band_mask(sq: int, sk: int, band: Band, device: torch.device) -> torch.Tensor:
+    """``(sq, sk)`` bool, True where key j is visible to query i."""
+    lo, hi = band
+    d = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None]
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if lo is not None:
+        visible &= d >= lo
+    if hi is not None:
+        visible &= d <= hi
+    return visible
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -33,7 +54,7 @@ def reduce_kv(grad: torch.Tensor, hkv: int) -> torch.Tensor:
     return grad.reshape(b, s, hkv, hq // hkv, d).sum(3)
 
 
-def _math_probs(q, k, lse, causal, scale, cdt, softcap=0.0):
+def _math_probs(q, k, lse, causal, scale, cdt, softcap=0.0, band=None):
     """Scores ``(b, hq, sq, sk)`` in the compute dtype and the probabilities given the row
     lse (computed when None); with ``softcap`` also ``tanh(scores / softcap)`` (for the
     backward), else None."""
@@ -45,6 +66,9 @@ def _math_probs(q, k, lse, causal, scale, cdt, softcap=0.0):
     if causal:
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
+    if band is not None:
+        sq, sk = s.shape[-2:]
+        s = s.masked_fill(~band_mask(sq, sk, band, s.device), float("-inf"))
     if lse is None:
         lse = torch.logsumexp(s, dim=-1)  # (b, hq, sq)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # empty rows -> p = 0
@@ -58,11 +82,13 @@ def forward(
     causal: bool,
     scale: float,
     softcap: float = 0.0,
+    band: Band | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``softcap > 0``: scores become ``softcap * tanh(scores / softcap)`` (flash-attn's
-    logit softcapping, Gemma 2) before the mask and the softmax."""
+    logit softcapping, Gemma 2) before the mask and the softmax. ``band``: only keys with
+    ``lo <= j - i <= hi`` are visible (sliding windows; see :data:`Band`)."""
     cdt = lse_dtype(q.dtype)
-    p, lse, _ = _math_probs(q, k, None, causal, scale, cdt, softcap)
+    p, lse, _ = _math_probs(q, k, None, causal, scale, cdt, softcap, band)
     out = torch.einsum("bhqk,bkhd->bqhd", p, expand_kv(v, q.shape[2]).to(cdt))
     return out.to(q.dtype), lse
 
@@ -77,10 +103,11 @@ def backward(
     causal: bool,
     scale: float,
     softcap: float = 0.0,
+    band: Band | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cdt = lse_dtype(q.dtype)
     hq, hkv = q.shape[2], k.shape[2]
-    p, _, t = _math_probs(q, k, lse.to(cdt), causal, scale, cdt, softcap)  # (b, hq, sq, sk)
+    p, _, t = _math_probs(q, k, lse.to(cdt), causal, scale, cdt, softcap, band)  # (b,hq,sq,sk)
     do = dout.to(cdt)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, do)  # (b, sk, hq, d)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, expand_kv(v, hq).to(cdt))

@@ -94,9 +94,10 @@ def forward(
     causal: bool,
     scale: float,
     softcap: float = 0.0,
+    band: math_backend.Band | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if softcap:  # torch's fused kernels have no softcap: the exact math path
-        return math_backend.forward(q, k, v, causal, scale, softcap)
+    if softcap or band is not None:  # no softcap or window in torch's fused kernels: math
+        return math_backend.forward(q, k, v, causal, scale, softcap, band)
     if q.dtype == torch.float64 and q.device.type != "cpu":
         return math_backend.forward(q, k, v, causal, scale)  # no fused float64 kernel on CUDA
     if q.device.type != "cpu":
@@ -118,10 +119,11 @@ def backward(
     causal: bool,
     scale: float,
     softcap: float = 0.0,
+    band: math_backend.Band | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = out.to(q.dtype)
-    if softcap:
-        return math_backend.backward(dout, q, k, v, out, lse, causal, scale, softcap)
+    if softcap or band is not None:
+        return math_backend.backward(dout, q, k, v, out, lse, causal, scale, softcap, band)
     if q.dtype == torch.float64 and q.device.type != "cpu":
         return math_backend.backward(dout, q, k, v, out, lse, causal, scale)
     if q.device.type != "cpu":

@@ -61,9 +61,31 @@ def validate_qkv(
     kv_replication(hq, hkv, topo.ulysses_degree)
 
 
-def validate_variants(q: torch.Tensor, softcap: float, sinks: torch.Tensor | None) -> None:
+def validate_variants(
+    q: torch.Tensor,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    window: tuple[int, int] = (-1, -1),
+    topo: Topology | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> None:
     """``softcap`` a finite number >= 0; ``sinks`` one floating logit per query head on q's
-    device. ``ValueError`` with the values."""
+    device; ``window`` two integers >= -1 (packed rows: Ulysses mode only, for now).
+    ``ValueError`` with the values."""
+    ok = isinstance(window, (tuple, list)) and len(window) == 2
+    if not ok or not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
+        raise ValueError(
+            f"window must be (left, right), two integers (-1: unbounded); got {window!r}"
+        )
+    if min(window) < -1:
+        raise ValueError(f"window sizes must be >= 0 or -1 (unbounded), got {tuple(window)}")
+    windowed = tuple(window) != (-1, -1)
+    if windowed and cu_seqlens is not None and topo is not None and topo.ring_degree > 1:
+        raise ValueError(
+            f"a sliding window with packed rows runs in the Ulysses mode; this topology has "
+            f"ring_degree {topo.ring_degree} (ring/hybrid windows take dense rows for now): "
+            f"use ulysses_degree = sequence-parallel degree, or unpacked rows"
+        )
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
     if not (0.0 <= float(softcap) < float("inf")):
@@ -94,6 +116,7 @@ def attention(
     cu_seqlens: torch.Tensor | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    window: tuple[int, int] = (-1, -1),
 ) -> torch.Tensor:
     """Sequence-parallel attention equal to full attention on the gathered sequence.
 
@@ -111,7 +134,10 @@ def attention(
     softcap)`` before the mask (Gemma 2). ``sinks``: ``(hq,)`` logits, one per query head,
     that join every softmax denominator with a zero value vector (GPT-OSS attention sinks);
     differentiable, every SP rank passes the same values (the gradient of each rank is its
-    share: sum it over the SP group, as for every replicated parameter)."""
+    share: sum it over the SP group, as for every replicated parameter). ``window=(left,
+    right)``: flash-attn's sliding window over global token positions (query i sees keys
+    ``i - left .. i + right``, -1 unbounded; ``(-1, -1)`` is full attention); packed rows:
+    within each document, in the Ulysses mode (ring/hybrid: dense rows)."""
     layout = layout_of(topo, layout)  # the same verdict on every rank: before any collective
     if backend is None:
         backend = topo.backend
@@ -128,13 +154,16 @@ def attention(
             cu=cu_seqlens,
             softcap=softcap,
             sinks=sinks,
+            window=window,
         )
     validate_qkv(q, k, v, topo, layout)
-    validate_variants(q, softcap, sinks)
+    validate_variants(q, softcap, sinks, window, topo, cu_seqlens)
     backend = resolve_backend(backend, q)
     opts: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     if softcap:
         opts.update(softcap=float(softcap))
+    if tuple(window) != (-1, -1):
+        opts.update(window=tuple(int(w) for w in window))
     u, r = topo.ulysses_degree, topo.ring_degree
     perm, docs = None, None
     if cu_seqlens is not None:  # once per batch, not per layer (derived.once)
@@ -215,6 +244,11 @@ def _cu_summary(cu) -> list[int]:
     return once((cu,), "summary", partial(_cu_hash, cu))
 
 
+def _window_code(window) -> list[int]:
+    w = list(window) if isinstance(window, (tuple, list)) else []
+    return [int(x) if isinstance(x, int) else -2 for x in [*w, -2, -2][:2]]
+
+
 def _cu_hash(cu: torch.Tensor) -> list[int]:
     h = 0
     for i, b in enumerate(cu.flatten().tolist()):
@@ -222,7 +256,9 @@ def _cu_hash(cu: torch.Tensor) -> list[int]:
     return [cu.numel(), h]
 
 
-def _signature(q, k, v, *, causal, layout, backend, cu, softcap=0.0, sinks=None) -> list[int]:
+def _signature(
+    q, k, v, *, causal, layout, backend, cu, softcap=0.0, sinks=None, window=(-1, -1)
+) -> list[int]:
     dtypes = [_code(t.dtype, _DTYPES) for t in (q, k, v)]
     devices = [_code(t.device.type, ["cpu", "cuda"]) for t in (q, k, v)]
     return [
@@ -237,6 +273,7 @@ def _signature(q, k, v, *, causal, layout, backend, cu, softcap=0.0, sinks=None)
         *_cu_summary(cu),
         round(float(softcap) * 1e6) if isinstance(softcap, (int, float)) else -1,
         sinks.numel() if isinstance(sinks, torch.Tensor) else -1,
+        *_window_code(window),
     ]
 
 
@@ -251,6 +288,8 @@ _FIELDS = [
     "cu_seqlens hash",
     "softcap (x 1e6)",
     "sinks entries",
+    "window left",
+    "window right",
 ]
 
 
@@ -266,6 +305,7 @@ def check_across_ranks(
     cu: torch.Tensor | None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    window: tuple[int, int] = (-1, -1),
 ) -> None:
     """One all-gather of a few integers over the SP group, before any other check: every
     rank must call attention with the same shapes, dtypes, devices, options and documents,
@@ -283,6 +323,7 @@ def check_across_ranks(
             cu=cu,
             softcap=softcap,
             sinks=sinks,
+            window=window,
         ),
         dtype=torch.int64,
         device=q.device if isinstance(q, torch.Tensor) else "cpu",

@@ -30,7 +30,17 @@ import torch.nn.functional as F
 from ..core.comm import collective, group_rank, group_size, host_staged, stats
 from ..core.protocols import Group
 from ..core.varlen import Docs
-from ..kernels.dispatch import Kernel, SavedAttention, attn_backward, attn_forward, lse_dtype
+from ..kernels.dispatch import (
+    FULL_WINDOW,
+    Kernel,
+    SavedAttention,
+    attn_backward,
+    attn_forward,
+    band_is_empty,
+    lse_dtype,
+    window_band,
+    work,
+)
 
 __all__ = [
     "RingComm",
@@ -121,6 +131,44 @@ def _blocks(step: int, rank: int, P: int, s_l: int, causal: bool, layout: str, d
     return docs.second, everything, False, dict(cu_q=docs.cu_half, cu_k=docs.cu)
 
 
+def _step_blocks(step, rank, P, s_l, causal, layout, docs, window, phase) -> list[tuple]:
+    """``[(q sel, kv sel, kernel keywords)]`` of one ring step."""
+    if tuple(window) != FULL_WINDOW:
+        assert docs is None, "windows in packed rows run on aligned blocks only"
+        pairs = _window_blocks(step, rank, P, s_l, causal, layout, window)
+        work.skipped[phase] += (1 if layout == "contiguous" else 4) - len(pairs)
+        return [(qs, ks, dict(causal=causal, window=window, offset=o)) for qs, ks, o in pairs]
+    blk = _blocks(step, rank, P, s_l, causal, layout, docs)
+    if blk is None:
+        return []
+    qs, ks, is_causal, cu = blk
+    return [(qs, ks, dict(causal=is_causal, **cu))]
+
+
+def _window_blocks(
+    step: int, rank: int, P: int, s_l: int, causal: bool, layout: str, window: tuple[int, int]
+) -> list[tuple[slice, slice, int]]:
+    """Sliding window: ``[(q sel, kv sel, offset)]`` for this step, one per pair of chunks
+    (contiguous: one chunk per rank; zigzag: chunks r and 2P-1-r) that has a visible key;
+    ``offset`` = the q chunk's first position minus the kv chunk's. Pairs wholly outside
+    every query's window are skipped."""
+    src = (rank - step) % P
+    if layout == "contiguous":
+        c = s_l
+        mine, theirs = [(rank, slice(0, c))], [(src, slice(0, c))]
+    else:
+        c = s_l // 2
+        mine = [(rank, slice(0, c)), (2 * P - 1 - rank, slice(c, s_l))]
+        theirs = [(src, slice(0, c)), (2 * P - 1 - src, slice(c, s_l))]
+    pairs: list[tuple[slice, slice, int]] = []
+    for qi, qs in mine:
+        for ki, ks in theirs:
+            band = window_band(window, causal, (qi - ki) * c)
+            if band is not None and not band_is_empty(band, c, c):
+                pairs.append((qs, ks, (qi - ki) * c))
+    return pairs
+
+
 def _pack(k, v):
     return torch.stack([k, v])  # (2, b, s_l, hkv, d): one send per step
 
@@ -138,6 +186,7 @@ def ring_forward(
     overlap: bool = True,
     docs: Docs | None = None,
     softcap: float = 0.0,
+    window: tuple[int, int] = FULL_WINDOW,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     P, rank = group_size(group), group_rank(group)
     b, s_l, hq, d = q.shape
@@ -150,18 +199,15 @@ def ring_forward(
         if step + 1 < P:
             comm.send_recv(kv)  # posted before the compute so they overlap
             nxt = None if overlap else comm.wait()  # the no-overlap variant, for benchmarks
-        blk = _blocks(step, rank, P, s_l, causal, layout, docs)
-        if blk is not None:
-            qs, ks, is_causal, cu = blk
+        for qs, ks, kw in _step_blocks(step, rank, P, s_l, causal, layout, docs, window, "forward"):
             o_b, l_b = attn_forward(
                 q[:, qs],
                 kv[0][:, ks],
                 kv[1][:, ks],
-                causal=is_causal,
                 softmax_scale=softmax_scale,
                 backend=backend,
                 softcap=softcap,
-                **cu,
+                **kw,
             )
             out[:, qs], lse[:, :, qs] = merge(out[:, qs], lse[:, :, qs], o_b.to(acc), l_b.to(acc))
         if step + 1 < P:
@@ -185,6 +231,7 @@ def ring_backward(
     overlap: bool = True,
     docs: Docs | None = None,
     softcap: float = 0.0,
+    window: tuple[int, int] = FULL_WINDOW,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     P, rank = group_size(group), group_rank(group)
     s_l = q.shape[1]
@@ -199,9 +246,9 @@ def ring_backward(
         if step + 1 < P:
             kv_comm.send_recv(kv)
             nxt = None if overlap else kv_comm.wait()
-        blk = _blocks(step, rank, P, s_l, causal, layout, docs)
-        if blk is not None:
-            qs, ks, is_causal, cu = blk
+        done = []
+        blocks = _step_blocks(step, rank, P, s_l, causal, layout, docs, window, "backward")
+        for qs, ks, kw in blocks:
             dq_b, dk_b, dv_b = attn_backward(
                 dout[:, qs],
                 q[:, qs],
@@ -209,17 +256,17 @@ def ring_backward(
                 kv[1][:, ks],
                 out[:, qs],
                 lse[:, :, qs],
-                causal=is_causal,
                 softmax_scale=softmax_scale,
                 backend=backend,
                 accumulate=True,
                 softcap=softcap,
-                **cu,
+                **kw,
             )
             dq[:, qs] += dq_b
+            done.append((ks, dk_b, dv_b))
         if step > 0:
             dkv = dkv_comm.wait()  # the accumulator of the visiting block (overlapped compute)
-        if blk is not None:
+        for ks, dk_b, dv_b in done:
             dkv[0][:, ks] += dk_b
             dkv[1][:, ks] += dv_b
         if P > 1:
@@ -245,6 +292,7 @@ def ring_attention(
     docs: Docs | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    window: tuple[int, int] = FULL_WINDOW,
 ) -> torch.Tensor:
     """Ring attention over ``group``; inputs validated by the caller.
 
@@ -254,7 +302,9 @@ def ring_attention(
     in this ring's document-wise layout (:class:`~ulysses_cp.varlen.Docs`), batch 1.
     ``softcap``: flash-attn's logit softcap per block (exact: the merge only needs each
     block's lse). ``sinks`` ``(hq,)``: attention-sink logits, applied once to the merged
-    result (:func:`~ulysses_cp.kernels.dispatch.add_sinks`)."""
+    result (:func:`~ulysses_cp.kernels.dispatch.add_sinks`). ``window=(left, right)``:
+    flash-attn's sliding window over global positions; blocks are taken chunk by chunk and
+    a pair of chunks wholly outside every query's window is skipped (dense rows only)."""
     opts = dict(
         group=group,
         causal=causal,
@@ -264,5 +314,6 @@ def ring_attention(
         overlap=overlap,
         docs=docs,
         softcap=softcap,
+        window=tuple(window),
     )
     return SavedAttention.apply(q, k, v, sinks, ring_forward, ring_backward, opts)
