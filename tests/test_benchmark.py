@@ -13,6 +13,29 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def test_benchmark_window_quick(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_window.py"), "--quick"]
+    res = subprocess.run(
+        [*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = {(r["mode"], r["case"]): r for r in json.loads(
+        (tmp_path / "benchmark_window.json").read_text())["rows"]}  # fmt: skip
+    N = 1024
+    for mode in ("ulysses", "ring_zigzag", "ring_contiguous", "hybrid_zigzag"):
+        full, win = rows[(mode, "full")], rows[(mode, "window N/8")]
+        assert full["work_to_full"] == 1.0 and full["skipped_blocks"] == 0
+        # every rank computes at least the window's scores: b * hq * N * (window + 1) / 2
+        assert win["scores"] >= 8 * N * (N // 8) // 2
+    # zigzag ring, 8 chunks of 128 tokens, window 128: each query chunk sees itself and the
+    # chunk before it, 15 chunk pairs; the full causal ring computes 40 (its first step a
+    # whole 2x2 block per rank, the others half blocks): 15 / 40
+    assert rows[("ring_zigzag", "window N/8")]["work_to_full"] == pytest.approx(0.375)
+    # Ulysses: the whole sequence in 128-token pieces, each query piece against itself and
+    # the piece before: 15 pairs of the 64 the full (masked) local call computes
+    assert rows[("ulysses", "window N/8")]["work_to_full"] == pytest.approx(15 / 64)
+
+
 @pytest.mark.slow
 def test_benchmark_quick(tmp_path):
     cmd = [

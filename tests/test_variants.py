@@ -339,3 +339,75 @@ def test_the_ring_skips_blocks_outside_every_window(pools, layout):
         assert ring_bytes == full[rank][1]  # the ring still passes every block
     total = sum(snap["scores/forward"] for snap, _ in results)
     assert total < sum(snap["scores/forward"] for snap, _ in full)  # causal, no window
+
+
+def _ring_split(rank, P, layout, split, window, causal):
+    from ulysses_cp.modes.ring import ring_attention
+
+    group = None if P == 1 else topology(1, P, layout).ring_group
+    topo = topology(1, P, layout) if P > 1 else None
+    q, k, v, dout = make_qkv(seed=4, b=1, s=64, hq=4, hkv=2, d=8)
+    if topo is not None:
+        q, k, v, dout = (ucp.shard_sequence(t, topo) for t in (q, k, v, dout))
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    ucp.work_stats.reset()
+    out = ring_attention(
+        q, k, v, group=group, causal=causal, softmax_scale=None, backend="math",
+        layout=layout, window=window, split=split,
+    )  # fmt: skip
+    out.backward(dout)
+    got = [out.detach(), q.grad, k.grad, v.grad]
+    if topo is not None:
+        got = [ucp.gather_sequence(t, topo) for t in got]
+    return got, ucp.work_stats.snapshot()
+
+
+@pytest.mark.parametrize(
+    "P,layout,split",
+    [(1, "contiguous", 8), (1, "contiguous", 2), (4, "zigzag", 2), (4, "contiguous", 4)],
+)
+@pytest.mark.parametrize("window,causal", [((6, -1), True), ((4, 7), False)])
+def test_pieces_smaller_than_a_chunk_are_exact(pools, P, layout, split, window, causal):
+    """Block-sparse attention: chunks cut in ``split`` pieces, pairs out of reach skipped."""
+    results = pools(max(P, 1)).run(_ring_split, P, layout, split, window, causal) if P > 1 else [
+        _ring_split(0, P, layout, split, window, causal)
+    ]  # fmt: skip
+    q, k, v, dout = make_qkv(seed=4, b=1, s=64, hq=4, hkv=2, d=8)
+    ref = reference(q, k, v, dout, causal=causal, window=window)
+    for got, snap in results:
+        for name, g, x in zip(("out", "dq", "dk", "dv"), got, ref[:4]):
+            torch.testing.assert_close(g, x, **TOL64, msg=lambda m, n=name: f"{n}: {m}")
+        if (P, split) != (1, 2):  # two 32-token pieces: both pairs within reach
+            assert snap["skipped/forward"] > 0
+
+
+def test_window_split_picks_pieces_near_the_window():
+    from ulysses_cp.modes.ring import window_split
+
+    assert window_split(1024, (128, -1), 1) == 8  # pieces of 128
+    assert window_split(1024, (100, 0), 1) == 16  # pieces of 64 (<= 100, dividing 1024)
+    assert window_split(1024, (10, -1), 1) == 16  # never below 64 tokens
+    assert window_split(1024, (-1, -1), 1) == 1
+    assert window_split(512, (5000, -1), 2) == 1  # chunks already within the window
+
+
+@pytest.mark.parametrize("u,r,layout", [(1, 1, "zigzag"), (4, 1, "zigzag"), (1, 4, "zigzag"),
+                                        (1, 4, "contiguous"), (2, 2, "zigzag")])  # fmt: skip
+@pytest.mark.parametrize("window", [(3, -1), (9, 2)], ids=str)
+def test_windowed_blocks_take_the_fused_kernel_where_they_can(pools, u, r, layout, window):
+    """torch backend: blocks a window leaves whole (or aligned-causal) run torch's fused
+    kernel, the rest the math path; float64 either way."""
+    kw = dict(causal=window[1] < 0, softcap=0.0, with_sinks=False, hq=4, hkv=2, window=window)
+    results = pools(u * r).run(_run, u, r, layout, backend="torch", **kw)
+    _check(results, **kw)
+
+
+def test_plain_blocks():
+    from ulysses_cp.kernels.dispatch import plain_block
+
+    assert plain_block((None, None), 4, 4) is False
+    assert plain_block((-10, 10), 4, 4) is False  # the band covers the block
+    assert plain_block((-3, 0), 4, 4) is True  # aligned causal
+    assert plain_block((None, 0), 4, 6) is None  # causal but not square
+    assert plain_block((-2, 0), 4, 4) is None  # a window cuts into the block
+    assert plain_block((1, None), 4, 4) is None

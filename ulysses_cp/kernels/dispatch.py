@@ -50,6 +50,7 @@ __all__ = [
     "default_scale",
     "flash_attn_unusable",
     "local_attention",
+    "plain_block",
     "resolve_backend",
     "sinks_grad",
     "window_band",
@@ -156,6 +157,19 @@ def window_band(window: tuple[int, int], causal: bool, offset: int = 0) -> Band 
     if causal:
         hi = offset if hi is None else min(hi, offset)
     return lo, hi
+
+
+def plain_block(band: Band, sq: int, sk: int) -> bool | None:
+    """For a band that a plain kernel call expresses on an ``sq x sk`` block: False when every
+    key is visible (full attention), True when it is the aligned causal mask; None when the
+    block needs the band (masked entries off the causal diagonal)."""
+    lo, hi = band
+    lo_all = lo is None or lo <= -(sq - 1)
+    if lo_all and (hi is None or hi >= sk - 1):
+        return False
+    if lo_all and hi == 0 and sq == sk:
+        return True
+    return None
 
 
 def band_is_empty(band: Band, sq: int, sk: int) -> bool:
@@ -301,6 +315,16 @@ def _varlen_backward(
     return dq, dk, dv
 
 
+def _fold(window, causal, offset, q, k, cu_q) -> tuple[bool, Band | None]:
+    """``(causal, band)`` for the kernel: the window folded into a band, or back to a plain
+    (fused) call when the block's band is full or aligned-causal (dense blocks)."""
+    band = window_band(window, causal, offset)
+    if band is None:
+        return causal, None
+    plain = None if cu_q is not None else plain_block(band, q.shape[1], k.shape[1])
+    return (False, band) if plain is None else (plain, None)
+
+
 def attn_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -325,9 +349,7 @@ def attn_forward(
     first query comes ``offset`` tokens after its first key (0: aligned blocks, the only
     choice for packed rows); rows that see no key come back empty."""
     scale = default_scale(q, softmax_scale)
-    band = window_band(window, causal, offset)
-    if band is not None:
-        causal = False  # folded into the band
+    causal, band = _fold(window, causal, offset, q, k, cu_q)
     _count("forward", q, k, cu_q, cu_k)
     with torch.no_grad():
         if cu_q is not None:
@@ -367,9 +389,7 @@ def attn_backward(
     low = q.dtype in (torch.bfloat16, torch.float16)
     if accumulate and low and q.device.type == "cpu" and backend in ("math", "torch"):
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
-    band = window_band(window, causal, offset)
-    if band is not None:
-        causal = False
+    causal, band = _fold(window, causal, offset, q, k, cu_q)
     _count("backward", q, k, cu_q, cu_k)
     with torch.no_grad():
         if cu_q is not None:

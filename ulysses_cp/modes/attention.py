@@ -171,7 +171,10 @@ def attention(
         perm, docs = once((cu_seqlens,), key, partial(packed_plan, q, cu_seqlens, topo, layout))
     if sinks is not None and u > 1:  # the all-to-all gives this rank a contiguous head range
         sinks = sinks.unflatten(0, (u, -1))[topo.ulysses_rank]
-    if r == 1:
+    if r == 1 and docs is None and "window" in opts:
+        # block-sparse: the whole sequence in window-sized pieces, pairs out of reach skipped
+        inner = partial(ring_attention, group=None, layout="contiguous", sinks=sinks, **opts)
+    elif r == 1:
         if docs is not None:
             opts.update(cu_seqlens=docs.cu)
         inner = partial(local_attention, sinks=sinks, **opts)

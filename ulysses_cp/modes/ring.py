@@ -48,6 +48,7 @@ __all__ = [
     "ring_attention",
     "ring_backward",
     "ring_forward",
+    "window_split",
 ]
 
 
@@ -131,12 +132,13 @@ def _blocks(step: int, rank: int, P: int, s_l: int, causal: bool, layout: str, d
     return docs.second, everything, False, dict(cu_q=docs.cu_half, cu_k=docs.cu)
 
 
-def _step_blocks(step, rank, P, s_l, causal, layout, docs, window, phase) -> list[tuple]:
+def _step_blocks(step, rank, P, s_l, causal, layout, docs, window, phase, split=1) -> list[tuple]:
     """``[(q sel, kv sel, kernel keywords)]`` of one ring step."""
     if tuple(window) != FULL_WINDOW:
         assert docs is None, "windows in packed rows run on aligned blocks only"
-        pairs = _window_blocks(step, rank, P, s_l, causal, layout, window)
-        work.skipped[phase] += (1 if layout == "contiguous" else 4) - len(pairs)
+        pairs = _window_blocks(step, rank, P, s_l, causal, layout, window, split)
+        n = (1 if layout == "contiguous" else 2) * split
+        work.skipped[phase] += n * n - len(pairs)
         return [(qs, ks, dict(causal=causal, window=window, offset=o)) for qs, ks, o in pairs]
     blk = _blocks(step, rank, P, s_l, causal, layout, docs)
     if blk is None:
@@ -145,24 +147,53 @@ def _step_blocks(step, rank, P, s_l, causal, layout, docs, window, phase) -> lis
     return [(qs, ks, dict(causal=is_causal, **cu))]
 
 
+def window_split(s_l: int, window: tuple[int, int], parts: int) -> int:
+    """Into how many pieces to cut each of a rank's ``parts`` layout chunks so that a piece
+    is about as long as the window (at least 64 tokens): pairs of pieces that no query's
+    window reaches are then skipped. 1 when the window is unbounded on both sides."""
+    reach = max(window)
+    if (min(window) < 0 and reach < 0) or reach < 0:
+        return 1
+    c = s_l // parts
+    target = max(reach, 64)
+    return next(m for m in range(1, c + 1) if c % m == 0 and c // m <= target)
+
+
 def _window_blocks(
-    step: int, rank: int, P: int, s_l: int, causal: bool, layout: str, window: tuple[int, int]
+    step: int,
+    rank: int,
+    P: int,
+    s_l: int,
+    causal: bool,
+    layout: str,
+    window: tuple[int, int],
+    split: int = 1,
 ) -> list[tuple[slice, slice, int]]:
     """Sliding window: ``[(q sel, kv sel, offset)]`` for this step, one per pair of chunks
-    (contiguous: one chunk per rank; zigzag: chunks r and 2P-1-r) that has a visible key;
-    ``offset`` = the q chunk's first position minus the kv chunk's. Pairs wholly outside
-    every query's window are skipped."""
+    (contiguous: one chunk per rank; zigzag: chunks r and 2P-1-r; each cut in ``split``
+    pieces) that has a visible key; ``offset`` = the q piece's first position minus the kv
+    piece's. Pairs wholly outside every query's window are skipped."""
     src = (rank - step) % P
     if layout == "contiguous":
-        c = s_l
-        mine, theirs = [(rank, slice(0, c))], [(src, slice(0, c))]
+        mine, theirs = [rank], [src]
     else:
-        c = s_l // 2
-        mine = [(rank, slice(0, c)), (2 * P - 1 - rank, slice(c, s_l))]
-        theirs = [(src, slice(0, c)), (2 * P - 1 - src, slice(c, s_l))]
+        mine, theirs = [rank, 2 * P - 1 - rank], [src, 2 * P - 1 - src]
+    c = s_l // len(mine) // split  # piece length
+    n = len(mine) * split
+
+    def pieces(chunks: list[int]) -> list[tuple[int, slice]]:
+        # (global piece index, local slice): piece t of the rank's layout chunk h
+        return [
+            (chunk * split + t, slice((h * split + t) * c, (h * split + t + 1) * c))
+            for h, chunk in enumerate(chunks)
+            for t in range(split)
+        ]
+
+    mine_p, theirs_p = pieces(mine), pieces(theirs)
+    assert len(mine_p) == n
     pairs: list[tuple[slice, slice, int]] = []
-    for qi, qs in mine:
-        for ki, ks in theirs:
+    for qi, qs in mine_p:
+        for ki, ks in theirs_p:
             band = window_band(window, causal, (qi - ki) * c)
             if band is not None and not band_is_empty(band, c, c):
                 pairs.append((qs, ks, (qi - ki) * c))
@@ -187,6 +218,7 @@ def ring_forward(
     docs: Docs | None = None,
     softcap: float = 0.0,
     window: tuple[int, int] = FULL_WINDOW,
+    split: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     P, rank = group_size(group), group_rank(group)
     b, s_l, hq, d = q.shape
@@ -199,7 +231,9 @@ def ring_forward(
         if step + 1 < P:
             comm.send_recv(kv)  # posted before the compute so they overlap
             nxt = None if overlap else comm.wait()  # the no-overlap variant, for benchmarks
-        for qs, ks, kw in _step_blocks(step, rank, P, s_l, causal, layout, docs, window, "forward"):
+        for qs, ks, kw in _step_blocks(
+            step, rank, P, s_l, causal, layout, docs, window, "forward", split
+        ):
             o_b, l_b = attn_forward(
                 q[:, qs],
                 kv[0][:, ks],
@@ -232,6 +266,7 @@ def ring_backward(
     docs: Docs | None = None,
     softcap: float = 0.0,
     window: tuple[int, int] = FULL_WINDOW,
+    split: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     P, rank = group_size(group), group_rank(group)
     s_l = q.shape[1]
@@ -247,7 +282,7 @@ def ring_backward(
             kv_comm.send_recv(kv)
             nxt = None if overlap else kv_comm.wait()
         done = []
-        blocks = _step_blocks(step, rank, P, s_l, causal, layout, docs, window, "backward")
+        blocks = _step_blocks(step, rank, P, s_l, causal, layout, docs, window, "backward", split)
         for qs, ks, kw in blocks:
             dq_b, dk_b, dv_b = attn_backward(
                 dout[:, qs],
@@ -293,6 +328,7 @@ def ring_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     window: tuple[int, int] = FULL_WINDOW,
+    split: int | None = None,
 ) -> torch.Tensor:
     """Ring attention over ``group``; inputs validated by the caller.
 
@@ -304,7 +340,9 @@ def ring_attention(
     block's lse). ``sinks`` ``(hq,)``: attention-sink logits, applied once to the merged
     result (:func:`~ulysses_cp.kernels.dispatch.add_sinks`). ``window=(left, right)``:
     flash-attn's sliding window over global positions; blocks are taken chunk by chunk and
-    a pair of chunks wholly outside every query's window is skipped (dense rows only)."""
+    a pair of chunks wholly outside every query's window is skipped (dense rows only).
+    ``split``: pieces per layout chunk (None: :func:`window_split`'s choice). With a window
+    and ``group=None`` (one rank) this is block-sparse local attention."""
     opts = dict(
         group=group,
         causal=causal,
@@ -316,4 +354,8 @@ def ring_attention(
         softcap=softcap,
         window=tuple(window),
     )
+    if tuple(window) != FULL_WINDOW:
+        parts = 1 if layout == "contiguous" else 2
+        w = (int(window[0]), int(window[1]))
+        opts["split"] = window_split(q.shape[1], w, parts) if split is None else split
     return SavedAttention.apply(q, k, v, sinks, ring_forward, ring_backward, opts)
