@@ -8,10 +8,11 @@ ring skipped). ``x full`` is the time ratio to full causal attention in the same
 measured in the same run.
 
 The ring skips chunk pairs that no query's window reaches; the Ulysses mode cuts the whole
-sequence into window-sized pieces and skips the pairs out of reach (block-sparse). The
-kernels compute every score of a block they are given (masked ones too), so ``scores``
-counts the work done. ``--backend math`` (default) runs the same kernel on both sides; with
-``torch`` the window leaves torch's fused kernel for the math path.
+sequence into window-sized pieces and skips the pairs out of reach (block-sparse).
+``scores`` counts the score entries of the blocks handed to the kernels (masked entries
+included: a fused causal kernel skips part of them itself). ``--backend torch`` (default):
+torch's fused CPU kernel, windowed blocks with an additive mask; ``math``: plain PyTorch,
+which computes every entry it is given.
 
     python scripts/benchmark_window.py --quick     # < 1 min on 2 cores
     python scripts/benchmark_window.py             # the docs/benchmarks.md table
@@ -90,7 +91,7 @@ def main():
     p.add_argument("--seqs", type=int, nargs="+", default=[4096])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--backend", default="math", choices=list(ucp.BACKENDS))
+    p.add_argument("--backend", default="torch", choices=list(ucp.BACKENDS))
     p.add_argument("--out", default="bench_results", help="folder for the JSON")
     args = p.parse_args()
     if args.quick:

@@ -96,17 +96,33 @@ def forward(
     softcap: float = 0.0,
     band: math_backend.Band | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if softcap or band is not None:  # no softcap or window in torch's fused kernels: math
+    cpu = q.device.type == "cpu"
+    if softcap or (band is not None and not cpu):  # no softcap (CUDA: no band) here: math
         return math_backend.forward(q, k, v, causal, scale, softcap, band)
-    if q.dtype == torch.float64 and q.device.type != "cpu":
+    if q.dtype == torch.float64 and not cpu:
         return math_backend.forward(q, k, v, causal, scale)  # no fused float64 kernel on CUDA
-    if q.device.type != "cpu":
+    if not cpu:
         return _cuda_forward(q, k, v, causal, scale)
-    # CPU flash kernel: (b, h, s, d), GQA native, lse (b, hq, sq) fp32 (fp64 for fp64)
+    # CPU flash kernel: (b, h, s, d), GQA native, lse (b, hq, sq) fp32 (fp64 for fp64); a
+    # band goes in as an additive mask
+    mask, empty = _band_mask(band, q, k)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
+        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, attn_mask=mask, scale=scale
     )
+    if empty is not None:  # the kernel gives rows that see no key lse 0: make them empty
+        lse = lse.masked_fill(empty, float("-inf"))
     return _bhsd(out), lse
+
+
+def _band_mask(
+    band: math_backend.Band | None, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(additive mask (sq, sk) in q's dtype, rows that see no key (sq,))`` or Nones."""
+    if band is None:
+        return None, None
+    visible = math_backend.band_mask(q.shape[1], k.shape[1], band, q.device)
+    mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
+    return mask.masked_fill(~visible, float("-inf")), ~visible.any(-1)
 
 
 def backward(
@@ -122,12 +138,16 @@ def backward(
     band: math_backend.Band | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = out.to(q.dtype)
-    if softcap or band is not None:
+    cpu = q.device.type == "cpu"
+    if softcap or (band is not None and not cpu):
         return math_backend.backward(dout, q, k, v, out, lse, causal, scale, softcap, band)
-    if q.dtype == torch.float64 and q.device.type != "cpu":
+    if q.dtype == torch.float64 and not cpu:
         return math_backend.backward(dout, q, k, v, out, lse, causal, scale)
-    if q.device.type != "cpu":
+    if not cpu:
         return tuple(_cuda_backward(dout, q, k, v, out, lse, causal, scale))
+    mask, _ = _band_mask(band, q, k)
+    if mask is not None:  # rows with lse -inf see nothing anywhere: any finite lse gives p = 0
+        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _bhsd(dout).contiguous(),
         _bhsd(q),
@@ -137,6 +157,7 @@ def backward(
         lse.to(lse_dtype(q.dtype)).contiguous(),
         0.0,
         causal,
+        attn_mask=mask,
         scale=scale,
     )
     return _bhsd(dq), _bhsd(dk), _bhsd(dv)
