@@ -15,6 +15,16 @@ from ulysses_cp.models import hf  # noqa: E402
 from ulysses_cp.training.data import shard_batch  # noqa: E402
 
 TOL = dict(rtol=1e-9, atol=1e-10)
+FAMILY_COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
+)
 
 
 def tiny_config(family: str, **extra):
@@ -82,7 +92,7 @@ def test_hf_model_under_sp_equals_single_process_sdpa(pools, family, u, r):
 
 def _refusals(rank):
     topo = topology(2, 1)
-    ids = torch.randint(96, (1, 16))
+    ids = torch.randint(96, (1, 16), generator=torch.Generator().manual_seed(0))
     local = shard_batch({"input_ids": ids}, topo, "zigzag")
     args = (local["input_ids"], local["position_ids"])
     out = {}
@@ -92,8 +102,12 @@ def _refusals(rank):
             fn()
         return str(info.value)
 
-    sw, _ = models("qwen3", topo, use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    out["sliding"] = error(lambda: hf.HFCausalLM(sw)(*args))
+    hf.register_attention(topo)
+    gemma = transformers.AutoModelForCausalLM.from_config(
+        transformers.Gemma2Config(**FAMILY_COMMON, head_dim=8, final_logit_softcapping=30.0),
+        attn_implementation="ulysses_cp",
+    )
+    out["final softcap"] = error(lambda: hf.HFCausalLM(gemma))
     drop, _ = models("llama", topo, attention_dropout=0.1)
     out["dropout"] = error(lambda: hf.HFCausalLM(drop.train())(*args))
     plain, _ = models("llama", topo)
@@ -104,8 +118,9 @@ def _refusals(rank):
     )
     q = torch.zeros(1, 4, 8, 8)
     fn = transformers.AttentionInterface()["ulysses_cp"]
-    out["softcap"] = error(lambda: fn(plain.model.layers[0].self_attn, q, q, q, None, softcap=30.0))
-    out["sinks"] = error(lambda: fn(plain.model.layers[0].self_attn, q, q, q, None, s_aux=q))
+    out["window"] = error(
+        lambda: fn(plain.model.layers[0].self_attn, q, q, q, None, sliding_window=0)
+    )
     out["mask"] = error(
         lambda: fn(plain.model.layers[0].self_attn, q, q, q, torch.ones(1, 1, 8, 8))
     )
@@ -122,12 +137,11 @@ def _refusals(rank):
 
 def test_what_cannot_be_honoured_is_refused(pools):
     out = pools(2).run(_refusals)[0]
-    assert "sliding_window=4" in out["sliding"]
+    assert "final_logit_softcapping" in out["final softcap"]
+    assert "sliding_window=0" in out["window"]
     assert "attention dropout 0.1" in out["dropout"]
     assert "position_ids are required" in out["position_ids"]
     assert "look local" in out["local_positions"]
-    assert "softcap=30.0" in out["softcap"]
-    assert "attention sinks" in out["sinks"]
     assert "an attention mask" in out["mask"]
     assert "BloomForCausalLM computes attention itself" in out["alibi"]
     assert "attn_implementation='sdpa'" in out["implementation"]
@@ -200,7 +214,7 @@ def test_local_weights_and_set_attn_implementation(tmp_path):
     )
     for (name, a), b in zip(model.model.named_parameters(), saved.parameters()):
         assert torch.equal(a, b), name
-    ids = torch.randint(96, (1, 16))
+    ids = torch.randint(96, (1, 16), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(16)[None]
     with torch.no_grad():
         expected = saved(input_ids=ids, position_ids=pos).logits

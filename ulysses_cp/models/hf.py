@@ -9,10 +9,12 @@ expanded, and expects ``((b, s, h, d), None)``. A key without "flash"/"sdpa" in 
 transformers' kernel checks, and without a registered mask function the model passes
 ``attention_mask=None``: causality is our kernel's.
 
-What the kernels cannot do is refused, never approximated: sliding windows, logit softcap,
-attention sinks (``s_aux``), attention dropout, a padding mask, and models that bypass the
-attention interface (ALiBi models such as Bloom and Falcon; detected from the class and,
-as a safety net, by counting calls in the first forward).
+Sliding windows (per layer, as the model's ``layer_types`` say), logit softcap (Gemma 2)
+and attention sinks (``s_aux``, GPT-OSS) are honoured in every mode. What the kernels
+cannot do is refused, never approximated: attention dropout, a padding mask, a final logit
+softcap, and models that bypass the attention interface (ALiBi models such as Bloom and
+Falcon; detected from the class and, as a safety net, by counting calls in the first
+forward).
 
 ``prepare_model`` also refuses a forward without ``position_ids``: the model would number
 each shard's tokens from 0 and RoPE would be wrong on every rank but the first.
@@ -83,18 +85,6 @@ def _attention_forward(
     layout,
     **kwargs,
 ):
-    if kwargs.get("sliding_window") is not None:
-        _refuse(
-            f"sliding_window={kwargs['sliding_window']}",
-            "set config.use_sliding_window = False / sliding_window = None (full attention), "
-            "or train this model without sequence parallelism",
-        )
-    if kwargs.get("softcap") is not None:
-        _refuse(
-            f"softcap={kwargs['softcap']} (logit soft-capping, Gemma 2)", "use a model without it"
-        )
-    if kwargs.get("s_aux") is not None:
-        _refuse("attention sinks (s_aux)", "use a model without attention sinks")
     if dropout:
         _refuse(f"attention dropout {dropout}", "set config.attention_dropout = 0.0")
     if attention_mask is not None:
@@ -119,8 +109,32 @@ def _attention_forward(
         softmax_scale=scaling,
         backend=backend,
         cu_seqlens=kwargs.get("ucp_cu_seqlens"),
+        **_variants(kwargs, causal),
     )
     return out, None
+
+
+def _variants(kwargs: dict, causal: bool) -> dict:
+    """The attention variants a layer asks for, in ``ucp.attention``'s terms: a sliding
+    window of W tokens (transformers: key j visible to query i when ``i - W < j <= i``) is
+    ``window=(W - 1, -1)``; ``softcap`` (Gemma 2) as is; ``s_aux`` (GPT-OSS sinks, one logit
+    per query head) as ``sinks``."""
+    out: dict[str, Any] = {}
+    w = kwargs.get("sliding_window")
+    if w is not None:
+        if not isinstance(w, int) or w < 1:
+            _refuse(f"sliding_window={w!r}", "set a positive integer window or None")
+        if not causal:
+            _refuse(
+                f"sliding_window={w} in a bidirectional layer",
+                "ulysses_cp takes transformers' sliding windows in causal layers",
+            )
+        out["window"] = (w - 1, -1)
+    if kwargs.get("softcap") is not None:
+        out["softcap"] = float(kwargs["softcap"])
+    if kwargs.get("s_aux") is not None:
+        out["sinks"] = kwargs["s_aux"]
+    return out
 
 
 def register_attention(
@@ -143,7 +157,7 @@ def check_supported(model: nn.Module) -> None:
             f"{type(model).__name__} computes attention itself (for example ALiBi models "
             f"such as Bloom or Falcon) instead of through transformers' attention "
             f"interface, so ulysses_cp cannot replace it; models such as Llama, Mistral, "
-            f"Qwen2/3 and Gemma (without softcap) can"
+            f"Qwen2/3, Gemma 2/3 and GPT-OSS can"
         )
 
 

@@ -1,0 +1,137 @@
+"""Conformance: a tiny random model of each family under Ulysses, ring and hybrid gives the
+single-process loss and, summed over the ranks, the single-process gradients of the same
+model run with transformers' own ``"eager"`` attention (the reference, independent of
+ulysses_cp's kernels). Sliding windows (per layer), softcap and sinks included."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import topology
+
+transformers = pytest.importorskip("transformers")
+from ulysses_cp.models import hf  # noqa: E402
+from ulysses_cp.training.data import shard_batch  # noqa: E402
+
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
+)
+# family: (config class name, extra config, what it exercises); a window of 8 tokens
+# crosses the zigzag chunks of a 64-token row over 4 ranks (8 chunks of 8)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}, "full attention"),
+    "qwen2": (
+        "Qwen2Config",
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+        "sliding window on the layers from max_window_layers on",
+    ),
+    "qwen3": ("Qwen3Config", dict(head_dim=16), "q/k norms, explicit head_dim"),
+    "mistral": ("MistralConfig", dict(sliding_window=8), "sliding window on every layer"),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=8,
+            sliding_window=8,
+            attn_logit_softcapping=0.01,  # below the scores: the cap bites
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=16,
+        ),
+        "softcap, alternating sliding and full layers, query_pre_attn_scalar",
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        "sliding pattern, q/k norms",
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            head_dim=8,
+            sliding_window=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "attention sinks, sliding and full layers, MoE (float32: its kernels take no float64)",
+    ),
+    "phi3": ("Phi3Config", dict(pad_token_id=0), "fused qkv projection"),
+    "olmo2": ("Olmo2Config", dict(pad_token_id=0, eos_token_id=1), "q/k norms after projection"),
+}
+FLOAT32 = {"gpt_oss"}
+MODES = [(4, 1), (1, 4), (2, 2)]
+
+
+def family_config(family: str):
+    cls, extra, _ = FAMILIES[family]
+    return getattr(transformers, cls)(**{**COMMON, **extra})
+
+
+def _equal_to_eager(rank, u, r, family):
+    topo = topology(u, r, "zigzag")
+    dtype = torch.float32 if family in FLOAT32 else torch.float64
+    hf.register_attention(topo, backend="math")
+    cfg = family_config(family)
+    torch.manual_seed(0)
+    sp = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), attn_implementation="ulysses_cp", dtype=dtype
+    )
+    ref = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), attn_implementation="eager", dtype=dtype
+    )
+    ref.load_state_dict(sp.state_dict())
+    ids = torch.randint(96, (2, 64), generator=torch.Generator().manual_seed(1))
+    logits = ref(input_ids=ids).logits.to(dtype)
+    ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    ref_loss.backward()
+    model = hf.HFCausalLM(sp)
+    local = shard_batch({"input_ids": ids, "labels": ids}, topo, "zigzag")
+    loss = model.loss(local["input_ids"], local["position_ids"], local["shift_labels"], topo)
+    loss.backward()
+    worst = {"loss": abs(loss.item() - ref_loss.item())}
+    grads = {}
+    for (name, p), q in zip(sp.named_parameters(), ref.parameters()):
+        grad = torch.zeros_like(q) if p.grad is None else p.grad.clone()
+        dist.all_reduce(grad, group=topo.sp_group)  # SP ranks' shares sum to the gradient
+        want = torch.zeros_like(q) if q.grad is None else q.grad
+        grads[name] = (grad, want)
+        scale = max(want.abs().max().item(), 1e-30)
+        worst[name] = (grad - want).abs().max().item() / scale
+    return worst, loss.item(), ref_loss.item(), grads
+
+
+@pytest.mark.parametrize("u,r", MODES, ids=lambda x: str(x))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_under_sp_equals_eager(pools, family, u, r):
+    """transformers' eager attention takes its softmax in float32 (``softmax(...,
+    dtype=float32)``), so even a float64 model agrees with it to about 1e-7 of the largest
+    gradient entry, not to float64 precision: the bound is 1e-5 relative to the largest
+    entry of each gradient (1e-4 for the float32 family). A 2x gradient is off by 1."""
+    results = pools(u * r).run(_equal_to_eager, u, r, family)
+    bound = 1e-4 if family in FLOAT32 else 1e-5
+    for worst, loss, ref_loss, _ in results:
+        assert loss == pytest.approx(ref_loss, rel=bound)
+        bad = {name: err for name, err in worst.items() if err > bound}
+        assert not bad, bad
+
+
+def test_families_exercise_what_they_claim():
+    """The tiny configs really have the variants: windows, softcap, sinks, layer types."""
+    assert family_config("mistral").sliding_window == 8
+    assert family_config("gemma2").attn_logit_softcapping == 0.01
+    assert family_config("gemma2").layer_types == ["sliding_attention", "full_attention"]
+    assert family_config("qwen2").layer_types == ["full_attention", "sliding_attention"]
+    model = transformers.AutoModelForCausalLM.from_config(
+        family_config("gpt_oss"), attn_implementation="eager"
+    )
+    assert model.model.layers[0].self_attn.sinks.shape == (4,)
