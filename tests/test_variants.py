@@ -235,11 +235,16 @@ def test_window_with_softcap_and_sinks(pools, u, r):
     _check(results, **kw)
 
 
-@pytest.mark.parametrize("u", [1, 4])
-def test_window_in_packed_rows_is_per_document(pools, u):
+@pytest.mark.parametrize("u,r", [(1, 1), (4, 1), (1, 2), (1, 4), (2, 2)])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("window,causal", [((5, -1), True), ((3, 6), False), ((20, -1), True)])
+@pytest.mark.parametrize("backend", ["math", "torch"])
+def test_window_in_packed_rows_is_per_document(pools, u, r, layout, window, causal, backend):
+    """Documents of 8, 24, 8 and 24 tokens (each a multiple of 2P = 8): each cut in its own
+    chunks, so the window's offset in tokens differs per document group."""
     bounds = [0, 8, 32, 40, 64]
-    kw = dict(causal=True, softcap=0.0, with_sinks=True, hq=8, hkv=2, window=(5, -1))
-    results = pools(u).run(_run, u, 1, "zigzag", backend="math", bounds=bounds, **kw)
+    kw = dict(causal=causal, softcap=0.0, with_sinks=True, hq=8, hkv=2, window=window)
+    results = pools(u * r).run(_run, u, r, layout, backend=backend, bounds=bounds, **kw)
     _check(results, bounds=bounds, **kw)
 
 
@@ -411,3 +416,35 @@ def test_plain_blocks():
     assert plain_block((None, 0), 4, 6) is None  # causal but not square
     assert plain_block((-2, 0), 4, 4) is None  # a window cuts into the block
     assert plain_block((1, None), 4, 4) is None
+
+
+@pytest.mark.parametrize("chunk_offset", [0, 1, 3])
+def test_flash_attn_takes_windows_in_packed_rows(chunk_offset):
+    """Packed halves as the ring calls them: one window for every document (offset 0: the
+    varlen call) or a per-group band (documents of other lengths sit other token offsets
+    apart: one call per group, flash-attn where it can express the band)."""
+    from tests.flash_standin import unuse, use
+    from ulysses_cp.kernels import attn_backward, attn_forward, flash_backend
+
+    use("2.8.3", "plain")
+    flash_backend.reset()
+    try:
+        q, k, v, dout = make_qkv(seed=8, b=1, s=24, hq=4, hkv=2, d=16, dtype=torch.float16)
+        cu = torch.tensor([0, 4, 16, 20, 24], dtype=torch.int32)  # groups of 4 and 12
+        kw = dict(
+            causal=True, softmax_scale=None, window=(6, -1), cu_q=cu, cu_k=cu,
+            chunk_offset=chunk_offset,
+        )  # fmt: skip
+        out, lse = attn_forward(q, k, v, backend="flash_attn", **kw)
+        w_out, w_lse = attn_forward(*(t.double() for t in (q, k, v)), backend="math", **kw)
+        assert torch.equal(torch.isinf(lse), torch.isinf(w_lse))
+        assert float((out.double() - w_out).abs().max()) < 2e-3
+        grads = attn_backward(dout, q, k, v, out, lse, backend="flash_attn", **kw)
+        want = attn_backward(
+            *(t.double() for t in (dout, q, k, v, w_out)), w_lse, backend="math", **kw
+        )
+        for g, w in zip(grads, want):
+            assert float((g.double() - w).abs().max()) < 5e-3 * max(1.0, float(w.abs().max()))
+    finally:
+        unuse()
+        flash_backend.reset()

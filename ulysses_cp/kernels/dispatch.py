@@ -267,19 +267,43 @@ def _one_document(q, k, cu_q, cu_k) -> bool:
     return once((cu_q, cu_k), key, lambda: (cu_q.tolist(), cu_k.tolist()) == whole)
 
 
-def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend, softcap, band=None):
-    if _one_document(q, k, cu_q, cu_k):
-        return _fwd(backend, softcap, band)(q, k, v, causal, scale)
-    if backend == "flash_attn":
-        return flash_backend.varlen_forward(q, k, v, cu_q, cu_k, causal, scale, softcap, band)
-    out = torch.zeros_like(q)
+def _group_args(
+    window: tuple[int, int], causal: bool, chunk_offset: int, lq: int, lk: int
+) -> tuple[bool, Band | None] | None:
+    """``(causal, band)`` for a group of documents whose blocks are ``lq x lk`` and whose
+    query chunk comes ``chunk_offset`` chunks (of ``lq`` tokens) after the key chunk; None
+    when no query of it sees a key."""
+    band = window_band(window, causal, chunk_offset * lq)
+    if band is None:
+        return causal, None
+    if band_is_empty(band, lq, lk):
+        return None
+    plain = plain_block(band, lq, lk)
+    return (False, band) if plain is None else (plain, None)
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend, softcap, window, chunk_offset):
     hq = q.shape[2]
     lse = torch.full((1, hq, q.shape[1]), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+    if _one_document(q, k, cu_q, cu_k):
+        args = _group_args(window, causal, chunk_offset, q.shape[1], k.shape[1])
+        if args is None:
+            work.skipped["forward"] += 1
+            return torch.zeros_like(q), lse
+        return _fwd(backend, softcap, args[1])(q, k, v, args[0], scale)
+    if backend == "flash_attn" and chunk_offset == 0:  # one window for every document
+        band = window_band(window, causal, 0)
+        c = causal if band is None else False
+        return flash_backend.varlen_forward(q, k, v, cu_q, cu_k, c, scale, softcap, band)
+    out = torch.zeros_like(q)
     for qi, ki, n, lq, lk in _doc_groups(cu_q, cu_k):  # rows in no document stay (0, -inf)
         assert not causal or lq == lk, "causal documents must be square"
-        assert band is None or lq == lk, "a window in packed rows needs square documents"
-        o, lg = _fwd(backend, softcap, band)(
-            _take(q, qi, n, lq), _take(k, ki, n, lk), _take(v, ki, n, lk), causal, scale
+        args = _group_args(window, causal, chunk_offset, lq, lk)
+        if args is None:
+            work.skipped["forward"] += 1
+            continue
+        o, lg = _fwd(backend, softcap, args[1])(
+            _take(q, qi, n, lq), _take(k, ki, n, lk), _take(v, ki, n, lk), args[0], scale
         )
         out[0].index_copy_(0, qi, o.reshape(n * lq, hq, -1).to(out.dtype))
         lse[0].index_copy_(1, qi, lg.transpose(0, 1).reshape(hq, n * lq).to(lse.dtype))
@@ -287,26 +311,36 @@ def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend, softcap, band=N
 
 
 def _varlen_backward(
-    dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend, softcap, band=None
+    dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend, softcap, window, chunk_offset
 ):
     if _one_document(q, k, cu_q, cu_k):
-        return _bwd(backend, softcap, band)(dout, q, k, v, out, lse, causal, scale)
-    if backend == "flash_attn":
+        args = _group_args(window, causal, chunk_offset, q.shape[1], k.shape[1])
+        if args is None:
+            work.skipped["backward"] += 1
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return _bwd(backend, softcap, args[1])(dout, q, k, v, out, lse, args[0], scale)
+    if backend == "flash_attn" and chunk_offset == 0:
+        band = window_band(window, causal, 0)
+        c = causal if band is None else False
         return flash_backend.varlen_backward(
-            dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, softcap, band
+            dout, q, k, v, out, lse, cu_q, cu_k, c, scale, softcap, band
         )
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     hq = q.shape[2]
     for qi, ki, n, lq, lk in _doc_groups(cu_q, cu_k):
+        args = _group_args(window, causal, chunk_offset, lq, lk)
+        if args is None:
+            work.skipped["backward"] += 1
+            continue
         lg = lse[0].index_select(1, qi).view(hq, n, lq).transpose(0, 1)  # (n, hq, lq)
-        gq, gk, gv = _bwd(backend, softcap, band)(
+        gq, gk, gv = _bwd(backend, softcap, args[1])(
             _take(dout, qi, n, lq),
             _take(q, qi, n, lq),
             _take(k, ki, n, lk),
             _take(v, ki, n, lk),
             _take(out, qi, n, lq),
             lg.contiguous(),
-            causal,
+            args[0],
             scale,
         )
         dq[0].index_copy_(0, qi, gq.reshape(n * lq, *q.shape[2:]).to(dq.dtype))
@@ -315,13 +349,13 @@ def _varlen_backward(
     return dq, dk, dv
 
 
-def _fold(window, causal, offset, q, k, cu_q) -> tuple[bool, Band | None]:
+def _fold(window, causal, offset, q, k) -> tuple[bool, Band | None]:
     """``(causal, band)`` for the kernel: the window folded into a band, or back to a plain
     (fused) call when the block's band is full or aligned-causal (dense blocks)."""
     band = window_band(window, causal, offset)
     if band is None:
         return causal, None
-    plain = None if cu_q is not None else plain_block(band, q.shape[1], k.shape[1])
+    plain = plain_block(band, q.shape[1], k.shape[1])
     return (False, band) if plain is None else (plain, None)
 
 
@@ -338,6 +372,7 @@ def attn_forward(
     softcap: float = 0.0,
     window: tuple[int, int] = FULL_WINDOW,
     offset: int = 0,
+    chunk_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32/fp64)``; no autograd.
 
@@ -347,14 +382,19 @@ def attn_forward(
     ``softcap > 0``: scores ``softcap * tanh(scores / softcap)`` (flash-attn's meaning).
     ``window=(left, right)``: flash-attn's sliding window (-1 unbounded) for a block whose
     first query comes ``offset`` tokens after its first key (0: aligned blocks, the only
-    choice for packed rows); rows that see no key come back empty."""
+    choice for packed rows); rows that see no key come back empty. Packed rows:
+    ``chunk_offset`` = how many chunks each document's query chunk comes after its key chunk
+    (documents are cut in chunks of their own length, so the offset in tokens is per
+    document group)."""
     scale = default_scale(q, softmax_scale)
-    causal, band = _fold(window, causal, offset, q, k, cu_q)
     _count("forward", q, k, cu_q, cu_k)
     with torch.no_grad():
         if cu_q is not None:
-            assert offset == 0, "packed rows take aligned blocks only"
-            return _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend, softcap, band)
+            assert offset == 0, "packed rows take chunk_offset, not offset"
+            return _varlen_forward(
+                q, k, v, cu_q, cu_k, causal, scale, backend, softcap, tuple(window), chunk_offset
+            )
+        causal, band = _fold(window, causal, offset, q, k)
         if band is None:
             _check_causal(q, k, causal)
         return _fwd(backend, softcap, band)(q, k, v, causal, scale)
@@ -377,6 +417,7 @@ def attn_backward(
     softcap: float = 0.0,
     window: tuple[int, int] = FULL_WINDOW,
     offset: int = 0,
+    chunk_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` from the final ``out`` and ``lse``, in the inputs' dtypes.
 
@@ -389,13 +430,26 @@ def attn_backward(
     low = q.dtype in (torch.bfloat16, torch.float16)
     if accumulate and low and q.device.type == "cpu" and backend in ("math", "torch"):
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
-    causal, band = _fold(window, causal, offset, q, k, cu_q)
     _count("backward", q, k, cu_q, cu_k)
     with torch.no_grad():
         if cu_q is not None:
             return _varlen_backward(
-                dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend, softcap, band
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                cu_q,
+                cu_k,
+                causal,
+                scale,
+                backend,
+                softcap,
+                tuple(window),
+                chunk_offset,
             )
+        causal, band = _fold(window, causal, offset, q, k)
         if band is None:
             _check_causal(q, k, causal)
         return _bwd(backend, softcap, band)(dout, q, k, v, out, lse, causal, scale)

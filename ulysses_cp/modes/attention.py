@@ -66,11 +66,9 @@ def validate_variants(
     softcap: float,
     sinks: torch.Tensor | None,
     window: tuple[int, int] = (-1, -1),
-    topo: Topology | None = None,
-    cu_seqlens: torch.Tensor | None = None,
 ) -> None:
     """``softcap`` a finite number >= 0; ``sinks`` one floating logit per query head on q's
-    device; ``window`` two integers >= -1 (packed rows: Ulysses mode only, for now).
+    device; ``window`` two integers >= -1.
     ``ValueError`` with the values."""
     ok = isinstance(window, (tuple, list)) and len(window) == 2
     if not ok or not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
@@ -79,13 +77,7 @@ def validate_variants(
         )
     if min(window) < -1:
         raise ValueError(f"window sizes must be >= 0 or -1 (unbounded), got {tuple(window)}")
-    windowed = tuple(window) != (-1, -1)
-    if windowed and cu_seqlens is not None and topo is not None and topo.ring_degree > 1:
-        raise ValueError(
-            f"a sliding window with packed rows runs in the Ulysses mode; this topology has "
-            f"ring_degree {topo.ring_degree} (ring/hybrid windows take dense rows for now): "
-            f"use ulysses_degree = sequence-parallel degree, or unpacked rows"
-        )
+
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
     if not (0.0 <= float(softcap) < float("inf")):
@@ -137,7 +129,7 @@ def attention(
     share: sum it over the SP group, as for every replicated parameter). ``window=(left,
     right)``: flash-attn's sliding window over global token positions (query i sees keys
     ``i - left .. i + right``, -1 unbounded; ``(-1, -1)`` is full attention); packed rows:
-    within each document, in the Ulysses mode (ring/hybrid: dense rows)."""
+    within each document."""
     layout = layout_of(topo, layout)  # the same verdict on every rank: before any collective
     if backend is None:
         backend = topo.backend
@@ -157,7 +149,7 @@ def attention(
             window=window,
         )
     validate_qkv(q, k, v, topo, layout)
-    validate_variants(q, softcap, sinks, window, topo, cu_seqlens)
+    validate_variants(q, softcap, sinks, window)
     backend = resolve_backend(backend, q)
     opts: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     if softcap:

@@ -134,8 +134,9 @@ def _blocks(step: int, rank: int, P: int, s_l: int, causal: bool, layout: str, d
 
 def _step_blocks(step, rank, P, s_l, causal, layout, docs, window, phase, split=1) -> list[tuple]:
     """``[(q sel, kv sel, kernel keywords)]`` of one ring step."""
+    if tuple(window) != FULL_WINDOW and docs is not None:
+        return _packed_window_blocks(step, rank, P, causal, layout, docs, window)
     if tuple(window) != FULL_WINDOW:
-        assert docs is None, "windows in packed rows run on aligned blocks only"
         pairs = _window_blocks(step, rank, P, s_l, causal, layout, window, split)
         n = (1 if layout == "contiguous" else 2) * split
         work.skipped[phase] += n * n - len(pairs)
@@ -157,6 +158,28 @@ def window_split(s_l: int, window: tuple[int, int], parts: int) -> int:
     c = s_l // parts
     target = max(reach, 64)
     return next(m for m in range(1, c + 1) if c % m == 0 and c // m <= target)
+
+
+def _packed_window_blocks(step, rank, P, causal, layout, docs, window) -> list[tuple]:
+    """Packed rows with a window: every document is cut in its own chunks (zigzag: 2P, the
+    rank holding chunks r and 2P-1-r of each; contiguous: P), so a pair of halves is one
+    kernel call over all documents whose offset is counted in chunks
+    (``chunk_offset``); the kernel skips the document groups out of reach."""
+    src = (rank - step) % P
+    if layout == "contiguous":
+        mine, theirs = [(rank, slice(None))], [(src, slice(None))]
+        cu = dict(cu_q=docs.cu, cu_k=docs.cu)
+    else:
+        mine = [(rank, docs.first), (2 * P - 1 - rank, docs.second)]
+        theirs = [(src, docs.first), (2 * P - 1 - src, docs.second)]
+        cu = dict(cu_q=docs.cu_half, cu_k=docs.cu_half)
+    kw = dict(causal=causal, window=window, **cu)
+    return [
+        (qs, ks, dict(kw, chunk_offset=qi - ki))
+        for qi, qs in mine
+        for ki, ks in theirs
+        if not causal or qi >= ki  # a later chunk never sees an earlier query's keys
+    ]
 
 
 def _window_blocks(
