@@ -19,6 +19,17 @@ from ulysses_cp.models.decoder import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+# the tiny Hugging Face configs of the HF tests (4 heads, 2 kv heads, vocabulary 96)
+HF_TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
+)
 
 
 def make_qkv(

@@ -8,36 +8,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import topology
+from tests.helpers import HF_TINY, topology
 
 transformers = pytest.importorskip("transformers")
 from ulysses_cp.models import hf  # noqa: E402
 from ulysses_cp.training.data import shard_batch  # noqa: E402
 
 TOL = dict(rtol=1e-9, atol=1e-10)
-FAMILY_COMMON = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    attention_dropout=0.0,
-)
 
 
 def tiny_config(family: str, **extra):
-    common = dict(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        attention_dropout=0.0,
-    )
+    common = HF_TINY
     if family == "llama":
         return transformers.LlamaConfig(**{**common, **extra})
     # Qwen3: explicit head_dim (16 * 4 heads != hidden 32) and q/k norms
@@ -104,7 +85,7 @@ def _refusals(rank):
 
     hf.register_attention(topo)
     gemma = transformers.AutoModelForCausalLM.from_config(
-        transformers.Gemma2Config(**FAMILY_COMMON, head_dim=8, final_logit_softcapping=30.0),
+        transformers.Gemma2Config(**HF_TINY, head_dim=8, final_logit_softcapping=30.0),
         attn_implementation="ulysses_cp",
     )
     out["final softcap"] = error(lambda: hf.HFCausalLM(gemma))

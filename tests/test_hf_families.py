@@ -11,22 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import topology
+from tests.helpers import HF_TINY, topology
 
 transformers = pytest.importorskip("transformers")
 from ulysses_cp.models import hf  # noqa: E402
 from ulysses_cp.training.data import shard_batch  # noqa: E402
 
-COMMON = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    attention_dropout=0.0,
-)
 # family: (config class name, extra config, what it exercises); a window of 8 tokens
 # crosses the zigzag chunks of a 64-token row over 4 ranks (8 chunks of 8)
 FAMILIES = {
@@ -74,7 +64,7 @@ MODES = [(4, 1), (1, 4), (2, 2)]
 
 def family_config(family: str):
     cls, extra, _ = FAMILIES[family]
-    return getattr(transformers, cls)(**{**COMMON, **extra})
+    return getattr(transformers, cls)(**{**HF_TINY, **extra})
 
 
 def _equal_to_eager(rank, u, r, family):
