@@ -17,6 +17,12 @@ moves); ``src == r`` uses the causal kernel. Zigzag layout (rank r holds chunks 
 2P-1-r of 2P): ``src < r``: all local q against the FIRST half of kv; ``src > r``: the
 SECOND half of local q against all kv; so every step but the first is half a block on
 every rank.
+
+Sliding windows: blocks go chunk pair by chunk pair (each layout chunk cut in pieces near
+the window's length), each with its offset in global positions; pairs that no query's
+window reaches are skipped (``work_stats``). Packed rows: each document is cut in its own
+chunks, so the offset goes to the kernel in chunks and each document group gets its band.
+With ``group=None`` (one rank) the same machinery is block-sparse local attention.
 """
 
 from __future__ import annotations
@@ -153,7 +159,7 @@ def window_split(s_l: int, window: tuple[int, int], parts: int) -> int:
     is about as long as the window (at least 64 tokens): pairs of pieces that no query's
     window reaches are then skipped. 1 when the window is unbounded on both sides."""
     reach = max(window)
-    if (min(window) < 0 and reach < 0) or reach < 0:
+    if reach < 0:
         return 1
     c = s_l // parts
     target = max(reach, 64)
@@ -202,7 +208,6 @@ def _window_blocks(
     else:
         mine, theirs = [rank, 2 * P - 1 - rank], [src, 2 * P - 1 - src]
     c = s_l // len(mine) // split  # piece length
-    n = len(mine) * split
 
     def pieces(chunks: list[int]) -> list[tuple[int, slice]]:
         # (global piece index, local slice): piece t of the rank's layout chunk h
@@ -213,7 +218,6 @@ def _window_blocks(
         ]
 
     mine_p, theirs_p = pieces(mine), pieces(theirs)
-    assert len(mine_p) == n
     pairs: list[tuple[slice, slice, int]] = []
     for qi, qs in mine_p:
         for ki, ks in theirs_p:
