@@ -44,7 +44,7 @@ def make_qkv(
     return [t.to(dtype) for t in (q, k, v, dout)]
 
 
-def reference(q, k, v, dout, causal: bool, softmax_scale=None, bounds=None):
+def reference(q, k, v, dout, causal: bool, softmax_scale=None, bounds=None, window=(-1, -1)):
     """Full attention in float64, written here independently of ulysses_cp's kernels: an
     explicit (causal, and block-diagonal for packed ``bounds``) mask, ``torch.softmax``,
     and autograd for the gradients. Returns ``[out, dq, dk, dv]``."""
@@ -59,6 +59,11 @@ def reference(q, k, v, dout, causal: bool, softmax_scale=None, bounds=None):
         mask &= doc[:, None] == doc[None, :]
     if causal:
         mask &= torch.ones(n, n, dtype=torch.bool).tril()
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    if window[0] >= 0:  # flash-attn's sliding window
+        mask &= j >= i - window[0]
+    if window[1] >= 0:
+        mask &= j <= i + window[1]
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
     p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)

@@ -360,11 +360,37 @@ def test_the_chosen_backend_reaches_the_call(pools):
 
 
 def test_rotate_methods():
-    ucp.set_rotate_method("alltoall")
-    with pytest.raises(NotImplementedError, match="no all-gather KV exchange yet"):
-        ucp.set_rotate_method("allgather")
     with pytest.raises(NotImplementedError, match="'p2p'"):
         ucp.set_rotate_method("p2p")
+
+
+def _rotated(rank, method):
+    mesh = _mesh((4,), ("cp",))
+    ucp.set_rotate_method(method)
+    try:
+        qkv = [t.requires_grad_() for t in _full_qkv(4, 2, 2, 2, 32, 8)]
+        ucp.comm_stats.reset()
+        with ucp.context_parallel(mesh, buffers=qkv, buffer_seq_dims=[2, 2, 2]) as cp:
+            out = F.scaled_dot_product_attention(*qkv, is_causal=True)
+        out.square().mean().backward()
+        return dict(out=out.detach(), grads=[t.grad for t in qkv], calls=cp.calls,
+                    bytes=ucp.comm_stats.snapshot())  # fmt: skip
+    finally:
+        ucp.set_rotate_method("alltoall")
+
+
+@pytest.mark.parametrize("method,op", [("alltoall", "ring"), ("allgather", "kv_allgather")])
+def test_rotate_method_picks_the_kv_exchange(pools, method, op):
+    results = pools(4).run(_rotated, method)
+    shards = [layout_indices(32, 4, s, "zigzag") for s in range(4)]
+    out, *grads = reference(*_full_qkv(4, 2, 2, 2, 32, 8), True, None, shards)
+    for r, res in enumerate(results):
+        assert [c[0] for c in res["calls"]] == ["ring"]  # 2 heads do not split over 4
+        assert res["bytes"].get(f"{op}/forward", 0) > 0
+        torch.testing.assert_close(res["out"], out[:, :, shards[r]], rtol=1e-10, atol=1e-10)
+    for n, want in enumerate(grads):
+        got = sum(res["grads"][n] for res in results)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
 
 
 def _build(kind: str):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, TypeVar, get_args, get_origin
 
+from .core.options import KVExchange
 from .core.sharding import Layout
 from .kernels.dispatch import Backend
 
@@ -126,6 +127,7 @@ class SequenceParallelConfig:
     layout: Layout = "zigzag"
     attention_backend: Backend = "auto"
     check_inputs: bool = True  # compare input shapes across SP ranks before communicating
+    kv_exchange: KVExchange = "ring"  # KV inside a ring group: p2p ring steps or all-gather
     collective_timeout_s: float = 1800.0  # a dead or hung peer ends the run after this
 
     @classmethod

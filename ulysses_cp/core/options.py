@@ -17,9 +17,16 @@ from .sharding import check_layout
 
 __all__ = [
     "BACKENDS",
+    "KV_EXCHANGES",
     "Backend",
+    "KVExchange",
     "RunOptions",
 ]
+
+# How KV moves inside a ring group: point-to-point ring steps, or one all-gather (with a
+# reduce-scatter of dk/dv in the backward).
+KVExchange = Literal["ring", "allgather"]
+KV_EXCHANGES: tuple[str, ...] = get_args(KVExchange)
 
 # The local attention kernels by name (implemented in ``ulysses_cp.kernels``).
 Backend = Literal["auto", "flash_attn", "torch", "math"]
@@ -32,12 +39,15 @@ class RunOptions:
     ``backend``: the local attention kernel (``ucp.BACKENDS``); ``check_inputs``: compare
     every SP rank's inputs before communicating; ``grad_scale``: multiplies the gradient of
     the SP loss (1, or the SP degree where ZeRO-3 averages gradients over SP ranks too:
-    ``ucp.engine.zero_grad_scale``)."""
+    ``ucp.engine.zero_grad_scale``); ``kv_exchange``: how KV moves inside a ring group
+    (``"ring"``: point-to-point steps overlapped with compute; ``"allgather"``: one
+    all-gather, and a reduce-scatter of dk/dv in the backward)."""
 
     layout: str = "zigzag"
     backend: str = "auto"
     check_inputs: bool = True
     grad_scale: float = 1.0
+    kv_exchange: str = "ring"
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
@@ -49,3 +59,5 @@ class RunOptions:
         if isinstance(g, bool) or not isinstance(g, int | float) or not math.isfinite(g) or g <= 0:
             raise ValueError(f"grad_scale must be a positive finite number, got {g!r}")
         object.__setattr__(self, "grad_scale", float(g))
+        if self.kv_exchange not in KV_EXCHANGES:
+            raise ValueError(f"kv_exchange {self.kv_exchange!r} is not one of {list(KV_EXCHANGES)}")

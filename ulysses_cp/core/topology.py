@@ -190,6 +190,7 @@ def init_topology(
     backend: str = "auto",
     check_inputs: bool = True,
     grad_scale: float = 1.0,
+    kv_exchange: str = "ring",
     timeout_s: float | None = None,
 ) -> Topology:
     """Build the process groups (module docstring) on the default process group.
@@ -202,7 +203,11 @@ def init_topology(
     ``timeout_s``: collective timeout of the new groups (default: the default group's).
     """
     options = RunOptions(
-        layout=layout, backend=backend, check_inputs=check_inputs, grad_scale=grad_scale
+        layout=layout,
+        backend=backend,
+        check_inputs=check_inputs,
+        grad_scale=grad_scale,
+        kv_exchange=kv_exchange,
     )
     if not dist.is_available() or not dist.is_initialized():
         validate_degrees(1, ulysses_degree, ring_degree)

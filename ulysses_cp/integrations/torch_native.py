@@ -51,20 +51,15 @@ _active: list[_Context] = []  # the entered context (one at a time)
 
 
 def set_rotate_method(rotate_method: str) -> None:
-    """PyTorch's ``set_rotate_method``: how KV moves inside a ring group. ``"alltoall"``
-    (PyTorch's rotation by all-to-all) is our point-to-point ring: each step passes this
-    rank's KV block to the next rank, the same data movement. ``"allgather"`` (PyTorch's
-    default) is refused for now: our ring has no all-gather KV exchange yet."""
+    """PyTorch's ``set_rotate_method``: how KV moves inside a ring group, for the contexts
+    entered afterwards. ``"alltoall"`` (the default here; PyTorch's rotation by all-to-all)
+    is our point-to-point ring, the same data movement; ``"allgather"`` (PyTorch's default)
+    gathers every rank's KV once (``kv_exchange="allgather"``)."""
     global _rotate_method
     if rotate_method not in ROTATE_METHODS:
         raise NotImplementedError(
             f"Context Parallel does not support using {rotate_method!r} for kv shards "
             f"rotation; use one of {list(ROTATE_METHODS)}"
-        )
-    if rotate_method == "allgather":
-        raise NotImplementedError(
-            "ulysses_cp has no all-gather KV exchange yet: its ring passes KV blocks point "
-            "to point (PyTorch's 'alltoall' rotation); call set_rotate_method('alltoall')"
         )
     _rotate_method = rotate_method
 
@@ -143,7 +138,8 @@ def _mesh_groups(mesh: Any, dims: Sequence[str] | None) -> _Mesh:
 def _topology(m: _Mesh, u: int, r: int, ug: Any, rg: Any, backend: str, layout: str) -> Topology:
     # A topology of the context-parallel groups only: rank/world are this rank's place in
     # them (data-parallel or FSDP dims beside them are the caller's business).
-    options = RunOptions(layout=layout, backend=backend, check_inputs=True)
+    exchange = "allgather" if _rotate_method == "allgather" else "ring"
+    options = RunOptions(layout=layout, backend=backend, check_inputs=True, kv_exchange=exchange)
     return Topology(
         rank=m.sp_rank,
         world_size=m.P,

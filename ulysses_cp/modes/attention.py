@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..core.comm import collective, stats
 from ..core.derived import once
+from ..core.options import KV_EXCHANGES
 from ..core.sharding import LAYOUTS, check_layout, layout_of, sequence_multiple
 from ..core.topology import Topology
 from ..core.varlen import Docs, check_cu_seqlens, inverse_permutation, ulysses_permutation
@@ -109,6 +110,7 @@ def attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     window: tuple[int, int] = (-1, -1),
+    kv_exchange: str | None = None,
 ) -> torch.Tensor:
     """Sequence-parallel attention equal to full attention on the gathered sequence.
 
@@ -129,10 +131,13 @@ def attention(
     share: sum it over the SP group, as for every replicated parameter). ``window=(left,
     right)``: flash-attn's sliding window over global token positions (query i sees keys
     ``i - left .. i + right``, -1 unbounded; ``(-1, -1)`` is full attention); packed rows:
-    within each document."""
+    within each document. ``kv_exchange``: how KV moves inside the ring group, ``"ring"``
+    or ``"allgather"``; None takes the run's (``topo.options.kv_exchange``)."""
     layout = layout_of(topo, layout)  # the same verdict on every rank: before any collective
     if backend is None:
         backend = topo.backend
+    if kv_exchange is None:
+        kv_exchange = topo.options.kv_exchange
     if topo.check_inputs and topo.sp_world_size > 1:
         # first, so that input that only some ranks would reject fails on every rank
         check_across_ranks(
@@ -147,8 +152,11 @@ def attention(
             softcap=softcap,
             sinks=sinks,
             window=window,
+            kv_exchange=kv_exchange,
         )
     validate_qkv(q, k, v, topo, layout)
+    if kv_exchange not in KV_EXCHANGES:
+        raise ValueError(f"kv_exchange {kv_exchange!r} is not one of {list(KV_EXCHANGES)}")
     validate_variants(q, softcap, sinks, window)
     backend = resolve_backend(backend, q)
     opts: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
@@ -172,7 +180,13 @@ def attention(
         inner = partial(local_attention, sinks=sinks, **opts)
     else:
         inner = partial(
-            ring_attention, group=topo.ring_group, layout=layout, docs=docs, sinks=sinks, **opts
+            ring_attention,
+            group=topo.ring_group,
+            layout=layout,
+            docs=docs,
+            sinks=sinks,
+            exchange=kv_exchange,
+            **opts,
         )
     # ulysses: a2a around the local kernel; ring: no a2a (degree 1); hybrid: a2a around ring
     return ulysses_attention(
@@ -252,7 +266,18 @@ def _cu_hash(cu: torch.Tensor) -> list[int]:
 
 
 def _signature(
-    q, k, v, *, causal, layout, backend, cu, softcap=0.0, sinks=None, window=(-1, -1)
+    q,
+    k,
+    v,
+    *,
+    causal,
+    layout,
+    backend,
+    cu,
+    softcap=0.0,
+    sinks=None,
+    window=(-1, -1),
+    kv_exchange="ring",
 ) -> list[int]:
     dtypes = [_code(t.dtype, _DTYPES) for t in (q, k, v)]
     devices = [_code(t.device.type, ["cpu", "cuda"]) for t in (q, k, v)]
@@ -269,6 +294,7 @@ def _signature(
         round(float(softcap) * 1e6) if isinstance(softcap, (int, float)) else -1,
         sinks.numel() if isinstance(sinks, torch.Tensor) else -1,
         *_window_code(window),
+        _code(kv_exchange, list(KV_EXCHANGES)),
     ]
 
 
@@ -285,6 +311,7 @@ _FIELDS = [
     "sinks entries",
     "window left",
     "window right",
+    "kv exchange",
 ]
 
 
@@ -301,6 +328,7 @@ def check_across_ranks(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     window: tuple[int, int] = (-1, -1),
+    kv_exchange: str = "ring",
 ) -> None:
     """One all-gather of a few integers over the SP group, before any other check: every
     rank must call attention with the same shapes, dtypes, devices, options and documents,
@@ -319,6 +347,7 @@ def check_across_ranks(
             softcap=softcap,
             sinks=sinks,
             window=window,
+            kv_exchange=kv_exchange,
         ),
         dtype=torch.int64,
         device=q.device if isinstance(q, torch.Tensor) else "cpu",

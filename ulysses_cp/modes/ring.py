@@ -246,18 +246,14 @@ def ring_forward(
     softcap: float = 0.0,
     window: tuple[int, int] = FULL_WINDOW,
     split: int = 1,
+    exchange: str = "ring",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     P, rank = group_size(group), group_rank(group)
     b, s_l, hq, d = q.shape
     acc = lse_dtype(q.dtype)
     out = torch.zeros(b, s_l, hq, d, dtype=acc, device=q.device)
     lse = torch.full((b, hq, s_l), float("-inf"), dtype=acc, device=q.device)
-    kv = _pack(k, v)
-    comm = cast(RingComm, RingComm(group, "ring", "forward") if P > 1 else None)  # P > 1 only
-    for step in range(P):
-        if step + 1 < P:
-            comm.send_recv(kv)  # posted before the compute so they overlap
-            nxt = None if overlap else comm.wait()  # the no-overlap variant, for benchmarks
+    for step, kv in _visiting(_pack(k, v), group, "forward", exchange, overlap):
         for qs, ks, kw in _step_blocks(
             step, rank, P, s_l, causal, layout, docs, window, "forward", split
         ):
@@ -271,9 +267,54 @@ def ring_forward(
                 **kw,
             )
             out[:, qs], lse[:, :, qs] = merge(out[:, qs], lse[:, :, qs], o_b.to(acc), l_b.to(acc))
-        if step + 1 < P:
-            kv = comm.wait() if overlap else nxt
     return out, lse
+
+
+def _visiting(
+    kv: torch.Tensor, group: Group, phase: str, exchange: str, overlap: bool, tag: int = 0
+):
+    """``(step, kv block of rank (r - step) mod P)`` for every step. ``"ring"``: the next
+    block's send/receive is posted before the caller computes on this one (``overlap=False``
+    waits first, to measure what the overlap buys); ``"allgather"``: one all-gather."""
+    P, rank = group_size(group), group_rank(group)
+    if exchange == "allgather" and P > 1:
+        blocks = _all_gather(kv, group, phase)
+        for step in range(P):
+            yield step, blocks[(rank - step) % P]
+        return
+    comm = cast(RingComm, RingComm(group, "ring", phase, tag) if P > 1 else None)  # P > 1 only
+    for step in range(P):
+        if step + 1 < P:
+            comm.send_recv(kv)  # posted before the compute so they overlap
+            nxt = None if overlap else comm.wait()
+        yield step, kv
+        if step + 1 < P:
+            kv = comm.wait() if nxt is None else nxt
+
+
+def _all_gather(x: torch.Tensor, group: Group, phase: str) -> list[torch.Tensor]:
+    """Every ring rank's ``x`` (index = rank in the group); counted as ``kv_allgather``:
+    this rank's block sent to the P - 1 others."""
+    P = group_size(group)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(P)]
+    stats.add("kv_allgather", phase, x.numel() * x.element_size() * (P - 1))
+    with collective("all_gather", phase, group):
+        dist.all_gather(parts, x, group=group)
+    return parts
+
+
+def _reduce_scatter(parts: torch.Tensor, group: Group) -> torch.Tensor:
+    """``parts (P, ...)``: this rank's contribution to every rank's block -> the sum of
+    every rank's contribution to ours (an all-to-all, then a local sum: gloo has no
+    reduce-scatter); counted as ``kv_reduce_scatter``: P - 1 parts sent."""
+    P = parts.shape[0]
+    parts = parts.contiguous()
+    got = torch.empty_like(parts)
+    stats.add("kv_reduce_scatter", "backward", parts[0].numel() * parts.element_size() * (P - 1))
+    with collective("all_to_all", "backward", group):
+        dist.all_to_all_single(got, parts, group=group)
+    return got.sum(0)
 
 
 def ring_backward(
@@ -294,20 +335,19 @@ def ring_backward(
     softcap: float = 0.0,
     window: tuple[int, int] = FULL_WINDOW,
     split: int = 1,
+    exchange: str = "ring",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     P, rank = group_size(group), group_rank(group)
     s_l = q.shape[1]
     acc = lse_dtype(q.dtype)
     dq = torch.zeros_like(q, dtype=acc)
+    gathered = exchange == "allgather" and P > 1
+    if gathered:  # this rank's share of every block's dk/dv, reduce-scattered at the end
+        dkv_all = torch.zeros((P, 2, *k.shape), dtype=acc, device=k.device)
     dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # travels with its kv block
-    kv = _pack(k, v)
-    # used only when P > 1
-    kv_comm = cast(RingComm, RingComm(group, "ring", "backward", tag=1) if P > 1 else None)
+    # used only on the ring with P > 1
     dkv_comm = cast(RingComm, RingComm(group, "ring", "backward", tag=2) if P > 1 else None)
-    for step in range(P):
-        if step + 1 < P:
-            kv_comm.send_recv(kv)
-            nxt = None if overlap else kv_comm.wait()
+    for step, kv in _visiting(_pack(k, v), group, "backward", exchange, overlap, tag=1):
         done = []
         blocks = _step_blocks(step, rank, P, s_l, causal, layout, docs, window, "backward", split)
         for qs, ks, kw in blocks:
@@ -326,16 +366,18 @@ def ring_backward(
             )
             dq[:, qs] += dq_b
             done.append((ks, dk_b, dv_b))
-        if step > 0:
+        if gathered:
+            dkv = dkv_all[(rank - step) % P]
+        elif step > 0:
             dkv = dkv_comm.wait()  # the accumulator of the visiting block (overlapped compute)
         for ks, dk_b, dv_b in done:
             dkv[0][:, ks] += dk_b
             dkv[1][:, ks] += dv_b
-        if P > 1:
+        if P > 1 and not gathered:
             dkv_comm.send_recv(dkv)  # on to the next rank; overlaps the next step
-        if step + 1 < P:
-            kv = kv_comm.wait() if overlap else nxt
-    if P > 1:
+    if gathered:
+        dkv = _reduce_scatter(dkv_all, group)
+    elif P > 1:
         dkv = dkv_comm.wait()  # our own block's accumulator, home after P hops
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
@@ -356,6 +398,7 @@ def ring_attention(
     sinks: torch.Tensor | None = None,
     window: tuple[int, int] = FULL_WINDOW,
     split: int | None = None,
+    exchange: str = "ring",
 ) -> torch.Tensor:
     """Ring attention over ``group``; inputs validated by the caller.
 
@@ -369,7 +412,9 @@ def ring_attention(
     flash-attn's sliding window over global positions; blocks are taken chunk by chunk and
     a pair of chunks wholly outside every query's window is skipped (dense rows only).
     ``split``: pieces per layout chunk (None: :func:`window_split`'s choice). With a window
-    and ``group=None`` (one rank) this is block-sparse local attention."""
+    and ``group=None`` (one rank) this is block-sparse local attention. ``exchange``:
+    ``"ring"`` (point-to-point steps) or ``"allgather"`` (one all-gather of KV, and an
+    all-to-all + sum of the dk/dv shares in the backward)."""
     opts = dict(
         group=group,
         causal=causal,
@@ -380,6 +425,7 @@ def ring_attention(
         docs=docs,
         softcap=softcap,
         window=tuple(window),
+        exchange=exchange,
     )
     if tuple(window) != FULL_WINDOW:
         parts = 1 if layout == "contiguous" else 2

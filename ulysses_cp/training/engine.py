@@ -186,6 +186,7 @@ def run_options(config: dict) -> RunOptions:
         backend=sp.attention_backend,
         check_inputs=sp.check_inputs,
         grad_scale=zero_grad_scale(config, sp.ulysses_degree * sp.ring_degree),
+        kv_exchange=sp.kv_exchange,
     )
 
 
