@@ -6,6 +6,7 @@ the scores and the sinks as one more column of logits whose value vector is zero
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -177,6 +178,23 @@ def test_bad_variants_are_refused_on_every_rank(pools, what):
 
 
 # ---------------------------------------------------------------- flash-attn adapter
+
+
+@contextmanager
+def flash_standin(release: str):
+    """The CPU stand-in of a flash-attn release (``tests/flash_standin``) for a block."""
+    from tests.flash_standin import unuse, use
+    from ulysses_cp.kernels import flash_backend
+
+    use(release, "plain")
+    flash_backend.reset()
+    try:
+        yield
+    finally:
+        unuse()
+        flash_backend.reset()
+
+
 # softcap reaches flash-attn (stand-ins of each release: tests/flash_standin) and sinks
 # apply on top of its (out, lse), dense and packed
 
@@ -184,12 +202,7 @@ def test_bad_variants_are_refused_on_every_rank(pools, what):
 @pytest.mark.parametrize("release", ["2.6.0", "2.7.4", "2.8.3"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_flash_attn_takes_softcap_and_sinks(release, packed):
-    from tests.flash_standin import unuse, use
-    from ulysses_cp.kernels import flash_backend
-
-    use(release, "plain")
-    flash_backend.reset()
-    try:
+    with flash_standin(release):
         q, k, v, dout = make_qkv(seed=5, b=1, s=64, hq=4, hkv=2, d=16)
         bounds = [0, 16, 40, 64] if packed else None
         cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
@@ -208,9 +221,6 @@ def test_flash_attn_takes_softcap_and_sinks(release, packed):
         ):
             err = float((got.detach().double() - want).abs().max() / want.abs().max())
             assert err < 5e-3, (release, name, err)
-    finally:
-        unuse()
-        flash_backend.reset()
 
 
 # ---------------------------------------------------------------- sliding windows
@@ -283,12 +293,9 @@ def test_flash_window_translation_sees_the_same_keys():
 def test_flash_attn_takes_windows(release, offset):
     """Blocks as the ring calls them (a q chunk ``offset`` tokens after the kv chunk):
     flash-attn's window where it can express the band, the math path where not."""
-    from tests.flash_standin import unuse, use
-    from ulysses_cp.kernels import attn_backward, attn_forward, flash_backend
+    from ulysses_cp.kernels import attn_backward, attn_forward
 
-    use(release, "plain")
-    flash_backend.reset()
-    try:
+    with flash_standin(release):
         q, k, v, dout = make_qkv(seed=9, b=1, s=16, hq=4, hkv=2, d=16, dtype=torch.float16)
         kw = dict(causal=True, softmax_scale=None, window=(10, -1), offset=offset)
         got_out, got_lse = attn_forward(q, k, v, backend="flash_attn", **kw)
@@ -301,9 +308,6 @@ def test_flash_attn_takes_windows(release, offset):
         )
         for g, w in zip(grads, want):
             assert float((g.double() - w).abs().max()) < 5e-3 * max(1.0, float(w.abs().max()))
-    finally:
-        unuse()
-        flash_backend.reset()
 
 
 def _work(rank, layout, window):
@@ -423,12 +427,9 @@ def test_flash_attn_takes_windows_in_packed_rows(chunk_offset):
     """Packed halves as the ring calls them: one window for every document (offset 0: the
     varlen call) or a per-group band (documents of other lengths sit other token offsets
     apart: one call per group, flash-attn where it can express the band)."""
-    from tests.flash_standin import unuse, use
-    from ulysses_cp.kernels import attn_backward, attn_forward, flash_backend
+    from ulysses_cp.kernels import attn_backward, attn_forward
 
-    use("2.8.3", "plain")
-    flash_backend.reset()
-    try:
+    with flash_standin("2.8.3"):
         q, k, v, dout = make_qkv(seed=8, b=1, s=24, hq=4, hkv=2, d=16, dtype=torch.float16)
         cu = torch.tensor([0, 4, 16, 20, 24], dtype=torch.int32)  # groups of 4 and 12
         kw = dict(
@@ -445,6 +446,3 @@ def test_flash_attn_takes_windows_in_packed_rows(chunk_offset):
         )
         for g, w in zip(grads, want):
             assert float((g.double() - w).abs().max()) < 5e-3 * max(1.0, float(w.abs().max()))
-    finally:
-        unuse()
-        flash_backend.reset()
