@@ -446,3 +446,19 @@ def test_flash_attn_takes_windows_in_packed_rows(chunk_offset):
         )
         for g, w in zip(grads, want):
             assert float((g.double() - w).abs().max()) < 5e-3 * max(1.0, float(w.abs().max()))
+
+
+def test_work_counts_only_the_document_groups_computed():
+    """Packed halves two chunks apart, window 8: the documents of 4 tokens (chunks 8 apart)
+    are within reach, those of 12 (24 apart) are not and are skipped, not counted."""
+    from ulysses_cp.kernels import attn_forward
+
+    q, k, v, _ = make_qkv(seed=3, b=1, s=24, hq=2, hkv=2, d=8)
+    cu = torch.tensor([0, 4, 16, 20], dtype=torch.int32)  # documents of 4, 12 and 4 tokens
+    kw = dict(causal=True, softmax_scale=None, window=(8, -1), cu_q=cu, cu_k=cu)
+    ucp.work_stats.reset()
+    out, lse = attn_forward(q[:, :20], k[:, :20], v[:, :20], backend="math", chunk_offset=2, **kw)
+    snap = ucp.work_stats.snapshot()
+    assert snap["scores/forward"] == 2 * 2 * 4 * 4  # hq x two 4-token documents x 4 x 4
+    assert snap["skipped/forward"] == 1  # the 12-token document
+    assert torch.isinf(lse[0, :, 4:16]).all() and (out[0, 4:16] == 0).all()

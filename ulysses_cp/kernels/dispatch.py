@@ -85,7 +85,8 @@ class Kernel:
     goes: ``forward(q, k, v, causal, scale) -> (out, lse)`` and ``backward(dout, q, k, v,
     out, lse, causal, scale) -> (dq, dk, dv)`` on ``(b, s, h, d)`` blocks (k/v may have
     fewer heads; lse ``(b, hq, s)``), the contract of the built-in backends; a logit
-    softcap other than 0 comes as the keyword ``softcap=``. For experiments and tests
+    softcap other than 0 comes as the keyword ``softcap=``, a sliding window's band of
+    visible diagonals as ``band=(lo, hi)`` (``math_backend.Band``). For experiments and tests
     (counting work, injecting a fault) without patching modules."""
 
     name: str
@@ -137,12 +138,10 @@ class WorkStats:
 work = WorkStats()
 
 
-def _count(phase: str, q: torch.Tensor, k: torch.Tensor, cu_q, cu_k) -> None:
+def _count(phase: str, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Score entries of one kernel call on ``q (b, sq, hq, d)`` against ``k (b, sk, ...)``."""
     b, sq, hq = q.shape[:3]
-    if cu_q is None:
-        work.scores[phase] += b * hq * sq * k.shape[1]
-    else:
-        work.scores[phase] += hq * sum(n * lq * lk for _, _, n, lq, lk in _doc_groups(cu_q, cu_k))
+    work.scores[phase] += b * hq * sq * k.shape[1]
 
 
 def window_band(window: tuple[int, int], causal: bool, offset: int = 0) -> Band | None:
@@ -267,41 +266,41 @@ def _one_document(q, k, cu_q, cu_k) -> bool:
     return once((cu_q, cu_k), key, lambda: (cu_q.tolist(), cu_k.tolist()) == whole)
 
 
-def _group_args(
-    window: tuple[int, int], causal: bool, chunk_offset: int, lq: int, lk: int
+def _kernel_args(
+    window: tuple[int, int], causal: bool, offset: int, sq: int, sk: int
 ) -> tuple[bool, Band | None] | None:
-    """``(causal, band)`` for a group of documents whose blocks are ``lq x lk`` and whose
-    query chunk comes ``chunk_offset`` chunks (of ``lq`` tokens) after the key chunk; None
-    when no query of it sees a key."""
-    band = window_band(window, causal, chunk_offset * lq)
+    """``(causal, band)`` for the kernel call on an ``sq x sk`` block whose first query
+    comes ``offset`` tokens after its first key: the window folded into a band, or back to a
+    plain (fused) call when the band leaves the block whole or aligned-causal; None when no
+    query of the block sees a key (the call is skipped)."""
+    band = window_band(window, causal, offset)
     if band is None:
         return causal, None
-    if band_is_empty(band, lq, lk):
+    if band_is_empty(band, sq, sk):
         return None
-    plain = plain_block(band, lq, lk)
+    plain = plain_block(band, sq, sk)
     return (False, band) if plain is None else (plain, None)
 
 
 def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, backend, softcap, window, chunk_offset):
-    hq = q.shape[2]
-    lse = torch.full((1, hq, q.shape[1]), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+    offset = chunk_offset * q.shape[1]
     if _one_document(q, k, cu_q, cu_k):
-        args = _group_args(window, causal, chunk_offset, q.shape[1], k.shape[1])
-        if args is None:
-            work.skipped["forward"] += 1
-            return torch.zeros_like(q), lse
-        return _fwd(backend, softcap, args[1])(q, k, v, args[0], scale)
+        return _dense_forward(q, k, v, causal, scale, backend, softcap, window, offset)
+    hq = q.shape[2]
     if backend == "flash_attn" and chunk_offset == 0:  # one window for every document
         band = window_band(window, causal, 0)
+        work.scores["forward"] += _doc_scores(cu_q, cu_k, hq)
         c = causal if band is None else False
         return flash_backend.varlen_forward(q, k, v, cu_q, cu_k, c, scale, softcap, band)
+    lse = torch.full((1, hq, q.shape[1]), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     out = torch.zeros_like(q)
     for qi, ki, n, lq, lk in _doc_groups(cu_q, cu_k):  # rows in no document stay (0, -inf)
         assert not causal or lq == lk, "causal documents must be square"
-        args = _group_args(window, causal, chunk_offset, lq, lk)
+        args = _kernel_args(window, causal, chunk_offset * lq, lq, lk)
         if args is None:
             work.skipped["forward"] += 1
             continue
+        work.scores["forward"] += n * hq * lq * lk
         o, lg = _fwd(backend, softcap, args[1])(
             _take(q, qi, n, lq), _take(k, ki, n, lk), _take(v, ki, n, lk), args[0], scale
         )
@@ -314,24 +313,24 @@ def _varlen_backward(
     dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, backend, softcap, window, chunk_offset
 ):
     if _one_document(q, k, cu_q, cu_k):
-        args = _group_args(window, causal, chunk_offset, q.shape[1], k.shape[1])
-        if args is None:
-            work.skipped["backward"] += 1
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return _bwd(backend, softcap, args[1])(dout, q, k, v, out, lse, args[0], scale)
+        offset = chunk_offset * q.shape[1]
+        dense = (dout, q, k, v, out, lse, causal, scale, backend, softcap, window, offset)
+        return _dense_backward(*dense)
     if backend == "flash_attn" and chunk_offset == 0:
         band = window_band(window, causal, 0)
         c = causal if band is None else False
+        work.scores["backward"] += _doc_scores(cu_q, cu_k, q.shape[2])
         return flash_backend.varlen_backward(
             dout, q, k, v, out, lse, cu_q, cu_k, c, scale, softcap, band
         )
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     hq = q.shape[2]
     for qi, ki, n, lq, lk in _doc_groups(cu_q, cu_k):
-        args = _group_args(window, causal, chunk_offset, lq, lk)
+        args = _kernel_args(window, causal, chunk_offset * lq, lq, lk)
         if args is None:
             work.skipped["backward"] += 1
             continue
+        work.scores["backward"] += n * hq * lq * lk
         lg = lse[0].index_select(1, qi).view(hq, n, lq).transpose(0, 1)  # (n, hq, lq)
         gq, gk, gv = _bwd(backend, softcap, args[1])(
             _take(dout, qi, n, lq),
@@ -349,14 +348,37 @@ def _varlen_backward(
     return dq, dk, dv
 
 
-def _fold(window, causal, offset, q, k) -> tuple[bool, Band | None]:
-    """``(causal, band)`` for the kernel: the window folded into a band, or back to a plain
-    (fused) call when the block's band is full or aligned-causal (dense blocks)."""
-    band = window_band(window, causal, offset)
+def _doc_scores(cu_q: torch.Tensor, cu_k: torch.Tensor, hq: int) -> int:
+    """Score entries of one varlen call over every document of a packed block."""
+    return hq * sum(n * lq * lk for _, _, n, lq, lk in _doc_groups(cu_q, cu_k))
+
+
+def _dense_forward(q, k, v, causal, scale, backend, softcap, window, offset):
+    args = _kernel_args(window, causal, offset, q.shape[1], k.shape[1])
+    if args is None:  # no query sees a key: empty rows, no call
+        work.skipped["forward"] += 1
+        lse = torch.full(
+            (q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=lse_dtype(q.dtype),
+            device=q.device,
+        )  # fmt: skip
+        return torch.zeros_like(q), lse
+    causal, band = args
     if band is None:
-        return causal, None
-    plain = plain_block(band, q.shape[1], k.shape[1])
-    return (False, band) if plain is None else (plain, None)
+        _check_causal(q, k, causal)
+    _count("forward", q, k)
+    return _fwd(backend, softcap, band)(q, k, v, causal, scale)
+
+
+def _dense_backward(dout, q, k, v, out, lse, causal, scale, backend, softcap, window, offset):
+    args = _kernel_args(window, causal, offset, q.shape[1], k.shape[1])
+    if args is None:
+        work.skipped["backward"] += 1
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    causal, band = args
+    if band is None:
+        _check_causal(q, k, causal)
+    _count("backward", q, k)
+    return _bwd(backend, softcap, band)(dout, q, k, v, out, lse, causal, scale)
 
 
 def attn_forward(
@@ -387,17 +409,13 @@ def attn_forward(
     (documents are cut in chunks of their own length, so the offset in tokens is per
     document group)."""
     scale = default_scale(q, softmax_scale)
-    _count("forward", q, k, cu_q, cu_k)
     with torch.no_grad():
         if cu_q is not None:
             assert offset == 0, "packed rows take chunk_offset, not offset"
             return _varlen_forward(
                 q, k, v, cu_q, cu_k, causal, scale, backend, softcap, tuple(window), chunk_offset
             )
-        causal, band = _fold(window, causal, offset, q, k)
-        if band is None:
-            _check_causal(q, k, causal)
-        return _fwd(backend, softcap, band)(q, k, v, causal, scale)
+        return _dense_forward(q, k, v, causal, scale, backend, softcap, tuple(window), offset)
 
 
 def attn_backward(
@@ -430,7 +448,6 @@ def attn_backward(
     low = q.dtype in (torch.bfloat16, torch.float16)
     if accumulate and low and q.device.type == "cpu" and backend in ("math", "torch"):
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
-    _count("backward", q, k, cu_q, cu_k)
     with torch.no_grad():
         if cu_q is not None:
             return _varlen_backward(
@@ -449,10 +466,9 @@ def attn_backward(
                 tuple(window),
                 chunk_offset,
             )
-        causal, band = _fold(window, causal, offset, q, k)
-        if band is None:
-            _check_causal(q, k, causal)
-        return _bwd(backend, softcap, band)(dout, q, k, v, out, lse, causal, scale)
+        return _dense_backward(
+            dout, q, k, v, out, lse, causal, scale, backend, softcap, tuple(window), offset
+        )
 
 
 def add_sinks(
