@@ -128,6 +128,7 @@ class SequenceParallelConfig:
     attention_backend: Backend = "auto"
     check_inputs: bool = True  # compare input shapes across SP ranks before communicating
     kv_exchange: KVExchange = "ring"  # KV inside a ring group: p2p ring steps or all-gather
+    head_chunks: int = 0  # Ulysses all-to-all in this many head chunks; 0: the documented rule
     collective_timeout_s: float = 1800.0  # a dead or hung peer ends the run after this
 
     @classmethod
@@ -140,6 +141,11 @@ class SequenceParallelConfig:
                 raise ValueError(
                     f"sequence_parallel.{n} must be a positive integer, got {getattr(self, n)!r}"
                 )
+        if self.head_chunks < 0:
+            raise ValueError(
+                f"sequence_parallel.head_chunks must be an integer >= 0 (0: automatic), got "
+                f"{self.head_chunks!r}"
+            )
         if self.collective_timeout_s <= 0:
             raise ValueError(
                 f"sequence_parallel.collective_timeout_s must be a positive number of "
