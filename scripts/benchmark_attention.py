@@ -35,8 +35,10 @@ from profiling import longest_fitting, peak_memory
 
 import ulysses_cp as ucp
 import ulysses_cp.modes.ring as ring_mod
+from ulysses_cp.modes.ulysses import head_chunk_choices
 
 HQ, HKV, D = 8, 4, 64
+ONLY: list[str] = []  # --only
 
 
 def impls(P: int) -> dict[str, tuple[int, int, str, dict]]:
@@ -45,16 +47,28 @@ def impls(P: int) -> dict[str, tuple[int, int, str, dict]]:
         return {"full": (1, 1, "contiguous", {})}
     out = {
         "deepspeed": (P, 1, "contiguous", {"peer": True}),
-        "ulysses": (P, 1, "contiguous", {}),
-        "ulysses_nocheck": (P, 1, "contiguous", {"check_inputs": False}),
+        "ulysses": (P, 1, "contiguous", {"head_chunks": 1}),
+        "ulysses_chunked": (P, 1, "contiguous", {"head_chunks": 2}),
+        "ulysses_nocheck": (P, 1, "contiguous", {"check_inputs": False, "head_chunks": 1}),
         "ulysses_zigzag": (P, 1, "zigzag", {}),
         "ring_contiguous": (1, P, "contiguous", {}),
         "ring_zigzag": (1, P, "zigzag", {}),
         "ring_zigzag_no_overlap": (1, P, "zigzag", {"overlap": False}),
+        "ring_allgather": (1, P, "zigzag", {"kv_exchange": "allgather"}),
     }
+    most = max(head_chunk_choices(HQ, HKV, P))
+    if most > 2:
+        out[f"ulysses_chunked{most}"] = (P, 1, "contiguous", {"head_chunks": most})
     if P >= 4:
         out["hybrid_zigzag"] = (2, P // 2, "zigzag", {})
+        out["hybrid_allgather"] = (2, P // 2, "zigzag", {"kv_exchange": "allgather"})
+    if ONLY:  # --only: these rows (and the peer, whose time the ratios divide by)
+        out = {n: spec for n, spec in out.items() if n in ONLY or n == "deepspeed"}
     return out
+
+
+# options of the run (RunOptions fields) that a row may set
+OPTIONS = ("check_inputs", "head_chunks", "kv_exchange")
 
 
 def formula(N: int, u: int, r: int, nbytes: int) -> int:
@@ -76,7 +90,7 @@ def formula(N: int, u: int, r: int, nbytes: int) -> int:
 def attention_fn(topos: dict, name: str, spec, backend: str):
     u, r, layout, extra = spec
     # this variant's choices (the check_inputs variant measures the check's cost)
-    choices = dict(layout=layout, backend=backend, check_inputs=extra.get("check_inputs", True))
+    choices = dict(layout=layout, backend=backend) | {k: extra[k] for k in OPTIONS if k in extra}
     topo = topos[(u, r)].with_options(**choices)
     if extra.get("peer"):
         from deepspeed.sequence.layer import DistributedAttention
@@ -147,7 +161,7 @@ class KernelClock:
         return timed
 
     def __enter__(self):
-        import ulysses_cp.kernels as kernels
+        import ulysses_cp.kernels.dispatch as kernels
 
         for mod, names in (
             (ring_mod, ("attn_forward", "attn_backward")),
@@ -245,8 +259,8 @@ def max_length(args, topos, P, device, dtype, what: str) -> dict:
     budget = args.budget_mb * 2**20
     out = {}
     for name, (u, r, layout, extra) in impls(P).items():
-        if extra or name == "ulysses":
-            continue  # the peer, the no-overlap variant and the contiguous twin: skip
+        if {"peer", "overlap", "check_inputs"} & set(extra):
+            continue  # the peer and the variants that only measure a cost: skip
         topo = topos[(u, r)].with_options(layout=layout, backend=args.backend)
 
         def peak_at(N, topo=topo, spec=(u, r, layout, extra), name=name):
@@ -284,6 +298,10 @@ def max_length(args, topos, P, device, dtype, what: str) -> dict:
 
 def worker(rank, world, args, device):
     import deepspeed
+
+    global HQ, HKV, ONLY
+    HQ, HKV = args.heads
+    ONLY = args.only
 
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     topos = {
@@ -343,6 +361,7 @@ def plot(rows, path):
 
 
 def main():
+    global HQ, HKV, ONLY
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sweep for CI (< 3 min)")
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
@@ -353,12 +372,19 @@ def main():
     p.add_argument("--backend", default="torch", choices=list(ucp.BACKENDS))
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--skip-max-len", action="store_true")
+    p.add_argument(
+        "--heads", type=int, nargs=2, default=[HQ, HKV], metavar=("HQ", "HKV"),
+        help="query and kv heads (head dim 64)",
+    )  # fmt: skip
+    p.add_argument("--only", nargs="+", default=[], help="run only these rows (P > 1)")
     p.add_argument("--out", default="bench_results", help="folder for JSON and PNG")
     args = p.parse_args()
     if args.quick:
         args.seqs, args.repeats, args.budget_mb = [512, 1024], 3, 8.0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    HQ, HKV = args.heads
+    ONLY = args.only
     results = {"args": vars(args), "worlds": {}}
     for world in args.worlds:
         print(f"--- P = {world}", flush=True)

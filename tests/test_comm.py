@@ -9,6 +9,7 @@ import ulysses_cp as ucp
 from tests.helpers import make_qkv, topology
 from ulysses_cp.core.comm import head_to_seq, seq_to_head
 from ulysses_cp.core.sharding import natural_to_pairs, pairs_to_natural
+from ulysses_cp.modes.ulysses import head_chunk_choices
 
 
 def encoded(b: int, s: int, h: int, d: int) -> torch.Tensor:
@@ -59,8 +60,8 @@ def test_all_to_all_backward_is_inverse(pools):
     pools(4).run(_a2a_gradient)
 
 
-def _bytes(rank, P, hq, hkv, dtype):
-    topo = topology(P, 1)
+def _bytes(rank, P, hq, hkv, dtype, chunks=1):
+    topo = topology(P, 1, head_chunks=chunks)
     b, s, d = 2, 16 * P, 12
     q, k, v, dout = make_qkv(3, b, s, hq, hkv, d, dtype=dtype)
     ql, kl, vl = (ucp.shard_sequence(t, topo).requires_grad_() for t in (q, k, v))
@@ -84,3 +85,7 @@ def test_measured_bytes_equal_formula(pools, P, hq, hkv, dtype):
         assert fwd == formula
         assert bwd == formula  # dO out, dq/dk/dv back: the same volume
         assert calls == 2  # q, k, v packed into one all-to-all, output in one
+    # head chunks: the same bytes, in 2 calls per chunk
+    c = max(head_chunk_choices(hq, hkv, P))
+    for fwd, bwd, calls in pools(P).run(_bytes, P, hq, hkv, dtype, c):
+        assert (fwd, bwd, calls) == (formula, formula, 2 * c)

@@ -14,7 +14,7 @@ stays local and is not counted), per op and per phase (``forward`` / ``backward`
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -26,6 +26,7 @@ from .protocols import Group
 __all__ = [
     "CollectiveError",
     "CommStats",
+    "PendingAllToAll",
     "collective",
     "comm_device",
     "describe_group",
@@ -180,6 +181,80 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.bwd(grad, ctx.group, "backward"), None, None, None
+
+
+class PendingAllToAll:
+    """One all-to-all over dim 0 that is posted now and waited for later, in the forward and
+    again (for the gradient) in the backward, so that compute can run while it moves:
+
+        pending = PendingAllToAll(group)
+        recv = pending.start(x, pack, pack_inv)      # posted; recv not valid yet
+        ...                                          # compute something else
+        y = pending.finish(recv, unpack, unpack_inv) # waited; y = unpack(recv)
+
+    ``pack(x)`` makes the send buffer ``(P, ...)`` (dim 0 = destination rank), ``unpack``
+    turns the receive buffer (dim 0 = source rank) into the result; ``*_inv`` are their
+    inverses, used on the gradients. Differentiable: ``finish``'s backward posts the
+    gradient's all-to-all and ``start``'s backward waits for it, so in the backward too
+    the transfer runs while autograd computes what lies between the two. Every rank must
+    start and finish its pending all-to-alls in the same order (the group runs them in the
+    order they were posted)."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self._work = None
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def post(self, send: torch.Tensor, phase: str) -> torch.Tensor:
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        with collective("all_to_all", phase, self.group):
+            self._work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        stats.add(
+            "all_to_all",
+            phase,
+            send.numel() * send.element_size() * (send.shape[0] - 1) // send.shape[0],
+        )
+        self._buffers = (send, recv)  # the send buffer must live until the transfer ends
+        return recv
+
+    def wait(self, phase: str) -> torch.Tensor:
+        assert self._work is not None and self._buffers is not None, "wait before post"
+        with collective("all_to_all", phase, self.group):
+            self._work.wait()
+        recv = self._buffers[1]
+        self._work = self._buffers = None
+        return recv
+
+    def start(self, x: torch.Tensor, pack: Callable, pack_inv: Callable) -> torch.Tensor:
+        return _Start.apply(x, self, pack, pack_inv)
+
+    def finish(self, recv: torch.Tensor, unpack: Callable, unpack_inv: Callable) -> torch.Tensor:
+        return _Finish.apply(recv, self, unpack, unpack_inv)
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pending, pack, pack_inv):
+        ctx.pending, ctx.pack_inv = pending, pack_inv
+        return pending.post(pack(x), "forward")
+
+    @staticmethod
+    def backward(ctx, grad_recv):
+        # grad_recv is the buffer _Finish.backward posted: valid once the wait returns
+        return ctx.pack_inv(ctx.pending.wait("backward")), None, None, None
+
+
+class _Finish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, recv, pending, unpack, unpack_inv):
+        ctx.pending, ctx.unpack_inv = pending, unpack_inv
+        pending.wait("forward")
+        return unpack(recv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.pending.post(ctx.unpack_inv(grad), "backward"), None, None, None
 
 
 def seq_to_head(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -41,13 +41,16 @@ class RunOptions:
     the SP loss (1, or the SP degree where ZeRO-3 averages gradients over SP ranks too:
     ``ucp.engine.zero_grad_scale``); ``kv_exchange``: how KV moves inside a ring group
     (``"ring"``: point-to-point steps overlapped with compute; ``"allgather"``: one
-    all-gather, and a reduce-scatter of dk/dv in the backward)."""
+    all-gather, and a reduce-scatter of dk/dv in the backward); ``head_chunks``: the Ulysses
+    all-to-alls go in this many chunks of heads, overlapped with the attention of the
+    previous chunk (0: automatic, see ``ulysses_cp.modes.ulysses.resolve_head_chunks``)."""
 
     layout: str = "zigzag"
     backend: str = "auto"
     check_inputs: bool = True
     grad_scale: float = 1.0
     kv_exchange: str = "ring"
+    head_chunks: int = 0
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
@@ -61,3 +64,6 @@ class RunOptions:
         object.__setattr__(self, "grad_scale", float(g))
         if self.kv_exchange not in KV_EXCHANGES:
             raise ValueError(f"kv_exchange {self.kv_exchange!r} is not one of {list(KV_EXCHANGES)}")
+        c = self.head_chunks
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise ValueError(f"head_chunks must be an integer >= 0 (0: automatic), got {c!r}")

@@ -191,6 +191,7 @@ def init_topology(
     check_inputs: bool = True,
     grad_scale: float = 1.0,
     kv_exchange: str = "ring",
+    head_chunks: int = 0,
     timeout_s: float | None = None,
 ) -> Topology:
     """Build the process groups (module docstring) on the default process group.
@@ -208,6 +209,7 @@ def init_topology(
         check_inputs=check_inputs,
         grad_scale=grad_scale,
         kv_exchange=kv_exchange,
+        head_chunks=head_chunks,
     )
     if not dist.is_available() or not dist.is_initialized():
         validate_degrees(1, ulysses_degree, ring_degree)

@@ -16,7 +16,7 @@ from ..core.topology import Topology
 from ..core.varlen import Docs, check_cu_seqlens, inverse_permutation, ulysses_permutation
 from ..kernels.dispatch import BACKENDS, Kernel, local_attention, resolve_backend
 from .ring import ring_attention
-from .ulysses import kv_replication, ulysses_attention
+from .ulysses import kv_replication, resolve_head_chunks, ulysses_attention
 
 __all__ = [
     "Attention",
@@ -111,6 +111,7 @@ def attention(
     sinks: torch.Tensor | None = None,
     window: tuple[int, int] = (-1, -1),
     kv_exchange: str | None = None,
+    head_chunks: int | None = None,
 ) -> torch.Tensor:
     """Sequence-parallel attention equal to full attention on the gathered sequence.
 
@@ -132,12 +133,17 @@ def attention(
     right)``: flash-attn's sliding window over global token positions (query i sees keys
     ``i - left .. i + right``, -1 unbounded; ``(-1, -1)`` is full attention); packed rows:
     within each document. ``kv_exchange``: how KV moves inside the ring group, ``"ring"``
-    or ``"allgather"``; None takes the run's (``topo.options.kv_exchange``)."""
+    or ``"allgather"``; None takes the run's (``topo.options.kv_exchange``).
+    ``head_chunks``: the Ulysses all-to-alls in this many chunks of heads (0: automatic;
+    :func:`~ulysses_cp.modes.ulysses.head_chunk_choices` lists the counts that work);
+    None takes the run's (``topo.options.head_chunks``)."""
     layout = layout_of(topo, layout)  # the same verdict on every rank: before any collective
     if backend is None:
         backend = topo.backend
     if kv_exchange is None:
         kv_exchange = topo.options.kv_exchange
+    if head_chunks is None:
+        head_chunks = topo.options.head_chunks
     if topo.check_inputs and topo.sp_world_size > 1:
         # first, so that input that only some ranks would reject fails on every rank
         check_across_ranks(
@@ -153,18 +159,21 @@ def attention(
             sinks=sinks,
             window=window,
             kv_exchange=kv_exchange,
+            head_chunks=head_chunks,
         )
     validate_qkv(q, k, v, topo, layout)
     if kv_exchange not in KV_EXCHANGES:
         raise ValueError(f"kv_exchange {kv_exchange!r} is not one of {list(KV_EXCHANGES)}")
     validate_variants(q, softcap, sinks, window)
+    u = topo.ulysses_degree
+    r = topo.ring_degree
+    chunks = 1 if u == 1 else resolve_head_chunks(head_chunks, q.shape[2], k.shape[2], u, r > 1)
     backend = resolve_backend(backend, q)
     opts: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
     if softcap:
         opts.update(softcap=float(softcap))
     if tuple(window) != (-1, -1):
         opts.update(window=tuple(int(w) for w in window))
-    u, r = topo.ulysses_degree, topo.ring_degree
     perm, docs = None, None
     if cu_seqlens is not None:  # once per batch, not per layer (derived.once)
         key = ("packed", *q.shape[:2], u, r, topo.ring_rank, layout, str(q.device))
@@ -173,24 +182,31 @@ def attention(
         sinks = sinks.unflatten(0, (u, -1))[topo.ulysses_rank]
     if r == 1 and docs is None and "window" in opts:
         # block-sparse: the whole sequence in window-sized pieces, pairs out of reach skipped
-        inner = partial(ring_attention, group=None, layout="contiguous", sinks=sinks, **opts)
+        inner = partial(ring_attention, group=None, layout="contiguous", **opts)
     elif r == 1:
         if docs is not None:
             opts.update(cu_seqlens=docs.cu)
-        inner = partial(local_attention, sinks=sinks, **opts)
+        inner = partial(local_attention, **opts)
     else:
         inner = partial(
             ring_attention,
             group=topo.ring_group,
             layout=layout,
             docs=docs,
-            sinks=sinks,
             exchange=kv_exchange,
             **opts,
         )
     # ulysses: a2a around the local kernel; ring: no a2a (degree 1); hybrid: a2a around ring
     return ulysses_attention(
-        q, k, v, group=topo.ulysses_group, layout=layout, inner=inner, perm=perm
+        q,
+        k,
+        v,
+        group=topo.ulysses_group,
+        layout=layout,
+        inner=inner,
+        perm=perm,
+        sinks=sinks,
+        head_chunks=chunks,
     )
 
 
@@ -278,6 +294,7 @@ def _signature(
     sinks=None,
     window=(-1, -1),
     kv_exchange="ring",
+    head_chunks=0,
 ) -> list[int]:
     dtypes = [_code(t.dtype, _DTYPES) for t in (q, k, v)]
     devices = [_code(t.device.type, ["cpu", "cuda"]) for t in (q, k, v)]
@@ -295,6 +312,7 @@ def _signature(
         sinks.numel() if isinstance(sinks, torch.Tensor) else -1,
         *_window_code(window),
         _code(kv_exchange, list(KV_EXCHANGES)),
+        head_chunks if isinstance(head_chunks, int) else -2,
     ]
 
 
@@ -312,6 +330,7 @@ _FIELDS = [
     "window left",
     "window right",
     "kv exchange",
+    "head chunks",
 ]
 
 
@@ -329,6 +348,7 @@ def check_across_ranks(
     sinks: torch.Tensor | None = None,
     window: tuple[int, int] = (-1, -1),
     kv_exchange: str = "ring",
+    head_chunks: int = 0,
 ) -> None:
     """One all-gather of a few integers over the SP group, before any other check: every
     rank must call attention with the same shapes, dtypes, devices, options and documents,
@@ -348,6 +368,7 @@ def check_across_ranks(
             sinks=sinks,
             window=window,
             kv_exchange=kv_exchange,
+            head_chunks=head_chunks,
         ),
         dtype=torch.int64,
         device=q.device if isinstance(q, torch.Tensor) else "cpu",

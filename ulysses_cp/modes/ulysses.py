@@ -1,13 +1,23 @@
-"""Ulysses all-to-all attention (Jacobs et al., DeepSpeed-Ulysses, arXiv:2309.14509).
+"""Ulysses all-to-all attention (Jacobs et al., DeepSpeed-Ulysses, arXiv:2309.14509),
+head-chunked.
 
-Legend: b batch, s full sequence, s_l = s/P, P ulysses degree, hq/hkv heads, d head dim.
+Legend: b batch, s full sequence, s_l = s/P, P ulysses degree, hq/hkv heads, d head dim,
+c head chunks, hk kv heads after replication.
 
-q, k and v go through ONE all-to-all (packed along the head dim) from sequence-sharded to
-head-sharded, the local kernel sees the whole sequence for its heads, and one all-to-all
-brings the output back. GQA: kv heads that the degree divides travel with their own count;
-fewer kv heads than ranks are replicated ``P / hkv`` times first (autograd sums the
-replicas' gradients), so that rank r receives kv head ``floor(r * hkv / P)``, the one its
-query heads use.
+q, k and v go through all-to-alls (packed along the head dim) from sequence-sharded to
+head-sharded, the local kernel sees the whole sequence for its heads, and all-to-alls bring
+the output back. Rank j always holds query heads ``[j*hq/P, (j+1)*hq/P)``. GQA: kv heads
+that the degree divides travel with their own count; fewer kv heads than ranks are
+replicated ``P / hkv`` times first (autograd sums the replicas' gradients), so that rank j
+receives kv head ``floor(j * hkv / P)``, the one its query heads use.
+
+Head chunks (``c``): each rank's query heads go in ``c`` chunks, one all-to-all each, and
+its kv heads in ``min(c, hk/P)`` chunks, each sent with the first query chunk that needs
+it. The all-to-all of chunk i+1 is posted before chunk i's attention runs and the output
+all-to-all of chunk i runs during chunk i+1's (:class:`~ulysses_cp.core.comm.
+PendingAllToAll`; in the backward the same overlap, in reverse). Only one chunk's staging
+buffers (send, receive, reorder) are alive at a time, and the gradients of q, k and v are
+put together once, at the end. The bytes moved are those of ``c = 1``.
 """
 
 from __future__ import annotations
@@ -16,13 +26,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..core.comm import group_size, head_to_seq, seq_to_head
+from ..core.comm import PendingAllToAll, group_size
 from ..core.protocols import Group
-from ..core.sharding import natural_to_pairs, pairs_to_natural
-from ..core.varlen import Permute
 
 __all__ = [
+    "head_chunk_choices",
     "kv_replication",
+    "resolve_head_chunks",
     "ulysses_attention",
 ]
 
@@ -52,10 +62,92 @@ def kv_replication(hq: int, hkv: int, ulysses_degree: int) -> int:
     )
 
 
-def _pack_heads(tensors: list[torch.Tensor], P: int) -> torch.Tensor:
-    # each (b, s_l, h_i, d) -> (b, s_l, P, h_i/P, d), concatenated per destination rank
-    parts = [t.unflatten(2, (P, t.shape[2] // P)) for t in tensors]
-    return torch.cat(parts, dim=3).flatten(2, 3)  # (b, s_l, P * sum(h_i/P), d)
+def head_chunk_choices(hq: int, hkv: int, ulysses_degree: int, ring: bool = False) -> list[int]:
+    """The head-chunk counts that work: ``c`` divides the query heads per rank, and the kv
+    heads per rank (after replication) are a multiple or a divisor of ``c``. With a ring
+    inside (``ring``: hybrid mode) they must be a multiple, so that every chunk's ring
+    moves its own kv heads and no kv block travels twice."""
+    P = ulysses_degree
+    ql = hq // P
+    kl = hkv * kv_replication(hq, hkv, P) // P
+    return [c for c in _divisors(ql) if kl % c == 0 or (c % kl == 0 and not ring)]
+
+
+def resolve_head_chunks(
+    requested: int, hq: int, hkv: int, ulysses_degree: int, ring: bool = False
+) -> int:
+    """``requested`` (0: automatic, 2 where it works, else 1) checked against
+    :func:`head_chunk_choices`; ``ValueError`` naming the counts that work."""
+    choices = head_chunk_choices(hq, hkv, ulysses_degree, ring)
+    if requested == 0:
+        return 2 if 2 in choices else 1
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested not in choices:
+        where = " with a ring inside (hybrid: kv heads per rank a multiple of it)" if ring else ""
+        raise ValueError(
+            f"head_chunks={requested!r} does not split {hq} query heads and {hkv} kv heads "
+            f"over ulysses_degree {ulysses_degree} ({hq // ulysses_degree} query heads per "
+            f"rank){where}: use one of {choices}, or 0 (automatic)"
+        )
+    return requested
+
+
+def _to_ranks(x: torch.Tensor, P: int, order) -> torch.Tensor:
+    """``(b, s, h, d)`` in token order -> ``(P, b, s/P, h, d)``: dim 0 = the rank whose
+    tokens these are (the layout's order, or the packed row's permutation), contiguous."""
+    b, s, h, d = x.shape
+    if isinstance(order, tuple):  # packed rows (b = 1): token order -> rank order
+        return x.index_select(1, order[1].to(x.device)).view(P, b, s // P, h, d)
+    if order == "contiguous":
+        return x.unflatten(1, (P, s // P)).transpose(0, 1).contiguous()
+    n = s // (2 * P)  # zigzag: rank p holds chunks p and 2P-1-p
+    xv = x.unflatten(1, (2 * P, n))
+    out = x.new_empty(P, b, 2, n, h, d)
+    out[:, :, 0].copy_(xv[:, :P].transpose(0, 1))
+    for p in range(P):
+        out[p, :, 1].copy_(xv[:, 2 * P - 1 - p])
+    return out.view(P, b, 2 * n, h, d)
+
+
+def _from_ranks(x: torch.Tensor, P: int, order) -> torch.Tensor:
+    """Inverse of :func:`_to_ranks`: ``(P, b, s/P, h, d)`` -> ``(b, s, h, d)``."""
+    _, b, s_l, h, d = x.shape
+    if isinstance(order, tuple):
+        return x.view(b, P * s_l, h, d).index_select(1, order[0].to(x.device))
+    if order == "contiguous":
+        return x.transpose(0, 1).reshape(b, P * s_l, h, d)
+    n = s_l // 2
+    xv = x.view(P, b, 2, n, h, d)
+    out = x.new_empty(b, 2 * P, n, h, d)
+    out[:, :P].copy_(xv[:, :, 0].transpose(0, 1))
+    for p in range(P):
+        out[:, 2 * P - 1 - p].copy_(xv[p, :, 1])
+    return out.view(b, 2 * P * n, h, d)
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class _Assemble(torch.autograd.Function):
+    """The output chunks ``(P, b, s_l, hq/(cP), d)`` (dim 0 = the rank that computed
+    them) -> ``(b, s_l, hq, d)``: one copy, and the backward hands each chunk a view of
+    the gradient (no zero-filled full-size tensors)."""
+
+    @staticmethod
+    def forward(ctx, *chunks):
+        P, b, s_l, hc, d = chunks[0].shape
+        c = len(chunks)
+        ctx.split = (P, c, hc)
+        out = chunks[0].new_empty(b, s_l, P, c, hc, d)
+        for i, x in enumerate(chunks):
+            out[:, :, :, i].copy_(x.permute(1, 2, 0, 3, 4))
+        return out.view(b, s_l, P * c * hc, d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        P, c, hc = ctx.split
+        g = grad.unflatten(2, (P, c, hc))
+        return tuple(g[:, :, :, i].permute(2, 0, 1, 3, 4) for i in range(c))
 
 
 def ulysses_attention(
@@ -67,36 +159,75 @@ def ulysses_attention(
     layout: str,
     inner: Callable,
     perm: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
+    head_chunks: int = 1,
 ) -> torch.Tensor:
-    """All-to-all over ``group`` around ``inner(q, k, v) -> out`` on head-sharded tensors.
+    """All-to-alls over ``group`` around ``inner(q, k, v[, sinks=]) -> out`` on
+    head-sharded tensors, in ``head_chunks`` chunks of heads (module docstring).
 
     ``inner`` is the local kernel (Ulysses mode) or ring attention over the ring group
-    (hybrid mode); it sees q ``(b, s/r, hq/P, d)`` and k/v ``(b, s/r, hk/P, d)`` in token
-    order (zigzag: the ring rank's two chunks in order). Inputs validated by the caller.
+    (hybrid mode); it sees q ``(b, s/r, hq/(cP), d)`` and k/v ``(b, s/r, hk/(c_k P), d)``
+    in token order (zigzag: the ring rank's two chunks in order). ``sinks``: this rank's
+    ``(hq/P,)`` sink logits, handed to ``inner`` per chunk. Inputs validated by the caller;
+    ``head_chunks`` must be one of :func:`head_chunk_choices`.
 
     q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` -> ``(b, s_l, hq, d)``. Packed rows:
     ``perm = (perm, inverse)`` from :func:`~ulysses_cp.varlen.ulysses_permutation` replaces
     the zigzag reorder (it puts every document's pieces in order)."""
     P = group_size(group)
+    extra = {} if sinks is None else {"sinks": sinks}
     if P == 1:
-        return inner(q, k, v)
+        return inner(q, k, v, **extra)
     hq, hkv = q.shape[2], k.shape[2]
     rep = kv_replication(hq, hkv, P)
     if rep > 1:
         # (b, s_l, hkv, d) -> (b, s_l, P, d): kv head j replicated for ranks [j*rep, (j+1)*rep)
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    hk = k.shape[2]
-    # no names are kept for the staging tensors, so each is freed as soon as it is used
-    # (b, s_l, hq + 2*hk, d) -> (b, s_l * P, (hq + 2*hk)/P, d), in rank order
-    heads = seq_to_head(_pack_heads([q, k, v], P), group)
-    if perm is not None:
-        heads = Permute.apply(heads, perm[0], perm[1], 1)  # rank order -> document order
-    elif layout == "zigzag":
-        heads = pairs_to_natural(heads, P, dim=1)  # rank order -> token order
-    qh, kh, vh = heads.split([hq // P, hk // P, hk // P], dim=2)
-    out = inner(qh, kh, vh)  # (b, s_l * P, hq/P, d)
-    if perm is not None:
-        out = Permute.apply(out, perm[1], perm[0], 1)
-    elif layout == "zigzag":
-        out = natural_to_pairs(out, P, dim=1)
-    return head_to_seq(out, group)  # (b, s_l, hq, d)
+    c = head_chunks
+    ql, kl = hq // P, k.shape[2] // P
+    ck = min(c, kl)
+    order = perm if perm is not None else layout
+
+    def to_ranks(x):
+        return _to_ranks(x, P, order)
+
+    def from_ranks(x):
+        return _from_ranks(x, P, order)
+
+    # views: q chunk i = (b, s_l, P, ql/c, d), dim 2 = destination rank; unbind's backward
+    # stacks the chunks' gradients once, when all have arrived
+    q_chunks = q.unflatten(2, (P, c, ql // c)).unbind(3)
+    k_chunks = k.unflatten(2, (P, ck, kl // ck)).unbind(3)
+    v_chunks = v.unflatten(2, (P, ck, kl // ck)).unbind(3)
+    per_kv = c // ck  # query chunks per kv chunk
+
+    def post(i: int) -> tuple[PendingAllToAll, torch.Tensor]:
+        parts = [q_chunks[i]]
+        if i % per_kv == 0:
+            parts += [k_chunks[i // per_kv], v_chunks[i // per_kv]]
+        send = torch.cat([t.permute(2, 0, 1, 3, 4) for t in parts], dim=3)  # (P, b, s_l, h, d)
+        pending = PendingAllToAll(group)
+        return pending, pending.start(send, _same, _same)
+
+    qc, kc = ql // c, kl // ck
+    inbound = [post(0)]
+    outbound: list[tuple[PendingAllToAll, torch.Tensor]] = []
+    kv = None
+    for i in range(c):
+        if i + 1 < c:
+            inbound.append(post(i + 1))  # in flight while chunk i computes
+        pending, recv = inbound[i]
+        heads = pending.finish(recv, from_ranks, to_ranks)  # (b, s, h, d) token order
+        inbound[i] = None  # type: ignore[call-overload]
+        if i % per_kv == 0:
+            qh, kh, vh = heads.split([qc, kc, kc], dim=2)
+            kv = (kh, vh)
+        else:
+            qh = heads
+        assert kv is not None
+        part = {} if sinks is None else {"sinks": sinks[i * qc : (i + 1) * qc]}
+        out = inner(qh, kv[0], kv[1], **part)  # (b, s, qc, d)
+        pending = PendingAllToAll(group)
+        outbound.append((pending, pending.start(out, to_ranks, from_ranks)))
+    chunks = [pending.finish(recv, _same, _same) for pending, recv in outbound]
+    return _Assemble.apply(*chunks)

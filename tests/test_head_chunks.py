@@ -1,0 +1,218 @@
+"""Head-chunked Ulysses: exact in every mode for every chunk count that works, the same
+bytes as one chunk, the next chunk's all-to-all posted before the current chunk computes,
+less staging memory, and the option's checks.
+
+Reference: float64 attention on the full tensors (``tests.test_variants.reference``)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import ulysses_cp as ucp
+from tests.distributed import WorkerError
+from tests.helpers import ROOT, make_qkv, topology
+from tests.test_variants import _sinks, reference
+from ulysses_cp.kernels import math_backend
+from ulysses_cp.modes.ulysses import head_chunk_choices, resolve_head_chunks
+
+TOL64 = dict(rtol=1e-10, atol=1e-10)
+
+
+def test_choices_follow_the_heads_per_rank():
+    assert head_chunk_choices(8, 8, 2) == [1, 2, 4]  # 4 q and 4 kv heads per rank
+    assert head_chunk_choices(8, 4, 4) == [1, 2]  # 2 q heads, 1 kv head per rank
+    assert head_chunk_choices(8, 2, 4) == [1, 2]  # kv replicated to 1 per rank
+    assert head_chunk_choices(16, 4, 2) == [1, 2, 4, 8]  # 2 kv heads: c | 2 or 2 | c
+    assert head_chunk_choices(12, 6, 2) == [1, 3, 6]  # 6 q, 3 kv per rank: not 2
+    assert head_chunk_choices(4, 1, 4) == [1]
+    # hybrid: every chunk's ring moves its own kv heads (2 per rank here, or 1)
+    assert head_chunk_choices(16, 4, 2, ring=True) == [1, 2]
+    assert head_chunk_choices(8, 2, 4, ring=True) == [1]
+
+
+def test_automatic_rule_and_errors():
+    assert resolve_head_chunks(0, 8, 4, 4) == 2
+    assert resolve_head_chunks(0, 12, 6, 2) == 1  # 2 does not work there
+    assert resolve_head_chunks(0, 4, 1, 4) == 1
+    assert resolve_head_chunks(3, 12, 6, 2) == 3
+    with pytest.raises(ValueError, match=r"head_chunks=4 .*use one of \[1, 2\]"):
+        resolve_head_chunks(4, 8, 4, 4)
+    with pytest.raises(ValueError, match=r"with a ring inside .*use one of \[1\]"):
+        resolve_head_chunks(2, 8, 2, 4, ring=True)
+    with pytest.raises(ValueError, match="head_chunks must be an integer >= 0"):
+        ucp.RunOptions(head_chunks=-1)
+
+
+def _run(rank, u, r, layout, c, *, hq, hkv, causal=True, bounds=None, sinks=False, **extra):
+    topo = topology(u, r, layout)
+    s = 32 if bounds is None else bounds[-1]
+    q, k, v, dout = make_qkv(seed=5, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=8)
+    cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
+    kw = dict(layout=layout, cu_seqlens=cu)
+    ql, kl, vl = (ucp.shard_sequence(t, topo, **kw).detach().requires_grad_() for t in (q, k, v))
+    sk = _sinks(hq).requires_grad_() if sinks else None
+    out = ucp.attention(
+        ql, kl, vl, topo, causal=causal, backend="math", head_chunks=c, sinks=sk, **kw, **extra
+    )
+    out.backward(ucp.shard_sequence(dout, topo, **kw))
+    got = [ucp.gather_sequence(t, topo, **kw).detach() for t in (out, ql.grad, kl.grad, vl.grad)]
+    return [*got, None if sk is None else sk.grad]
+
+
+def _check(results, *, hq, hkv, causal=True, bounds=None, sinks=False, window=(-1, -1), **_):
+    s = 32 if bounds is None else bounds[-1]
+    q, k, v, dout = make_qkv(seed=5, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=8)
+    sk = _sinks(hq) if sinks else None
+    ref = reference(q, k, v, dout, causal=causal, sinks=sk, bounds=bounds, window=window)
+    for got in results:
+        for name, g, x in zip(("out", "dq", "dk", "dv"), got[:4], ref[:4]):
+            torch.testing.assert_close(g, x, **TOL64, msg=lambda m, n=name: f"{n}: {m}")
+    if sinks:  # each rank's share; summed over the SP ranks, the full gradient
+        torch.testing.assert_close(sum(got[4] for got in results), ref[4], **TOL64)
+
+
+# (u, r, hq, hkv, c): MHA, GQA with kv chunks = c, GQA with fewer kv chunks than c, kv
+# replication (hkv < u), hybrid
+CASES = [
+    (2, 1, 8, 8, 4),
+    (2, 1, 16, 4, 4),
+    (2, 1, 16, 4, 8),
+    (4, 1, 8, 4, 2),
+    (4, 1, 8, 2, 2),
+    (2, 2, 8, 4, 2),
+    (2, 2, 16, 8, 4),
+]
+
+
+@pytest.mark.parametrize("u,r,hq,hkv,c", CASES)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunked_ulysses_matches_float64(pools, u, r, hq, hkv, c, layout, causal):
+    kw = dict(hq=hq, hkv=hkv, causal=causal)
+    _check(pools(u * r).run(_run, u, r, layout, c, **kw), **kw)
+
+
+@pytest.mark.parametrize("u,r", [(4, 1), (2, 2)])
+def test_chunked_packed_rows_with_sinks_and_windows(pools, u, r):
+    bounds = [0, 8, 32, 40, 64]
+    for extra in (dict(sinks=True), dict(window=(5, -1)), dict(kv_exchange="allgather")):
+        if "kv_exchange" in extra and r == 1:
+            continue
+        kw = dict(hq=8, hkv=4, bounds=bounds, **extra)
+        _check(pools(u * r).run(_run, u, r, "zigzag", 2, **kw), **kw)
+
+
+def _bytes_and_order(rank, c):
+    """Bytes per op for chunk count c, and how many all-to-alls had been posted when each
+    kernel call started (an injected kernel counts them)."""
+    topo = topology(4, 1, "zigzag", check_inputs=False)
+    seen = []
+
+    def forward(q, k, v, causal, scale):
+        seen.append(ucp.comm_stats.calls[("all_to_all", "forward")])
+        return math_backend.forward(q, k, v, causal, scale)
+
+    def backward(*args):
+        seen.append(-ucp.comm_stats.calls[("all_to_all", "backward")])
+        return math_backend.backward(*args)
+
+    kernel = ucp.Kernel("counting", forward, backward)
+    q, k, v, dout = make_qkv(seed=1, b=1, s=64, hq=8, hkv=4, d=8)
+    ql, kl, vl = (ucp.shard_sequence(t, topo).detach().requires_grad_() for t in (q, k, v))
+    ucp.comm_stats.reset()
+    out = ucp.attention(ql, kl, vl, topo, backend=kernel, head_chunks=c)
+    out.backward(ucp.shard_sequence(dout, topo))
+    return ucp.comm_stats.snapshot(), dict(ucp.comm_stats.calls), seen
+
+
+def test_chunks_move_the_same_bytes_and_overlap(pools):
+    one = pools(4).run(_bytes_and_order, 1)
+    two = pools(4).run(_bytes_and_order, 2)
+    for a, b in zip(one, two):
+        assert a[0] == b[0] and a[0]["all_to_all/forward"] > 0  # bytes: identical
+        # forward: c inbound + c outbound all-to-alls; backward the same
+        assert a[1][("all_to_all", "forward")] == 2 and b[1][("all_to_all", "forward")] == 4
+        assert b[1][("all_to_all", "backward")] == 4
+    # c=2: chunk 1's all-to-all was posted before chunk 0's kernel ran (2 posted), and the
+    # output all-to-all of chunk 0 before chunk 1's (3); in the backward, when the kernel of
+    # the first chunk it reaches runs, the gradients of the output are in flight
+    assert two[0][2][:2] == [2, 3]
+    assert one[0][2][:1] == [1]
+
+
+def _peak(rank, c, n):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from profiling import peak_memory
+
+    topo = topology(4, 1, "zigzag")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, n // 4, 16, 32, generator=g, requires_grad=True)
+    k = torch.randn(1, n // 4, 16, 32, generator=g, requires_grad=True)
+    v = torch.randn(1, n // 4, 16, 32, generator=g, requires_grad=True)
+    dout = torch.randn(1, n // 4, 16, 32, generator=g)
+
+    def step():
+        ucp.attention(q, k, v, topo, backend="torch", head_chunks=c).backward(dout)
+
+    return peak_memory(step, scratch=False)
+
+
+def test_more_chunks_stage_less(pools):
+    peaks = {c: max(pools(4).run(_peak, c, 1024)) for c in (1, 4)}
+    local = 1024 // 4 * 16 * 32 * 4  # one local (b, s_l, h, d) float32 tensor
+    # c=1 stages the packed q/k/v (send, receive, reorder): at least ~1.5 local tensors
+    # more than c=4 at the peak
+    assert peaks[4] <= peaks[1] - 1.5 * local, peaks
+
+
+def _mismatch(rank):
+    topo = topology(2, 1, "zigzag")
+    q = torch.randn(1, 8, 4, 8)
+    ucp.attention(q, q, q, topo, head_chunks=1 + rank)
+
+
+def test_chunk_counts_that_differ_across_ranks_are_refused_on_every_rank(pools):
+    with pytest.raises(WorkerError) as err:
+        pools(2).run(_mismatch)
+    assert str(err.value).count("head chunks: rank 0 1, rank 1 2") == 2
+
+
+def _bad(rank):
+    topo = topology(4, 1, "zigzag", head_chunks=4)
+    q = torch.randn(1, 8, 8, 8)
+    k = torch.randn(1, 8, 4, 8)
+    ucp.attention(q, k, k, topo)
+
+
+def test_a_chunk_count_that_does_not_split_the_heads_is_refused(pools):
+    with pytest.raises(WorkerError) as err:
+        pools(4).run(_bad)
+    assert str(err.value).count("head_chunks=4 does not split 8 query heads") == 4
+
+
+def test_config_sets_the_runs_chunk_count():
+    cfg = {"sequence_parallel": {"ulysses_degree": 1, "head_chunks": 4}}
+    assert ucp.engine.run_options(cfg).head_chunks == 4
+    with pytest.raises(ValueError, match="head_chunks must be an integer >= 0"):
+        ucp.engine.run_options({"sequence_parallel": {"head_chunks": -2}})
+
+
+def _hybrid_bytes(rank, c, exchange):
+    topo = topology(2, 2, "zigzag", kv_exchange=exchange, check_inputs=False)
+    q, k, v, dout = make_qkv(seed=1, b=1, s=32, hq=8, hkv=4, d=8)
+    ql, kl, vl = (ucp.shard_sequence(t, topo).detach().requires_grad_() for t in (q, k, v))
+    ucp.comm_stats.reset()
+    ucp.attention(ql, kl, vl, topo, backend="math", head_chunks=c).backward(
+        ucp.shard_sequence(dout, topo)
+    )
+    return ucp.comm_stats.snapshot()
+
+
+@pytest.mark.parametrize("exchange", ["ring", "allgather"])
+def test_hybrid_chunks_move_the_same_bytes(pools, exchange):
+    one = pools(4).run(_hybrid_bytes, 1, exchange)
+    two = pools(4).run(_hybrid_bytes, 2, exchange)
+    assert one == two and any(k.startswith(("ring/", "kv_allgather/")) for k in one[0])
