@@ -121,8 +121,10 @@ def _mode_body(rank, world, args, device):
     for backend in backends():
         for u, r in ((world, 1), (1, world), (2, world // 2)):
             groups = ucp.init_topology(u, r)
-            for layout, packed in itertools.product(("zigzag", "contiguous"), (False, True)):
-                topo = groups.with_options(layout=layout, backend=backend)
+            cases = [(*lp, 0) for lp in itertools.product(("zigzag", "contiguous"), (False, True))]
+            cases.append(("zigzag", False, 1))  # the default is 2 head chunks: also 1
+            for layout, packed, chunks in cases:
+                topo = groups.with_options(layout=layout, backend=backend, head_chunks=chunks)
                 q, k, v, do = inputs(N, hq, hkv, d, torch.Generator().manual_seed(1))
                 cu = packed_bounds(N, 2 * world) if packed else None
                 ref = reference(q, k, v, do, True, cu)
@@ -140,6 +142,7 @@ def _mode_body(rank, world, args, device):
                 ]
                 errs = rel_errors(got, ref)
                 case = dict(backend=backend, mode=topo.mode, ulysses=u, ring=r, layout=layout)
+                case["head_chunks"] = chunks
                 rows.append(
                     dict(case, packed=packed, err_out_dq_dk_dv=errs, ok=max(errs) <= TOL[dtype])
                 )

@@ -105,7 +105,7 @@ def test_chunked_packed_rows_with_sinks_and_windows(pools, u, r):
         _check(pools(u * r).run(_run, u, r, "zigzag", 2, **kw), **kw)
 
 
-def _bytes_and_order(rank, c):
+def _bytes_and_order(rank, c, hq=8, hkv=4):
     """Bytes per op for chunk count c, and how many all-to-alls had been posted when each
     kernel call started (an injected kernel counts them)."""
     topo = topology(4, 1, "zigzag", check_inputs=False)
@@ -120,7 +120,7 @@ def _bytes_and_order(rank, c):
         return math_backend.backward(*args)
 
     kernel = ucp.Kernel("counting", forward, backward)
-    q, k, v, dout = make_qkv(seed=1, b=1, s=64, hq=8, hkv=4, d=8)
+    q, k, v, dout = make_qkv(seed=1, b=1, s=64, hq=hq, hkv=hkv, d=8)
     ql, kl, vl = (ucp.shard_sequence(t, topo).detach().requires_grad_() for t in (q, k, v))
     ucp.comm_stats.reset()
     out = ucp.attention(ql, kl, vl, topo, backend=kernel, head_chunks=c)
@@ -141,6 +141,17 @@ def test_chunks_move_the_same_bytes_and_overlap(pools):
     # the first chunk it reaches runs, the gradients of the output are in flight
     assert two[0][2][:2] == [2, 3]
     assert one[0][2][:1] == [1]
+
+
+def test_backward_keeps_two_output_gradients_in_flight(pools):
+    """c=4: when the backward reaches the kernel of chunk 3, the output-gradient
+    all-to-alls of chunks 3 and 2 are posted (2), not all four; before chunk 2's kernel,
+    chunk 3's input gradients and chunk 1's output gradient are posted too (4): the
+    transfers overlap the next chunk's kernel and at most two chunks of dO are staged."""
+    for _, _, seen in pools(4).run(_bytes_and_order, 4, 16, 8):
+        forward, backward = seen[:4], [-x for x in seen[4:]]
+        assert forward == [2, 4, 6, 7]  # chunk i+1 in (and i-1 out) before chunk i computes
+        assert backward == [2, 4, 6, 7], backward
 
 
 def _peak(rank, c, n):

@@ -15,7 +15,8 @@ Head chunks (``c``): each rank's query heads go in ``c`` chunks, one all-to-all 
 its kv heads in ``min(c, hk/P)`` chunks, each sent with the first query chunk that needs
 it. The all-to-all of chunk i+1 is posted before chunk i's attention runs and the output
 all-to-all of chunk i runs during chunk i+1's (:class:`~ulysses_cp.core.comm.
-PendingAllToAll`; in the backward the same overlap, in reverse). Only one chunk's staging
+PendingAllToAll`; in the backward the same overlap, in reverse, with at most two chunks of
+output gradient in flight). Only one chunk's staging
 buffers (send, receive, reorder) are alive at a time, and the gradients of q, k and v are
 put together once, at the end. The bytes moved are those of ``c = 1``.
 """
@@ -213,6 +214,7 @@ def ulysses_attention(
     inbound = [post(0)]
     outbound: list[tuple[PendingAllToAll, torch.Tensor]] = []
     kv = None
+    done: list[torch.Tensor] = []
     for i in range(c):
         if i + 1 < c:
             inbound.append(post(i + 1))  # in flight while chunk i computes
@@ -229,5 +231,7 @@ def ulysses_attention(
         out = inner(qh, kv[0], kv[1], **part)  # (b, s, qc, d)
         pending = PendingAllToAll(group)
         outbound.append((pending, pending.start(out, to_ranks, from_ranks)))
-    chunks = [pending.finish(recv, _same, _same) for pending, recv in outbound]
-    return _Assemble.apply(*chunks)
+        if i > 0:  # chunk i-1's output moved while chunk i computed
+            done.append(outbound[i - 1][0].finish(outbound[i - 1][1], _same, _same))
+    done.append(outbound[-1][0].finish(outbound[-1][1], _same, _same))
+    return _Assemble.apply(*done)
