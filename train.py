@@ -24,9 +24,11 @@ import torch.distributed as dist
 import ulysses_cp as ucp
 from ulysses_cp.config import RunConfig
 from ulysses_cp.core.log import get_logger
+from ulysses_cp.plan.nodes import describe, gather_groups
 from ulysses_cp.training import checkpoint
 from ulysses_cp.training.build import build_model, check_output_dir, cpu_optimizer, validate
-from ulysses_cp.training.data import make_dataset
+from ulysses_cp.training.data import make_datasets
+from ulysses_cp.training.evaluate import Evaluator
 from ulysses_cp.training.tracking import Tracker
 from ulysses_cp.training.trainer import Hooks, Trainer, TrainingStopped
 
@@ -52,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="start afresh in an output folder that already holds a run (refused otherwise)",
     )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the planner's memory/communication/step-time table for this run "
+        "(python -m ulysses_cp.plan for more options) and exit without training",
+    )
     p.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
     return p.parse_args(argv)
 
@@ -63,12 +71,24 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     config, sp, mc, dc, tc = run.raw, run.sequence_parallel, run.model, run.data, run.training
     if args.max_steps is not None:
         tc = replace(tc, max_steps=args.max_steps)
+    if args.plan:  # before any process group: every rank would print the same
+        from ulysses_cp.plan.cli import plan_for_launch
+
+        if os.environ.get("RANK", "0") == "0":
+            print(plan_for_launch(run, dict(os.environ)), flush=True)
+        return
     ucp.init_distributed(timeout_s=sp.collective_timeout_s)
     validate(sp, mc, dc)
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     resuming = check_output_dir(out, args.resume, args.overwrite)
-    dataset = make_dataset(dc)  # missing or short data files fail here, before the engine
+    # missing or short data files fail here, before the engine; task "dataset" tokenizes
+    # its files once (rank 0, with a progress bar) into a cache every rank maps
+    dataset, held_out = make_datasets(dc, run.eval)
     topo = ucp.topology_from_config(config)
+    line, warning = describe(gather_groups(topo))  # the groups as built, node by node
+    log.info(line)
+    if warning:
+        log.warning(warning)
 
     torch.manual_seed(tc.seed)
     model = build_model(mc, topo)
@@ -76,8 +96,9 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     engine = ucp.initialize(model=model, config=ds_config, topo=topo, optimizer=optimizer)
     info = {"world_size": topo.world_size, "dp": topo.dp_degree, "ulysses": topo.ulysses_degree,
             "ring": topo.ring_degree, "mode": topo.mode, "layout": topo.layout}  # fmt: skip
+    evaluator = None if held_out is None else Evaluator(held_out, run.eval)
     trainer = Trainer(engine, topo, dataset, tc=tc, seq_len=dc.seq_len, out=out,
-                      tiled_loss=mc.tiled_loss, hooks=hooks)  # fmt: skip
+                      tiled_loss=mc.tiled_loss, hooks=hooks, evaluator=evaluator)  # fmt: skip
     start = 0
     if resuming:
         tag = checkpoint.latest_tag(out)
@@ -106,6 +127,8 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         raise
     first, last = (state.losses[0], state.losses[-1]) if state.losses else (None, None)
     summary = {"first_loss": first, "last_loss": last, "steps": state.step}
+    if state.evals:
+        summary["eval_loss"] = state.evals[-1]["eval_loss"]
     tracker.finish(summary)
     log.info(f"done: {summary}, metrics in {out / 'metrics.jsonl'}")
     dist.barrier()

@@ -261,7 +261,13 @@ def max_length(args, topos, P, device, dtype, what: str) -> dict:
     for name, (u, r, layout, extra) in impls(P).items():
         if {"peer", "overlap", "check_inputs"} & set(extra):
             continue  # the peer and the variants that only measure a cost: skip
-        topo = topos[(u, r)].with_options(layout=layout, backend=args.backend)
+        options = {k: extra[k] for k in OPTIONS if k in extra}
+        topo = topos[(u, r)].with_options(layout=layout, backend=args.backend, **options)
+        if what == "model" and u > 1:
+            heads = ModelConfig().n_heads, ModelConfig().n_kv_heads
+            if options.get("head_chunks", 0) not in [0, *head_chunk_choices(*heads, u, r > 1)]:
+                out[name] = None  # the model's heads do not take this chunk count
+                continue
 
         def peak_at(N, topo=topo, spec=(u, r, layout, extra), name=name):
             layout = spec[2]

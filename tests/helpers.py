@@ -11,6 +11,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import pytest
 import torch
 
 import ulysses_cp as ucp
@@ -172,3 +173,17 @@ def launch(
 
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _fp16_supported() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
+# DeepSpeed refuses fp16 where its accelerator cannot run it: on a CPU, one without fp16
+# support in oneDNN (torch.ops.mkldnn._is_mkldnn_fp16_supported(), e.g. no AVX512-FP16)
+needs_fp16 = pytest.mark.skipif(
+    not _fp16_supported(),
+    reason="DeepSpeed refuses fp16 on this device (a CPU without oneDNN fp16 support)",
+)

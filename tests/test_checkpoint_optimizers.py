@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import ds_config, topology_for
+from tests.helpers import ds_config, needs_fp16, topology_for
 from ulysses_cp.models.decoder import Decoder, ModelConfig
 from ulysses_cp.training import checkpoint
 from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
@@ -175,6 +175,7 @@ def test_bf16_resume_keeps_the_fp32_master_weights(pools, tmp_path, opt, stage):
             assert err < 1e-7, f"{opt} bf16 portable={portable}: masters differ by {err}"
 
 
+@needs_fp16
 @pytest.mark.parametrize(
     "stage, fused",
     [(0, False), (0, True), (2, False), (3, False)],

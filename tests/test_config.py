@@ -12,6 +12,7 @@ import torch
 from tests.helpers import ROOT
 from ulysses_cp.config import (
     DataConfig,
+    EvalConfig,
     HFModelConfig,
     ModelConfig,
     RunConfig,
@@ -22,6 +23,7 @@ from ulysses_cp.config import (
 from ulysses_cp.training.build import cpu_optimizer
 
 SP, M, HF, D, T = SequenceParallelConfig, ModelConfig, HFModelConfig, DataConfig, TrainingConfig
+E = EvalConfig
 CASES = [
     (SP, {"ring_degree": True}, "sequence_parallel.ring_degree must be an integer, got True"),
     (SP, {"check_inputs": "yes"}, "check_inputs must be true or false, got 'yes'"),
@@ -32,7 +34,11 @@ CASES = [
     (HF, {"hf_config": 3}, "model.hf_config must be a string or an object, got 3"),
     (HF, {"hf_config": "x", "dtype": "half"}, "model.dtype must be one of"),
     (D, {"files": ["a.txt", 2]}, "data.files must be a list of strings, got ['a.txt', 2]"),
-    (D, {"task": "wiki"}, "data.task must be one of ['kv_recall', 'text'], got 'wiki'"),
+    (D, {"task": "wiki"}, "data.task must be one of ['kv_recall', 'text', 'dataset'], got 'wiki'"),
+    (D, {"tokenize_workers": -1}, "data.tokenize_workers must be >= 0"),
+    (E, {"fraction": "0.1"}, "eval.fraction must be a number, got '0.1'"),
+    (E, {"fraction": 0.1, "files": ["a.jsonl"]}, "give eval.files (held-out files) or eval.fra"),
+    (E, {"interval": 10, "batches": 0}, "eval.batches must be >= 1, got 0"),
     (T, {"max_steps": "10"}, "training.max_steps must be an integer, got '10'"),
     (T, {"on_nonfinite": "ignore"}, "training.on_nonfinite must be one of ['skip', 'stop']"),
     (T, {"log_interval": 0}, "training.log_interval must be >= 1"),

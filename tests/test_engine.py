@@ -11,7 +11,15 @@ import torch
 import torch.nn.functional as F
 
 import ulysses_cp as ucp
-from tests.helpers import ROOT, TINY, ds_config, sdpa_attention, topology, topology_for
+from tests.helpers import (
+    ROOT,
+    TINY,
+    ds_config,
+    needs_fp16,
+    sdpa_attention,
+    topology,
+    topology_for,
+)
 from ulysses_cp.models.decoder import Decoder, ModelConfig
 from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
 
@@ -317,7 +325,7 @@ def _dtypes(rank, stage, precision):
     return kinds, engine(local["input_ids"], local["position_ids"]).dtype
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=needs_fp16)])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_low_precision_means_low_precision_under_every_stage(pools, stage, precision):
     """bf16/fp16 parameters and logits under ZeRO 0 and 3 (ZeRO-3 with SP partitions the

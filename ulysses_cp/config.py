@@ -1,8 +1,8 @@
 """Every block of a run's config, declared in one place and parsed once.
 
 A config file is a DeepSpeed JSON plus our blocks: ``"sequence_parallel"``, ``"model"``
-(the reference decoder, or a Hugging Face model when it has ``hf_config``), ``"data"`` and
-``"training"``. :func:`from_block` turns a block into its dataclass: unknown keys are
+(the reference decoder, or a Hugging Face model when it has ``hf_config``), ``"data"``,
+``"eval"`` and ``"training"``. :func:`from_block` turns a block into its dataclass: unknown keys are
 refused with the valid ones, and every value's type is checked against the field's
 annotation (``int``, ``float``, ``bool``, ``str``, ``Literal`` choices, lists, ``X | None``)
 with a message naming the key. Each block's ``check()`` adds the rules between fields.
@@ -24,6 +24,7 @@ from .kernels.dispatch import Backend
 
 __all__ = [
     "DataConfig",
+    "EvalConfig",
     "HFDtype",
     "HFModelConfig",
     "ModelConfig",
@@ -39,7 +40,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-Task = Literal["kv_recall", "text"]
+Task = Literal["kv_recall", "text", "dataset"]
 HFDtype = Literal["float32", "bfloat16", "float64"]
 OnNonfinite = Literal["skip", "stop"]
 
@@ -265,6 +266,12 @@ class DataConfig:
     min_doc_len: int = 32  # packed kv_recall document lengths
     max_doc_len: int = 128
     pack_multiple: int = 16  # documents padded to this (a multiple of 2 * SP degree)
+    # task "dataset": tokenized files (training/corpus.py)
+    tokenizer: str = ""  # a local tokenizer folder or tokenizer.json
+    text_field: str = "text"  # a string, or a list of chat messages (the chat template)
+    eos_token: str = ""  # "": the tokenizer's own EOS token
+    cache_dir: str = ""  # "": ~/.cache/ulysses_cp/tokens
+    tokenize_workers: int = 0  # tokenizing processes; 0: 1 under 64 MB of input, else 1/core
 
     @classmethod
     def from_dict(cls, cfg: dict | None) -> DataConfig:
@@ -274,6 +281,24 @@ class DataConfig:
         _at_least("data", self, ("seq_len",), 1)
         if self.task == "text" and not self.files:
             raise ValueError("data.task 'text' needs data.files: a list of .txt/.jsonl paths")
+        if self.task == "dataset":
+            if not self.files:
+                raise ValueError(
+                    "data.task 'dataset' needs data.files: .jsonl/.json/.parquet/.arrow files "
+                    "or a folder written by datasets' save_to_disk"
+                )
+            if not self.tokenizer:
+                raise ValueError(
+                    "data.task 'dataset' needs data.tokenizer: a local tokenizer folder "
+                    "(tokenizer.json + tokenizer_config.json) or a tokenizer.json file"
+                )
+            if not self.text_field:
+                raise ValueError("data.text_field must name the records' text (or messages) field")
+        if self.tokenize_workers < 0:
+            raise ValueError(
+                f"data.tokenize_workers must be >= 0 (0: one per CPU core), got "
+                f"{self.tokenize_workers}"
+            )
         if self.packing:
             if self.pack_multiple < 1 or self.seq_len % self.pack_multiple:
                 raise ValueError(
@@ -302,6 +327,46 @@ class DataConfig:
                     f"+ n_keys*n_values <= 256, got n_pairs {self.n_pairs}, n_keys "
                     f"{n_k}, n_values {n_v}"
                 )
+
+
+# ---------------------------------------------------------------- eval
+
+
+@dataclass
+class EvalConfig:
+    """Held-out loss during training (``training/evaluate.py``); task ``"dataset"`` only."""
+
+    files: list[str] = field(default_factory=list)  # held-out files, tokenized like data.files
+    fraction: float = 0.0  # or: this fraction of data.files' documents (the last ones)
+    interval: int = 0  # evaluate every this many steps (and after the last); 0: never
+    batches: int = 1  # micro batches per evaluation, per data-parallel replica
+
+    @classmethod
+    def from_dict(cls, cfg: dict | None) -> EvalConfig:
+        return from_block(cls, cfg, "eval")
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+    def check(self) -> None:
+        _at_least("eval", self, ("interval",), 0)
+        _at_least("eval", self, ("batches",), 1)
+        if self.files and self.fraction:
+            raise ValueError(
+                f"eval: give eval.files (held-out files) or eval.fraction (a share of "
+                f"data.files), not both; got {len(self.files)} file(s) and fraction "
+                f"{self.fraction}"
+            )
+        if self.fraction and not 0 < self.fraction < 1:
+            raise ValueError(
+                f"eval.fraction must be between 0 and 1 (exclusive), got {self.fraction}"
+            )
+        if self.enabled and not (self.files or self.fraction):
+            raise ValueError(
+                f"eval.interval {self.interval} needs held-out data: eval.files (a list of "
+                f"paths) or eval.fraction (for example 0.05 of data.files' documents)"
+            )
 
 
 # ---------------------------------------------------------------- training
@@ -343,6 +408,7 @@ class RunConfig:
     model: ModelConfig | HFModelConfig
     data: DataConfig
     training: TrainingConfig
+    eval: EvalConfig = field(default_factory=EvalConfig)
     path: Path | None = None
 
     @classmethod
@@ -350,11 +416,19 @@ class RunConfig:
         from .training.engine import load_config
 
         raw = load_config(config)
+        data = DataConfig.from_dict(raw.get("data"))
+        ev = EvalConfig.from_dict(raw.get("eval"))
+        if ev.enabled and data.task != "dataset":
+            raise ValueError(
+                f'the "eval" block evaluates held-out tokenized data: it needs data.task '
+                f'"dataset", got {data.task!r} (set eval.interval to 0 or drop the block)'
+            )
         return cls(
             raw=raw,
             sequence_parallel=SequenceParallelConfig.from_dict(raw.get("sequence_parallel")),
             model=model_config(raw.get("model")),
-            data=DataConfig.from_dict(raw.get("data")),
+            data=data,
             training=TrainingConfig.from_dict(raw.get("training")),
+            eval=ev,
             path=None if isinstance(config, dict) else Path(config),
         )

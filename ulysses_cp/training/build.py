@@ -20,7 +20,7 @@ from ..models.decoder import Decoder, ModelConfig
 from ..modes.attention import Attention
 from ..modes.ulysses import kv_replication
 from . import checkpoint
-from .data import DataConfig
+from .data import DataConfig, data_vocab_size
 from .engine import SequenceParallelConfig
 
 __all__ = [
@@ -58,10 +58,12 @@ def validate(sp: SequenceParallelConfig, mc: ModelConfig | HFModelConfig, dc: Da
     else:
         (hq, hkv), vocab = mc.heads(), mc.vocab_size()
     kv_replication(hq, hkv, sp.ulysses_degree)
-    if vocab < 256:
+    need, what = data_vocab_size(dc)
+    if vocab < need:
         raise ValueError(
-            f"the model's vocabulary ({vocab}) is smaller than the data's (256 byte/task "
-            f"tokens); use vocab_size >= 256"
+            f"the model's vocabulary ({vocab}) is smaller than the data's ({need} {what}); "
+            f"use vocab_size >= {need}"
+            + ("" if isinstance(mc, ModelConfig) else " in model.hf_config")
         )
     m = sequence_multiple(sp.ulysses_degree * sp.ring_degree, sp.layout)
     if dc.seq_len % m:

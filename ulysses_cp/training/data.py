@@ -12,6 +12,8 @@ back to its start, i.e. across every SP shard.
 ``text``: bytes of local ``.txt`` files (whole file) and ``.jsonl`` files (the ``"text"``
 field of each line), concatenated; vocabulary 256.
 
+``dataset``: tokenized local files and a local tokenizer (``token_data.py``, ``corpus.py``).
+
 ``packing``: each row is several documents packed back to back (kv_recall: instances of
 random length in ``[min_doc_len, max_doc_len]``; text: consecutive files/records, the last
 one cut to fit), each padded at its end to a multiple of ``pack_multiple``, with position
@@ -24,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -33,14 +35,18 @@ from ..core.sharding import layout_of, sequence_multiple, shard_sequence
 from ..core.varlen import IGNORE, check_cu_seqlens, pack_documents
 
 if TYPE_CHECKING:  # a type only: topology imports this module's neighbours
+    from ..config import EvalConfig
     from ..core.topology import Topology
+    from .token_data import TokenDataset
 
 __all__ = [
     "ByteText",
     "DataConfig",
     "KVRecall",
+    "data_vocab_size",
     "global_batch",
     "make_dataset",
+    "make_datasets",
     "shard_batch",
     "shift_labels",
 ]
@@ -172,12 +178,40 @@ class ByteText:
         return _pack_row(c, take, take)
 
 
+if TYPE_CHECKING:
+    Dataset: TypeAlias = KVRecall | ByteText | TokenDataset
+
+
 def make_dataset(cfg: DataConfig) -> KVRecall | ByteText:
+    """The built-in tasks (``make_datasets`` also builds ``"dataset"``)."""
+    if cfg.task == "dataset":
+        raise ValueError("data.task 'dataset' is built by make_datasets(data, eval)")
     return KVRecall(cfg) if cfg.task == "kv_recall" else ByteText(cfg)
 
 
+def make_datasets(cfg: DataConfig, ev: EvalConfig | None = None) -> tuple[Dataset, Dataset | None]:
+    """(training samples, held-out samples or None). Task ``"dataset"`` tokenizes its files
+    once (global rank 0; the other ranks wait) and reads them from a memory map."""
+    if cfg.task != "dataset":
+        return make_dataset(cfg), None
+    from ..config import EvalConfig
+    from .token_data import make_token_datasets
+
+    return make_token_datasets(cfg, ev or EvalConfig())
+
+
+def data_vocab_size(cfg: DataConfig) -> tuple[int, str]:
+    """(tokens the data uses, what they are), for the check against the model's vocabulary;
+    reads only the tokenizer."""
+    if cfg.task != "dataset":
+        return 256, "byte/task tokens"
+    from .corpus import load_tokenizer
+
+    return load_tokenizer(cfg.tokenizer, cfg.eos_token).vocab_size, f"tokenizer {cfg.tokenizer}"
+
+
 def global_batch(
-    dataset: KVRecall | ByteText,
+    dataset: Dataset,
     *,
     step: int,
     micro_step: int,

@@ -51,7 +51,7 @@ __all__ = [
     "zero_grad_scale",
 ]
 
-OUR_BLOCKS = ("sequence_parallel", "model", "data", "training")
+OUR_BLOCKS = ("sequence_parallel", "model", "data", "eval", "training")
 # the standard "wandb" block is honoured by ulysses_cp.tracking (one run, our step numbers),
 # not by DeepSpeed's monitor, which would open a second run logging at sample counts
 NOT_FOR_DEEPSPEED = (*OUR_BLOCKS, "wandb")
@@ -108,13 +108,21 @@ def check_top_level_keys(config: dict, source: str = "the config") -> None:
         )
 
 
-PATH_FIELDS = (("model", "hf_config"), ("model", "hf_weights"), ("data", "files"))
+PATH_FIELDS = (
+    ("model", "hf_config"),
+    ("model", "hf_weights"),
+    ("data", "files"),
+    ("data", "tokenizer"),
+    ("data", "cache_dir"),
+    ("eval", "files"),
+)
 
 
 def resolve_paths(config: dict, base: Path) -> dict:
     """Relative file paths in our blocks (``model.hf_config``, ``model.hf_weights``,
-    ``data.files``) made relative to ``base``, the config file's folder, so that a config
-    means the same files from whatever folder the run starts in."""
+    ``data.files``, ``data.tokenizer``, ``data.cache_dir``, ``eval.files``) made relative
+    to ``base``, the config file's folder, so that a config means the same files from
+    whatever folder the run starts in."""
     for block, key in PATH_FIELDS:
         value = config.get(block, {}).get(key) if isinstance(config.get(block), dict) else None
         if isinstance(value, str) and value and not Path(value).is_absolute():
@@ -187,6 +195,7 @@ def run_options(config: dict) -> RunOptions:
         check_inputs=sp.check_inputs,
         grad_scale=zero_grad_scale(config, sp.ulysses_degree * sp.ring_degree),
         kv_exchange=sp.kv_exchange,
+        head_chunks=sp.head_chunks,
     )
 
 

@@ -15,6 +15,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,9 +27,13 @@ from ..core.protocols import Engine
 from ..core.topology import Topology
 from ..models.memory import lm_loss
 from . import checkpoint
-from .data import ByteText, KVRecall, global_batch, shard_batch
+from .data import global_batch, shard_batch
 from .nonfinite import any_rank, gradients_finite, skip_update
 from .tracking import Tracker
+
+if TYPE_CHECKING:
+    from .data import Dataset
+    from .evaluate import Evaluator
 
 __all__ = [
     "Hooks",
@@ -41,9 +46,6 @@ __all__ = [
 ]
 
 log = get_logger("train")
-log_all = get_logger("train.ranks", all_ranks=True)
-
-
 log_all = get_logger("train.ranks", all_ranks=True)
 
 
@@ -106,14 +108,17 @@ class TrainState:
     losses: list[float] = field(default_factory=list)
     skipped: int = 0
     stopped_by_signal: bool = False
+    evals: list[dict] = field(default_factory=list)  # the evaluations' metrics, in order
     since: int = 0  # finite steps since the last log line
     started: float = field(default_factory=time.perf_counter)
 
 
 def attention_bytes() -> int:
-    """This rank's attention traffic since the last reset: all-to-all and ring bytes (the
-    input checks' few bytes are counted apart, under ``all_gather``)."""
-    return comm_stats.total("all_to_all") + comm_stats.total("ring")
+    """This rank's attention traffic since the last reset: all-to-all, ring and all-gather
+    KV exchange bytes (the input checks' few bytes are counted apart, under
+    ``all_gather``)."""
+    ops = ("all_to_all", "ring", "kv_allgather", "kv_reduce_scatter")
+    return sum(comm_stats.total(op) for op in ops)
 
 
 def peak_memory_mb() -> float:
@@ -124,13 +129,14 @@ def peak_memory_mb() -> float:
 
 class Trainer:
     """One run's loop. ``tc``: a ``TrainingConfig``; ``seq_len``: tokens per sample;
-    ``tiled_loss``: the LM head and loss in this many pieces (> 1)."""
+    ``tiled_loss``: the LM head and loss in this many pieces (> 1); ``evaluator``: the
+    held-out loss after the steps it chooses (``evaluate.Evaluator``)."""
 
     def __init__(
         self,
         engine: Engine,
         topo: Topology,
-        dataset: KVRecall | ByteText,
+        dataset: Dataset,
         *,
         tc: TrainingConfig,
         seq_len: int,
@@ -138,10 +144,11 @@ class Trainer:
         tracker: Tracker | None = None,
         tiled_loss: int = 0,
         hooks: Hooks | None = None,
+        evaluator: Evaluator | None = None,
     ) -> None:
         self.engine, self.topo, self.dataset, self.tc = engine, topo, dataset, tc
         self.seq_len, self.out, self.tracker, self.tiled_loss = seq_len, out, tracker, tiled_loss
-        self.hooks = hooks or Hooks()
+        self.hooks, self.evaluator = hooks or Hooks(), evaluator
         self.signals = SignalFlag(tc.save_on_signal)
         self.device = engine.device  # inputs and the loss accumulator live with the model
 
@@ -204,6 +211,8 @@ class Trainer:
             state.step, state.since = n, state.since + finite
             if n % self.tc.log_interval == 0 or n == self.tc.max_steps:
                 self._log(state, acc)
+            if self.evaluator is not None and (metrics := self.evaluator(self, state)):
+                state.evals.append({"step": n, **metrics})
             self.hooks.after_step(self, state)
             if self.signals.agreed(self.device):
                 self.save(n)

@@ -1,0 +1,1 @@
+"""Planning a run before launch: memory, communication and step time per candidate."""

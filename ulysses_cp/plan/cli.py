@@ -1,0 +1,238 @@
+"""``python -m ulysses_cp.plan``: predict a run's memory, communication and step time
+before launch, for the config as written and for every valid alternative.
+
+    python -m ulysses_cp.plan --deepspeed_config CFG --world N [--gpus-per-node G]
+        [--gpu-mem-gb M] [--seq-len S] [--json FILE]
+
+Prints a table (the config as written, then the candidates that fit ranked by predicted
+step time) and writes JSON with ``config``, ``candidates`` and ``chosen``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from ..config import HFModelConfig, RunConfig
+from ..core.sharding import sequence_multiple
+from ..core.topology import validate_degrees
+from ..modes.ulysses import kv_replication, resolve_head_chunks
+from .search import GiB, Hardware, Run, candidates, longest, predict
+from .shapes import model_shape
+
+__all__ = ["base_run", "main", "parse_args", "plan", "plan_for_launch", "table"]
+
+KEYS = ("peak_bytes_per_rank", "static_bytes_per_rank", "activation_bytes_per_rank",
+        "comm_bytes_per_step_per_rank")  # fmt: skip
+
+
+def base_run(run: RunConfig) -> Run:
+    """The config as written, as a :class:`Run`."""
+    sp, mc, zero = run.sequence_parallel, run.model, run.raw.get("zero_optimization") or {}
+    off = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
+    chunks = 1  # what the run will use (0: the automatic rule)
+    if sp.ulysses_degree > 1:
+        hq, hkv = mc.heads() if isinstance(mc, HFModelConfig) else (mc.n_heads, mc.n_kv_heads)
+        chunks = resolve_head_chunks(sp.head_chunks, hq, hkv, sp.ulysses_degree, sp.ring_degree > 1)
+    return Run(
+        ulysses=sp.ulysses_degree, ring=sp.ring_degree, layout=sp.layout,
+        zero_stage=int(zero.get("stage", 0)), head_chunks=chunks,
+        activation_checkpointing=mc.activation_checkpointing,
+        offload_activations=mc.offload_activations, tiled_mlp=mc.tiled_mlp,
+        tiled_loss=mc.tiled_loss, offload_optimizer=off, kv_exchange=sp.kv_exchange,
+    )  # fmt: skip
+
+
+def _dtype_bytes(raw: dict) -> int | None:
+    for key in ("bf16", "fp16"):
+        if (raw.get(key) or {}).get("enabled"):
+            return 2
+    return None
+
+
+def _describe(run: Run) -> dict:
+    d = asdict(run)
+    d.pop("extra")
+    return {"ulysses_degree": d.pop("ulysses"), "ring_degree": d.pop("ring"), **d}
+
+
+def plan(
+    run_config: RunConfig, *, world: int, hw: Hardware, seq_len: int | None = None,
+    seq_step: int = 1024, max_candidates: int | None = None,
+) -> dict:  # fmt: skip
+    """The planner's JSON for a loaded config (see the module docstring)."""
+    raw = run_config.raw
+    shape = model_shape(run_config.model, dtype_bytes=_dtype_bytes(raw))
+    base = base_run(run_config)
+    N = seq_len or run_config.data.seq_len
+    validate_degrees(world, base.ulysses, base.ring)
+    kv_replication(shape.hq, shape.hkv, base.ulysses)
+    m = sequence_multiple(base.sp, base.layout)
+    if N % m:
+        raise ValueError(
+            f"--seq-len {N} must be a multiple of {m} for u{base.ulysses} x r{base.ring} in "
+            f"the {base.layout!r} layout; try {N // m * m or m} or {(N // m + 1) * m}"
+        )
+    batch = int(raw.get("train_micro_batch_size_per_gpu", 1))
+    gas = int(raw.get("gradient_accumulation_steps", 1))
+    zero = raw.get("zero_optimization") or {}
+    knobs = dict(max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
+                 reduce_bucket_size=float(zero.get("reduce_bucket_size", 5e8)),
+                 persistence_threshold=float(
+                     zero.get("stage3_param_persistence_threshold", 1e5)))  # fmt: skip
+    budget = hw.gpu_mem_gb * GiB
+
+    def one(r: Run) -> dict:
+        pred = predict(shape, r, seq_len=N, batch=batch, micro_steps=gas, world=world, hw=hw,
+                       **knobs)  # fmt: skip
+        unit = (
+            sequence_multiple(r.sp, r.layout)
+            * seq_step
+            // _gcd(sequence_multiple(r.sp, r.layout), seq_step)
+        )
+        peak = lambda n: predict(shape, r, seq_len=n, batch=batch, micro_steps=gas,  # noqa: E731
+                                 world=world, hw=hw, **knobs)["peak_bytes_per_rank"]  # fmt: skip
+        return {**_describe(r), "fits": pred["peak_bytes_per_rank"] <= budget,
+                "max_seq_len": longest(peak, unit, budget), **pred}  # fmt: skip
+
+    written = one(base)
+    cands = [one(r) for r in candidates(shape, base, world=world, seq_len=N)]
+    cands.sort(key=lambda c: (not c["fits"], c["predicted_step_s"], -c["max_seq_len"]))
+    if max_candidates is not None:
+        cands = cands[:max_candidates]
+    chosen = next((c for c in cands if c["fits"]), None)
+    return {
+        "inputs": {"deepspeed_config": str(run_config.path), "world": world, "seq_len": N,
+                   "micro_batch": batch, "gradient_accumulation_steps": gas,
+                   "model_params": shape.params, "dtype_bytes": shape.dtype_bytes},
+        "hardware": asdict(hw),
+        "config": written,
+        "candidates": cands,
+        "chosen": chosen,
+    }  # fmt: skip
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _row(c: dict, unit: int) -> str:
+    def _gib(n: float) -> str:
+        return f"{n / unit:.1f}"
+
+    mem = (
+        "ckpt+off" if c["offload_activations"] else "ckpt" if c["activation_checkpointing"] else "-"
+    )
+    tiled = (
+        f"{c['tiled_mlp']}/{c['tiled_loss']}" if c["tiled_mlp"] > 1 or c["tiled_loss"] > 1 else "-"
+    )
+    return (
+        f"u{c['ulysses_degree']:<3}r{c['ring_degree']:<3} {c['layout']:<10} z{c['zero_stage']} "
+        f"c{c['head_chunks']:<2} {mem:<8} {tiled:<5} {_gib(c['static_bytes_per_rank']):>8} "
+        f"{_gib(c['activation_bytes_per_rank']):>8} {_gib(c['peak_bytes_per_rank']):>8} "
+        f"{c['intra_node_bytes'] / 1e9:>8.3g} {c['inter_node_bytes'] / 1e9:>8.3g} "
+        f"{c['predicted_step_s']:>8.3g} {'yes' if c['fits'] else 'no':>4} {c['max_seq_len']:>9}"
+    )
+
+
+def table(result: dict, top: int = 10) -> str:
+    """The readable table: the config as written, then the best ``top`` that fit."""
+    i, hw = result["inputs"], result["hardware"]
+    unit, name = (GiB, "GiB") if result["config"]["peak_bytes_per_rank"] >= GiB else (2**20, "MiB")
+    head = (
+        f"{'split':<9} {'layout':<10} {'zero':<4} {'chk':<3} {'act mem':<8} {'tiled':<5} "
+        f"{'static':>8} {'activ.':>8} {'peak':>8} {'intra GB':>8} {'inter GB':>8} "
+        f"{'step s':>8} {'fits':>4} {'max seq':>9}"
+    )
+    fit, seen = [], set()
+    for c in result["candidates"]:  # head chunks that change nothing predicted: listed once
+        key = tuple(c[k] for k in c if k != "head_chunks" and not isinstance(c[k], dict))
+        if c["fits"] and key not in seen:
+            seen.add(key)
+            fit.append(c)
+    lines = [
+        f"plan: {i['deepspeed_config']}  world {i['world']} ({hw['gpus_per_node']} per node), "
+        f"seq_len {i['seq_len']}, {i['model_params'] / 1e9:.3g}B params, "
+        f"{hw['gpu_mem_gb']:g} GiB per GPU; memory in {name} per rank, GB per step per rank",
+        head,
+        "as written:",
+        _row(result["config"], unit),
+        f"best of {len(fit)} that fit (of {len(result['candidates'])} candidates):",
+        *[_row(c, unit) for c in fit[:top]],
+    ]
+    if result["chosen"] is None:
+        lines.append("nothing fits: more GPUs, a shorter --seq-len or more --gpu-mem-gb")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    hw = Hardware()
+    p = argparse.ArgumentParser(
+        prog="python -m ulysses_cp.plan", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--deepspeed_config", required=True, help="the run's config JSON")
+    p.add_argument("--world", type=int, required=True, help="total ranks (GPUs)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: min(world, 8)")
+    p.add_argument("--gpu-mem-gb", type=float, default=hw.gpu_mem_gb, help="GiB per GPU")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the config's data.seq_len")
+    p.add_argument("--seq-step", type=int, default=1024, help="search step of max_seq_len")
+    p.add_argument("--peak-tflops", type=float, default=hw.peak_tflops)
+    p.add_argument("--mfu", type=float, default=hw.mfu)
+    p.add_argument("--intra-gbs", type=float, default=hw.intra_gbs, help="GB/s inside a node")
+    p.add_argument("--inter-gbs", type=float, default=hw.inter_gbs, help="GB/s across nodes")
+    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--json", help="write the full plan here")
+    return p.parse_args(argv)
+
+
+def hardware(args: argparse.Namespace) -> Hardware:
+    per_node = args.gpus_per_node or min(args.world, 8)
+    if per_node < 1 or args.world % per_node:
+        raise ValueError(
+            f"--world {args.world} must be a whole number of nodes of --gpus-per-node "
+            f"{per_node}; e.g. --world {max(1, args.world // per_node) * per_node}"
+        )
+    names = {f.name for f in fields(Hardware)}
+    vals = {k.replace("-", "_"): v for k, v in vars(args).items()}
+    return Hardware(**{k: vals[k] for k in names if k in vals and k != "gpus_per_node"},
+                    gpus_per_node=per_node)  # fmt: skip
+
+
+def plan_for_launch(run_config: RunConfig, env: dict[str, str]) -> str:
+    """``train.py --plan``: the table for the run the launcher would start (``WORLD_SIZE``
+    and ranks per node from its environment, else one rank per sequence-parallel rank on
+    one node; GPU memory from the device, else the default)."""
+    sp = run_config.sequence_parallel
+    world = int(env.get("WORLD_SIZE", sp.ulysses_degree * sp.ring_degree))
+    per_node = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or min(world, 8))
+    mem = Hardware().gpu_mem_gb
+    import torch
+
+    if torch.cuda.is_available():
+        mem = torch.cuda.get_device_properties(0).total_memory / GiB
+    hw = Hardware(gpu_mem_gb=mem, gpus_per_node=min(per_node, world))
+    return table(plan(run_config, world=world, hw=hw))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    try:
+        if args.world < 1:
+            raise ValueError(f"--world must be >= 1, got {args.world}")
+        if not Path(args.deepspeed_config).is_file():
+            raise ValueError(f"--deepspeed_config {args.deepspeed_config}: no such file")
+        result = plan(RunConfig.load(args.deepspeed_config), world=args.world,
+                      hw=hardware(args), seq_len=args.seq_len, seq_step=args.seq_step)  # fmt: skip
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(table(result, args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"json: {args.json}")
+    return result

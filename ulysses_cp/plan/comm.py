@@ -1,0 +1,111 @@
+"""Bytes one rank sends per training step: attention (all-to-all and ring, forward and
+backward) and ZeRO's collectives, split into intra-node and inter-node bytes.
+
+Attention, per layer and micro batch (``forward_comm_bytes`` gives the forward): the
+backward all-to-all moves the same bytes as the forward (the gradients of q/k/v and of the
+output go the other way); the ring's backward passes each kv block on ``r - 1`` times
+(model dtype) and each dk/dv accumulator ``r`` times in fp32 (fp64 for fp64 models), so
+``ring_bwd = ring_fwd * (1 + r/(r-1) * acc/B)``; with ``kv_exchange="allgather"`` the
+backward gathers the kv again and sends ``r - 1`` dk/dv shares, ``ring_fwd * (1 + acc/B)``.
+These are the counters of
+``ulysses_cp.core.comm.stats`` that ``metrics.jsonl``'s ``comm_bytes_per_step`` sums.
+
+ZeRO, as DeepSpeed issues it (message bytes as its comms logger records them): ZeRO-1/2
+all-reduce the gradients (``psi * B``; ZeRO-1 once per step, ZeRO-2 every micro batch) and
+all-gather the updated parameter partitions after the step (``psi * B / n`` per rank);
+ZeRO-3 all-gathers the parameters for the forward (and again for the backward when the
+model has more than ``stage3_max_live_parameters``) and reduce-scatters the gradients
+(``psi * B``) every micro batch. Bytes on the wire per rank (ring algorithms):
+all-reduce ``2 (n-1)/n S``, all-gather ``(n-1) p``, reduce-scatter ``(n-1)/n S``.
+
+Intra/inter: an all-to-all's bytes go to each peer equally, so they split by where the
+peers live; a ring (attention ring, ZeRO's ring collectives) runs at its slowest hop, so
+all its bytes count as inter-node when its group spans nodes.
+"""
+
+from __future__ import annotations
+
+from ..core.topology import plan_groups
+from ..modes.attention import forward_comm_bytes
+from .shapes import ModelShape
+
+__all__ = ["attention_bytes", "split_nodes", "zero_bytes"]
+
+
+def attention_bytes(
+    shape: ModelShape, *, seq_len: int, batch: int, ulysses: int, ring: int, micro_steps: int = 1,
+    kv_exchange: str = "ring",
+) -> dict[str, int]:  # fmt: skip
+    """All-to-all and ring bytes this rank sends in one step (every layer, forward and
+    backward, ``micro_steps`` micro batches), as ``ulysses_cp.core.comm.stats`` counts.
+    Activation checkpointing runs every layer's forward, and its attention traffic, again
+    in backward."""
+    B = shape.dtype_bytes
+    a2a, ring_fwd = forward_comm_bytes(
+        batch=batch, seq_len=seq_len, hq=shape.hq, hkv=shape.hkv, head_dim=shape.head_dim,
+        ulysses_degree=ulysses, ring_degree=ring, bytes_per_element=B,
+    )  # fmt: skip
+    acc = 8 if B == 8 else 4  # the dk/dv accumulators' dtype
+    shares = ring if kv_exchange == "ring" else ring - 1  # dk/dv blocks sent in backward
+    ring_bwd = ring_fwd + (ring_fwd // (ring - 1) * shares * acc // B if ring > 1 else 0)
+    n = shape.layers * micro_steps
+    fwd = 2 if shape.activation_checkpointing else 1  # the recomputed forward
+    return {
+        "all_to_all": (fwd + 1) * a2a * n,
+        "ring_forward": fwd * ring_fwd * n,
+        "ring_backward": ring_bwd * n,
+        "total": ((fwd + 1) * a2a + fwd * ring_fwd + ring_bwd) * n,
+    }
+
+
+def zero_bytes(
+    shape: ModelShape, *, stage: int, world: int, micro_steps: int = 1,
+    max_live_parameters: float = 1e9,
+) -> dict[str, dict[str, int]]:  # fmt: skip
+    """ZeRO's collectives per step: ``{op: {"logged": message bytes, "wire": bytes this
+    rank sends}}`` (empty with one rank: nothing to reduce)."""
+    n, S = world, shape.params * shape.dtype_bytes
+    if n == 1:
+        return {}
+    part = -(-shape.params // n) * shape.dtype_bytes
+    if stage == 3:
+        gathers = 2 if shape.params > max_live_parameters else 1
+        return {
+            "all_gather": {"logged": gathers * part * micro_steps,
+                           "wire": gathers * (n - 1) * part * micro_steps},
+            "reduce_scatter": {"logged": S * micro_steps, "wire": (n - 1) * S // n * micro_steps},
+        }  # fmt: skip
+    reduces = micro_steps if stage == 2 else 1
+    return {
+        "all_reduce": {"logged": S * reduces, "wire": 2 * (n - 1) * S // n * reduces},
+        "all_gather": {"logged": part if stage else 0, "wire": (n - 1) * part if stage else 0},
+    }
+
+
+def split_nodes(
+    *, world: int, gpus_per_node: int, ulysses: int, ring: int, attention: dict[str, int],
+    zero: dict[str, dict[str, int]],
+) -> dict[str, int]:  # fmt: skip
+    """``{"intra": bytes, "inter": bytes}`` per step for rank 0 (the rank layout makes
+    every rank's groups alike), from the groups ``plan_groups`` builds."""
+    plan = plan_groups(world, ulysses, ring)
+    node = [r // gpus_per_node for r in range(world)]
+    mine = lambda groups: next(g for g in groups if 0 in g)  # noqa: E731
+    intra = inter = 0
+    u_group = mine(plan.ulysses_groups)
+    if len(u_group) > 1:
+        off = sum(node[r] != node[0] for r in u_group)  # peers on other nodes
+        inter += attention["all_to_all"] * off // (len(u_group) - 1)
+        intra += attention["all_to_all"] - attention["all_to_all"] * off // (len(u_group) - 1)
+    ring_bytes = attention["ring_forward"] + attention["ring_backward"]
+    r_group = mine(plan.ring_groups)
+    if len({node[r] for r in r_group}) > 1:
+        inter += ring_bytes
+    else:
+        intra += ring_bytes
+    z = sum(v["wire"] for v in zero.values())
+    if world > gpus_per_node:
+        inter += z
+    else:
+        intra += z
+    return {"intra": intra, "inter": inter}

@@ -1,0 +1,199 @@
+"""Candidates, their predictions, the step-time cost model and the ranking.
+
+Cost model (per rank, per optimizer step; no overlap of compute and communication assumed,
+so it errs long):
+
+    step_s = flops / (peak_tflops * 1e12 * mfu) + intra / intra_gbs / 1e9
+             + inter / inter_gbs / 1e9 + host / pcie_gbs / 1e9
+
+``flops``: ``6 * (params - embedding) * tokens`` for the matmuls, plus causal attention
+``6 * b * N^2 * hq * d * layers / P`` (half the scores; backward twice the forward), times
+4/3 under activation checkpointing (one more forward), plus the recomputed forward of
+tiled MLP and loss pieces; a contiguous ring's busiest rank does ``2r / (r + 1)`` times the
+mean attention work (zigzag balances it). ``host``: offloaded layer inputs (out and back)
+and, with ``offload_optimizer``, gradients out and parameters back.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from ..core.sharding import sequence_multiple
+from ..core.topology import validate_degrees
+from ..modes.ulysses import head_chunk_choices, kv_replication, resolve_head_chunks
+from .comm import attention_bytes, split_nodes, zero_bytes
+from .memory import activation_bytes, static_bytes
+from .shapes import ModelShape
+
+__all__ = ["Hardware", "Run", "candidates", "longest", "predict"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the cost model assumes (defaults: an 8-GPU H100/H200 SXM node, 400 Gb/s
+    InfiniBand per GPU)."""
+
+    gpu_mem_gb: float = 80.0  # GiB per GPU the run may use
+    gpus_per_node: int = 8
+    peak_tflops: float = 989.0  # dense bf16 per GPU
+    mfu: float = 0.45  # the fraction of peak the matmuls reach
+    intra_gbs: float = 450.0  # NVLink, GB/s per GPU per direction
+    inter_gbs: float = 50.0  # 400 Gb/s NIC per GPU
+    pcie_gbs: float = 25.0  # host offload
+
+
+@dataclass(frozen=True)
+class Run:
+    """One way to run: the degrees and every memory option."""
+
+    ulysses: int
+    ring: int
+    layout: str
+    zero_stage: int
+    head_chunks: int = 1
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
+    tiled_mlp: int = 0  # > 1: the MLP in this many pieces
+    tiled_loss: int = 0  # > 1: LM head + loss in this many pieces
+    offload_optimizer: bool = False
+    kv_exchange: str = "ring"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def sp(self) -> int:
+        return self.ulysses * self.ring
+
+
+def _shape(shape: ModelShape, run: Run) -> ModelShape:
+    return replace(
+        shape,
+        activation_checkpointing=run.activation_checkpointing,
+        offload_activations=run.offload_activations,
+        tiled_mlp=run.tiled_mlp,
+        tiled_loss=run.tiled_loss,
+    )
+
+
+def _flops(shape: ModelShape, run: Run, seq_len: int, batch: int) -> float:
+    t = batch * seq_len / run.sp
+    dense = 6 * (shape.params - shape.vocab * shape.dim) * t
+    attn = 6 * batch * seq_len**2 * shape.hq * shape.head_dim * shape.layers / run.sp
+    if run.layout == "contiguous" and run.ring > 1:
+        attn *= 2 * run.ring / (run.ring + 1)
+    total = dense + attn
+    if run.activation_checkpointing:
+        total *= 4 / 3
+    if run.tiled_mlp > 1:  # the pieces' forward again in backward
+        total += 2 * t * 3 * shape.dim * shape.ffn * shape.layers
+    if run.tiled_loss > 1:
+        total += 2 * t * shape.vocab * shape.dim
+    return total
+
+
+def predict(
+    shape: ModelShape, run: Run, *, seq_len: int, batch: int, micro_steps: int, world: int,
+    hw: Hardware, max_live_parameters: float = 1e9, reduce_bucket_size: float = 5e8,
+    persistence_threshold: float = 1e5,
+) -> dict:  # fmt: skip
+    """Memory, communication and step time of ``run`` for one rank."""
+    sh = _shape(shape, run)
+    static = static_bytes(
+        sh, zero_stage=run.zero_stage, world=world, offload_optimizer=run.offload_optimizer,
+        reduce_bucket_size=reduce_bucket_size, persistence_threshold=persistence_threshold,
+    )  # fmt: skip
+    chunks = 1  # what the run uses: 0 is the automatic rule
+    if run.ulysses > 1:
+        chunks = resolve_head_chunks(run.head_chunks, sh.hq, sh.hkv, run.ulysses, run.ring > 1)
+    act = activation_bytes(
+        sh, seq_len=seq_len, batch=batch, ulysses=run.ulysses, ring=run.ring,
+        head_chunks=chunks, kv_exchange=run.kv_exchange,
+    )  # fmt: skip
+    attn = attention_bytes(
+        sh, seq_len=seq_len, batch=batch, ulysses=run.ulysses, ring=run.ring,
+        micro_steps=micro_steps, kv_exchange=run.kv_exchange,
+    )  # fmt: skip
+    zero = zero_bytes(
+        sh, stage=run.zero_stage, world=world, micro_steps=micro_steps,
+        max_live_parameters=max_live_parameters,
+    )  # fmt: skip
+    nodes = split_nodes(
+        world=world, gpus_per_node=min(hw.gpus_per_node, world), ulysses=run.ulysses,
+        ring=run.ring, attention=attn, zero=zero,
+    )  # fmt: skip
+    t = batch * seq_len // run.sp
+    host = (
+        2 * sh.layers * sh.dim * sh.dtype_bytes * t * micro_steps if run.offload_activations else 0
+    )
+    if run.offload_optimizer:
+        host += 2 * -(-sh.params // world) * sh.dtype_bytes
+    flops = _flops(sh, run, seq_len, batch) * micro_steps
+    step_s = (
+        flops / (hw.peak_tflops * 1e12 * hw.mfu)
+        + nodes["intra"] / (hw.intra_gbs * 1e9)
+        + nodes["inter"] / (hw.inter_gbs * 1e9)
+        + host / (hw.pcie_gbs * 1e9)
+    )
+    s_bytes, a_bytes = sum(static.values()), act["total"]
+    return {
+        "peak_bytes_per_rank": s_bytes + a_bytes,
+        "static_bytes_per_rank": s_bytes,
+        "activation_bytes_per_rank": a_bytes,
+        "comm_bytes_per_step_per_rank": attn["total"] + sum(v["wire"] for v in zero.values()),
+        "attention_comm_bytes_per_step": attn["total"],
+        "zero_comm_bytes_per_step": {k: v["wire"] for k, v in zero.items()},
+        "zero_logged_bytes_per_step": {k: v["logged"] for k, v in zero.items()},
+        "intra_node_bytes": nodes["intra"],
+        "inter_node_bytes": nodes["inter"],
+        "static_parts": static,
+        "activation_parts": act,
+        "flops_per_step": flops,
+        "predicted_step_s": step_s,
+    }
+
+
+def longest(peak_at, unit: int, budget: float, limit: int = 2**26) -> int:
+    """The largest multiple of ``unit`` (up to ``limit``) with ``peak_at(n) <= budget``:
+    doubling, then bisection on multiples of ``unit`` (``scripts/profiling.py``'s search,
+    so that measured and predicted lengths come from the same steps); 0 if none."""
+    lo, hi = 0, unit
+    while peak_at(hi) <= budget:
+        lo, hi = hi, hi * 2
+        if hi > limit:
+            return lo
+    while hi - lo > unit:
+        mid = (lo + hi) // 2 // unit * unit
+        lo, hi = (mid, hi) if peak_at(mid) <= budget else (lo, mid)
+    return lo
+
+
+def candidates(shape: ModelShape, base: Run, *, world: int, seq_len: int) -> list[Run]:
+    """``base`` (the config as written) and every valid alternative: every (ulysses, ring)
+    whose product divides ``world`` and whose Ulysses degree splits the heads, both layouts
+    when there is a ring, ZeRO 1/2/3, head chunks that divide the local heads, no
+    checkpointing / checkpointing / checkpointing + offload, untiled / tiled."""
+    out = [base]
+    tiles = sorted({0, max(base.tiled_mlp, base.tiled_loss, 4)})
+    for sp in (d for d in range(1, world + 1) if world % d == 0):
+        for u in (d for d in range(1, sp + 1) if sp % d == 0):
+            r = sp // u
+            try:
+                validate_degrees(world, u, r)
+                kv_replication(shape.hq, shape.hkv, u)
+            except ValueError:
+                continue
+            layouts = ("zigzag", "contiguous") if r > 1 else (base.layout,)
+            chunks = [c for c in head_chunk_choices(shape.hq, shape.hkv, u, r > 1) if c <= 8]
+            mem = ((False, False), (True, False), (True, True))
+            for layout, stage, c, (ck, off), tl in itertools.product(
+                layouts, (1, 2, 3), chunks, mem, tiles
+            ):
+                if seq_len % sequence_multiple(sp, layout):
+                    continue
+                run = Run(u, r, layout, stage, c, ck, off, tl, tl, base.offload_optimizer,
+                          base.kv_exchange)  # fmt: skip
+                if run != base:
+                    out.append(run)
+    return out

@@ -1,0 +1,97 @@
+"""The numbers the planner needs from a model config: sizes, head counts, parameters.
+
+Parameter counts are exact: the model is built on PyTorch's ``meta`` device (no memory,
+no weights), so every family the package builds (reference decoder, Hugging Face models)
+is counted the way it will be trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import HFModelConfig, ModelConfig
+
+__all__ = ["ModelShape", "model_shape"]
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """``family``: ``"reference"`` or ``"hf"``; ``params``: all parameters;
+    ``layer_params``: the largest decoder layer's (what ZeRO-3 gathers at once)."""
+
+    family: str
+    vocab: int
+    dim: int
+    layers: int
+    hq: int
+    hkv: int
+    head_dim: int
+    ffn: int
+    params: int
+    layer_params: int
+    dtype_bytes: int  # parameters and activations
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
+    tiled_mlp: int = 0
+    tiled_loss: int = 0
+    param_numels: tuple[int, ...] = ()  # every parameter tensor's size (ZeRO-3 persistence)
+
+    def persistent(self, threshold: float) -> int:
+        """Parameters ZeRO-3 keeps whole on every rank (tensors of at most ``threshold``
+        elements: DeepSpeed's ``stage3_param_persistence_threshold``, default 1e5)."""
+        return sum(n for n in self.param_numels if n <= threshold)
+
+    @property
+    def q_width(self) -> int:
+        return self.hq * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.hkv * self.head_dim
+
+
+def _count(model: torch.nn.Module, layers) -> dict[str, Any]:
+    numels = tuple(p.numel() for p in model.parameters())
+    per_layer = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)
+    return {"params": sum(numels), "layer_params": per_layer, "param_numels": numels}
+
+
+def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = None) -> ModelShape:
+    """The planner's view of a ``"model"`` block. ``dtype_bytes``: override the bytes per
+    parameter/activation element (default: float32 for the reference decoder, the block's
+    ``dtype`` for Hugging Face models; a DeepSpeed ``bf16``/``fp16`` block sets 2)."""
+    feats: dict[str, Any] = dict(
+        activation_checkpointing=mc.activation_checkpointing,
+        offload_activations=mc.offload_activations,
+        tiled_mlp=mc.tiled_mlp,
+        tiled_loss=mc.tiled_loss,
+    )
+    if isinstance(mc, ModelConfig):
+        from ..models.decoder import Decoder
+
+        with torch.device("meta"):
+            model = Decoder(mc, attn=lambda q, k, v: q)
+        return ModelShape(
+            "reference", mc.vocab_size, mc.dim, mc.n_layers, mc.n_heads, mc.n_kv_heads,
+            mc.head_dim, mc.ffn_dim, dtype_bytes=dtype_bytes or 4,
+            **_count(model, model.layers), **feats,
+        )  # fmt: skip
+    from ..models.hf import _transformers, load_config
+
+    cfg = load_config(mc.hf_config)
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    with torch.device("meta"):
+        model = _transformers().AutoModelForCausalLM.from_config(cfg)
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    return ModelShape(
+        "hf", cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, hq, hkv, d,
+        cfg.intermediate_size, dtype_bytes=dtype_bytes or DTYPE_BYTES[mc.dtype],
+        **_count(model, layers), **feats,
+    )  # fmt: skip
