@@ -50,7 +50,7 @@ def impls(P: int) -> dict[str, tuple[int, int, str, dict]]:
         "ulysses": (P, 1, "contiguous", {"head_chunks": 1}),
         "ulysses_chunked": (P, 1, "contiguous", {"head_chunks": 2}),
         "ulysses_nocheck": (P, 1, "contiguous", {"check_inputs": False, "head_chunks": 1}),
-        "ulysses_zigzag": (P, 1, "zigzag", {}),
+        "ulysses_zigzag": (P, 1, "zigzag", {"head_chunks": 2}),
         "ring_contiguous": (1, P, "contiguous", {}),
         "ring_zigzag": (1, P, "zigzag", {}),
         "ring_zigzag_no_overlap": (1, P, "zigzag", {"overlap": False}),

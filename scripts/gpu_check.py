@@ -122,7 +122,7 @@ def _mode_body(rank, world, args, device):
         for u, r in ((world, 1), (1, world), (2, world // 2)):
             groups = ucp.init_topology(u, r)
             cases = [(*lp, 0) for lp in itertools.product(("zigzag", "contiguous"), (False, True))]
-            cases.append(("zigzag", False, 1))  # the default is 2 head chunks: also 1
+            cases.append(("zigzag", False, 2))  # the default is 1 head chunk: also 2
             for layout, packed, chunks in cases:
                 topo = groups.with_options(layout=layout, backend=backend, head_chunks=chunks)
                 q, k, v, do = inputs(N, hq, hkv, d, torch.Generator().manual_seed(1))

@@ -187,3 +187,24 @@ needs_fp16 = pytest.mark.skipif(
     not _fp16_supported(),
     reason="DeepSpeed refuses fp16 on this device (a CPU without oneDNN fp16 support)",
 )
+
+
+def hf_pair(cfg, topo, backend="math"):
+    """(model through ``ucp.attention``, single-process sdpa reference): the same Hugging
+    Face config, the same float64 weights."""
+    import copy
+
+    import transformers
+
+    from ulysses_cp.models import hf
+
+    hf.register_attention(topo, backend=backend)
+    torch.manual_seed(0)
+    sp = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), attn_implementation="ulysses_cp", dtype=torch.float64
+    )
+    ref = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float64
+    )
+    ref.load_state_dict(sp.state_dict())
+    return sp, ref

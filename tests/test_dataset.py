@@ -7,7 +7,6 @@ the transformers tokenizer itself, a single-process sdpa model per document."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import math
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import HF_TINY, topology
+from tests.helpers import HF_TINY, hf_pair, topology
 
 pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
@@ -240,16 +239,7 @@ def test_packed_rows_hold_whole_documents_split_only_when_longer_than_a_row(data
 
 
 def _models(topo, vocab: int):
-    cfg = transformers.LlamaConfig(**{**HF_TINY, "vocab_size": vocab})
-    hf.register_attention(topo, backend="math")
-    torch.manual_seed(0)
-    sp = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="ulysses_cp", dtype=torch.float64
-    )
-    ref = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float64
-    )
-    ref.load_state_dict(sp.state_dict())
+    sp, ref = hf_pair(transformers.LlamaConfig(**{**HF_TINY, "vocab_size": vocab}), topo)
     return hf.HFCausalLM(sp, topo=topo), ref
 
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import HF_TINY, topology
+from tests.helpers import HF_TINY, hf_pair, topology
 
 transformers = pytest.importorskip("transformers")
 from ulysses_cp.models import hf  # noqa: E402
@@ -27,17 +25,7 @@ def tiny_config(family: str, **extra):
 
 def models(family: str, topo, backend="math", **extra):
     """(SP model, single-process sdpa reference) with the same float64 weights."""
-    cfg = tiny_config(family, **extra)
-    hf.register_attention(topo, backend=backend)
-    torch.manual_seed(0)
-    sp = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="ulysses_cp", dtype=torch.float64
-    )
-    ref = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float64
-    )
-    ref.load_state_dict(sp.state_dict())
-    return sp, ref
+    return hf_pair(tiny_config(family, **extra), topo, backend)
 
 
 def _equal_to_single_process(rank, u, r, family):

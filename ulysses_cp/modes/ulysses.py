@@ -77,11 +77,12 @@ def head_chunk_choices(hq: int, hkv: int, ulysses_degree: int, ring: bool = Fals
 def resolve_head_chunks(
     requested: int, hq: int, hkv: int, ulysses_degree: int, ring: bool = False
 ) -> int:
-    """``requested`` (0: automatic, 2 where it works, else 1) checked against
-    :func:`head_chunk_choices`; ``ValueError`` naming the counts that work."""
+    """``requested`` checked against :func:`head_chunk_choices`; ``ValueError`` naming the
+    counts that work. 0 (automatic) is 1: the fastest measured on CPU (docs/benchmarks.md:
+    2 chunks took 0.98-1.04x the time of 1 at P = 4); more chunks are for memory."""
     choices = head_chunk_choices(hq, hkv, ulysses_degree, ring)
     if requested == 0:
-        return 2 if 2 in choices else 1
+        return 1
     if isinstance(requested, bool) or not isinstance(requested, int) or requested not in choices:
         where = " with a ring inside (hybrid: kv heads per rank a multiple of it)" if ring else ""
         raise ValueError(
