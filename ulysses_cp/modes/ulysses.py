@@ -221,7 +221,7 @@ def ulysses_attention(
             inbound.append(post(i + 1))  # in flight while chunk i computes
         pending, recv = inbound[i]
         heads = pending.finish(recv, from_ranks, to_ranks)  # (b, s, h, d) token order
-        inbound[i] = None  # type: ignore[call-overload]
+        inbound[i] = None  # type: ignore[call-overload]  # the receive buffer is ours no more
         if i % per_kv == 0:
             qh, kh, vh = heads.split([qc, kc, kc], dim=2)
             kv = (kh, vh)
