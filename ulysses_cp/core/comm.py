@@ -136,15 +136,11 @@ def group_rank(group: Group) -> int:
 
 
 def _all_to_all(x: torch.Tensor, group: Group, phase: str) -> torch.Tensor:
-    """All-to-all over dim 0 (which must equal the group size); dim 0 of the result indexes
-    the source rank."""
-    P = x.shape[0]
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    with collective("all_to_all", phase, group):
-        dist.all_to_all_single(out, x, group=group)
-    stats.add("all_to_all", phase, x.numel() * x.element_size() * (P - 1) // P)
-    return out
+    """All-to-all over dim 0 (which must equal the group size), waited for at once; dim 0
+    of the result indexes the source rank."""
+    pending = PendingAllToAll(group)
+    pending.post(x, phase)
+    return pending.wait(phase)
 
 
 def _seq_to_head(x: torch.Tensor, group: Group, phase: str) -> torch.Tensor:
