@@ -1,28 +1,25 @@
-"""Hugging Face causal LMs under sequence parallelism (``pip install .[hf]``).
+"""Hugging Face causal LMs under sequence parallelism (``pip install .[hf]``): the home of
+``register_attention``, ``shard_batch``, :class:`HFCausalLM` and :func:`build_model`.
 
-``register_attention(topo)`` puts ``ucp.attention`` behind transformers' attention
-interface under the key ``"ulysses_cp"``, so every attention layer of a model built with
-``attn_implementation="ulysses_cp"`` runs Ulysses, ring or hybrid attention on its local
-shard. transformers calls it with ``(module, query, key, value, attention_mask, scaling=,
-dropout=, **kwargs)``, ``(b, h, s, d)`` tensors with RoPE applied and GQA heads not
-expanded, and expects ``((b, s, h, d), None)``. A key without "flash"/"sdpa" in it skips
-transformers' kernel checks, and without a registered mask function the model passes
-``attention_mask=None``: causality is our kernel's.
+A model trains exactly (the one-process loss and, summed over the SP ranks, gradients) or
+is refused on every rank before its first step:
 
-Sliding windows (per layer, as the model's ``layer_types`` say), logit softcap (Gemma 2)
-and attention sinks (``s_aux``, GPT-OSS) are honoured in every mode. What the kernels
-cannot do is refused, never approximated: attention dropout, a padding mask, a final logit
-softcap, and models that bypass the attention interface (ALiBi models such as Bloom and
-Falcon; detected from the class and, as a safety net, by counting calls in the first
-forward).
+- attention runs through transformers' attention interface
+  (:mod:`~ulysses_cp.models.hf_attention`: Ulysses, ring or hybrid attention, with the
+  layer's window, softcap, sinks, Llama 4's chunks and temperature);
+- the guard and the start-up probe (:mod:`~ulysses_cp.models.hf_guard`) refuse a model
+  with any other token mixing that would run on a shard (convolutions, SSMs, linear
+  attention), naming the layer and module;
+- the logits are the model's own (:mod:`~ulysses_cp.models.hf_head`: logit scales,
+  multipliers and the final softcap), in the plain and the tiled loss.
 
-``prepare_model`` also refuses a forward without ``position_ids``: the model would number
-each shard's tokens from 0 and RoPE would be wrong on every rank but the first.
+What the kernels cannot do is refused, never approximated: attention dropout, a padding
+mask, and a forward without ``position_ids`` (the model would number each shard's tokens
+from 0 and RoPE would be wrong on every rank but the first).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from functools import partial
 from pathlib import Path
@@ -35,8 +32,18 @@ import torch.nn as nn
 from ..config import HFDtype, HFModelConfig
 from ..core.sharding import layout_of
 from ..core.topology import Topology
-from ..modes.attention import attention
 from ..training.data import shard_batch
+from .hf_attention import (
+    KEY,
+    calls,
+    register_attention,
+    registered_topology,
+    temperature,
+    transformers_module,
+)
+from .hf_guard import ProbeResult, decoder_layers, probe
+from .hf_head import HeadTransform, LMHead, head_module
+from .hf_mixers import install_mixers
 from .memory import checkpointed, lm_loss, tile_mlps
 
 __all__ = [
@@ -45,127 +52,52 @@ __all__ = [
     "HFCausalLM",
     "HFModelConfig",
     "build_model",
-    "check_supported",
+    "from_config",
     "load_config",
     "register_attention",
     "shard_batch",
 ]
 
-KEY = "ulysses_cp"
-_CALLS = {"n": 0}
 # the names model.dtype accepts (config.HFDtype), as torch dtypes
 DTYPES = {name: getattr(torch, name) for name in get_args(HFDtype)}
+_transformers = transformers_module
 
 
-def _transformers():
-    if importlib.util.find_spec("transformers") is None:
-        raise ValueError(
-            "Hugging Face models need transformers: `pip install .[hf]` (transformers >= 5)"
-        )
-    import transformers
-
-    return transformers
-
-
-def _refuse(what: str, fix: str) -> None:
-    raise ValueError(f"ulysses_cp attention cannot honour {what}; {fix}")
+def _base(model: nn.Module) -> nn.Module:
+    """The decoder stack under the LM head (``model.model``, ``transformer``, ...)."""
+    base = getattr(model, "base_model", None)
+    if isinstance(base, nn.Module) and base is not model:
+        return base
+    inner = getattr(model, "model", None)
+    if isinstance(inner, nn.Module):
+        return inner
+    raise ValueError(f"{type(model).__name__}: no base model under the LM head")
 
 
-def _attention_forward(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    scaling=None,
-    dropout=0.0,
-    *,
-    topo: Topology,
-    backend,
-    layout,
-    **kwargs,
-):
-    if dropout:
-        _refuse(f"attention dropout {dropout}", "set config.attention_dropout = 0.0")
-    if attention_mask is not None:
-        _refuse(
-            "an attention mask",
-            "pad sequences at their end with ignored labels, or pack documents "
-            "(cu_seqlens), instead of masking",
-        )
-    if query.dim() != 4 or query.shape[0] != key.shape[0]:
-        raise ValueError(f"unexpected query shape {tuple(query.shape)} (want (b, h, s, d))")
-    _CALLS["n"] += 1
-    causal = kwargs.get("is_causal")
-    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, s, h, d)
-    out = attention(
-        q,
-        k,
-        v,
-        topo,
-        causal=causal,
-        layout=layout,
-        softmax_scale=scaling,
-        backend=backend,
-        cu_seqlens=kwargs.get("ucp_cu_seqlens"),
-        **_variants(kwargs, causal),
-    )
-    return out, None
-
-
-def _variants(kwargs: dict, causal: bool) -> dict:
-    """The attention variants a layer asks for, in ``ucp.attention``'s terms: a sliding
-    window of W tokens (transformers: key j visible to query i when ``i - W < j <= i``) is
-    ``window=(W - 1, -1)``; ``softcap`` (Gemma 2) as is; ``s_aux`` (GPT-OSS sinks, one logit
-    per query head) as ``sinks``."""
-    out: dict[str, Any] = {}
-    w = kwargs.get("sliding_window")
-    if w is not None:
-        if not isinstance(w, int) or w < 1:
-            _refuse(f"sliding_window={w!r}", "set a positive integer window or None")
-        if not causal:
-            _refuse(
-                f"sliding_window={w} in a bidirectional layer",
-                "ulysses_cp takes transformers' sliding windows in causal layers",
-            )
-        out["window"] = (w - 1, -1)
-    if kwargs.get("softcap") is not None:
-        out["softcap"] = float(kwargs["softcap"])
-    if kwargs.get("s_aux") is not None:
-        out["sinks"] = kwargs["s_aux"]
-    return out
-
-
-def register_attention(
-    topo: Topology, backend: str | None = None, layout: str | None = None
-) -> str:
-    """Register ``ucp.attention`` over ``topo`` as ``attn_implementation="ulysses_cp"``
-    (process-wide; registering again replaces the topology), with the run's choices
-    (``topo.options``: a ``layout=`` that disagrees raises; ``backend=`` overrides the run's
-    backend). Returns the key."""
-    transformers = _transformers()
-    fn = partial(_attention_forward, topo=topo, backend=backend, layout=layout_of(topo, layout))
-    transformers.AttentionInterface.register(KEY, fn)
-    return KEY
-
-
-def check_supported(model: nn.Module) -> None:
-    """Refuse models whose attention does not go through the attention interface."""
-    if not getattr(type(model), "_supports_attention_backend", False):
-        raise ValueError(
-            f"{type(model).__name__} computes attention itself (for example ALiBi models "
-            f"such as Bloom or Falcon) instead of through transformers' attention "
-            f"interface, so ulysses_cp cannot replace it; models such as Llama, Mistral, "
-            f"Qwen2/3, Gemma 2/3 and GPT-OSS can"
-        )
+def _global_temperature(forward, module, *args, **kwargs):
+    """Llama 4 NoPE attention: transformers' own temperature (from the local arange) off
+    for the calls that carry the global positions; the adapter applies it from those."""
+    if kwargs.get("ucp_positions") is None:
+        return forward(*args, **kwargs)
+    module.attn_temperature_tuning = False
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        module.attn_temperature_tuning = True
 
 
 class HFCausalLM(nn.Module):
     """A transformers causal LM as ulysses_cp trains it: ``forward(input_ids,
     position_ids, cu_seqlens=None, return_hidden=False)`` on this rank's shard, returning
-    logits, or the final hidden states for :func:`~ulysses_cp.memory.tiled_cross_entropy`
-    with :attr:`head`. Global ``position_ids`` are required."""
+    the model's own logits, or the final hidden states for
+    :func:`~ulysses_cp.models.memory.tiled_cross_entropy` with :attr:`head`. Global
+    ``position_ids`` are required.
+
+    ``topo``: the run's topology (default: the one given to :func:`register_attention`).
+    :meth:`probe` runs the guard and the start-up probe (:mod:`.hf_guard`) once, collectively
+    on the SP group: call it before ``deepspeed.initialize`` (:func:`build_model` does);
+    otherwise the first forward runs it. ``probe=False`` skips it (then the head is
+    ``lm_head`` alone and nothing is checked: for tests of the checks themselves)."""
 
     def __init__(
         self,
@@ -175,29 +107,65 @@ class HFCausalLM(nn.Module):
         layout: str | None = None,
         activation_checkpointing: bool = False,
         offload_activations: bool = False,
+        probe: bool = True,
     ) -> None:
         super().__init__()
-        check_supported(model)
         if getattr(model.config, "_attn_implementation", None) != KEY:
             raise ValueError(
                 f"the model was built with attn_implementation="
                 f"{model.config._attn_implementation!r}; build it with "
-                f"attn_implementation='{KEY}' after ucp.hf.register_attention(topo)"
+                f"attn_implementation='{KEY}' after ucp.models.hf.register_attention(topo)"
             )
-        if getattr(model.config, "final_logit_softcapping", None):
-            _refuse("final_logit_softcapping", "use a model without it")
+        topo = topo if topo is not None else registered_topology()
         self.model, self.topo, self.layout = model, topo, layout_of(topo, layout)
+        self.base = _base(model)
         self.checkpointing, self.offload = activation_checkpointing, offload_activations
-        self._checked = False
+        self.probed: ProbeResult | None = None
+        self._probe, self._checked = probe, False
+        self._transform = HeadTransform()
+        self._positions = False  # pass the global positions to the attention calls
+        for module in model.modules():
+            if temperature(module) is not None:
+                module._ucp_temperature = temperature(module)
+                module.forward = partial(_global_temperature, module.forward, module)
+                self._positions = True
+        # hybrid layers' SP forwards (or a refusal); a model of mixers alone calls no attention
+        self._mixers = 0 if topo is None else install_mixers(model, topo)
         if activation_checkpointing:
             for layer in self.decoder_layers():
                 layer.forward = partial(_checkpointed_layer, layer.forward, offload_activations)
 
     def decoder_layers(self) -> list[nn.Module]:
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
-        if layers is None:
-            raise ValueError(f"{type(self.model).__name__}: no model.layers to checkpoint")
-        return list(layers)
+        return list(decoder_layers(self.model)[1])
+
+    def probe(self) -> ProbeResult:
+        """The guard, the probe and the head check (:func:`.hf_guard.probe`), once;
+        collective over the SP group. Raises ``ValueError`` on every rank if the model
+        is not exact under this run's sequence parallelism."""
+        if self.probed is None:
+            self.probed = probe(self, self.topo)
+            self._transform = self.probed.head
+        return self.probed
+
+    def extra_kwargs(self, position_ids, cu_seqlens) -> dict:
+        """What the attention calls need beyond transformers' arguments."""
+        kwargs: dict[str, Any] = {}
+        if cu_seqlens is not None:
+            kwargs["ucp_cu_seqlens"] = cu_seqlens
+        if self._positions:
+            kwargs["ucp_positions"] = position_ids
+        return kwargs
+
+    def run_base(self, input_ids, position_ids, cu_seqlens) -> torch.Tensor:
+        """The decoder stack on these tokens: the final hidden states."""
+        out = self.base(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            **self.extra_kwargs(position_ids, cu_seqlens),
+        )
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        return hidden
 
     def _check_global_positions(self, position_ids: torch.Tensor) -> None:
         """Local positions 0..s_local-1 are right only on SP rank 0 of the contiguous
@@ -214,12 +182,16 @@ class HFCausalLM(nn.Module):
             raise ValueError(
                 "position_ids look local (0..s_local-1) on some sequence-parallel rank: "
                 "RoPE needs the GLOBAL positions of each rank's tokens; build the shards "
-                "with ucp.hf.shard_batch / data.shard_batch"
+                "with ucp.models.hf.shard_batch"
             )
 
     @property
     def head(self) -> nn.Module:
-        return self.model.get_output_embeddings()
+        """The LM head as the model computes it (its scale and softcap included; the probe
+        finds which, so this runs it first if it has not run)."""
+        if self._probe and self.probed is None:
+            self.probe()
+        return LMHead(head_module(self.model), self._transform)
 
     def forward(
         self,
@@ -231,24 +203,22 @@ class HFCausalLM(nn.Module):
         if position_ids is None:
             raise ValueError(
                 "position_ids are required under sequence parallelism: pass the GLOBAL "
-                "positions of this rank's tokens (ucp.hf.shard_batch / data.shard_batch make "
-                "them); local 0..s_local-1 would give every rank but the first the wrong RoPE"
+                "positions of this rank's tokens (ucp.models.hf.shard_batch makes them); "
+                "local 0..s_local-1 would give every rank but the first the wrong RoPE"
             )
+        if self._probe and self.probed is None:
+            self.probe()
         if not self._checked and cu_seqlens is None:
             self._check_global_positions(position_ids)
-        before = _CALLS["n"]
-        kwargs = {} if cu_seqlens is None else {"ucp_cu_seqlens": cu_seqlens}
-        out = self.model.model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs
-        )
+        before = calls()
+        hidden = self.run_base(input_ids, position_ids, cu_seqlens)
         if not self._checked:
-            if _CALLS["n"] == before:
+            if calls() == before and not self._mixers:
                 raise ValueError(
                     f"{type(self.model).__name__} ran without calling the ulysses_cp attention "
                     f"function: its attention bypasses the attention interface"
                 )
             self._checked = True
-        hidden = out.last_hidden_state
         return hidden if return_hidden else self.head(hidden)
 
     def loss(
@@ -300,6 +270,35 @@ def load_config(spec: str | dict) -> Any:
     return transformers.AutoConfig.for_model(model_type, **fields)
 
 
+def from_config(config: Any, *, dtype: torch.dtype = torch.float32, hf_weights=None) -> Any:
+    """``AutoModelForCausalLM`` with ulysses_cp attention: random init from ``config``, or
+    the weights of the local folder ``hf_weights``. A family that picks its attention code
+    itself (transformers cannot build it with a custom implementation) is refused with a
+    ``ValueError``. Call :func:`register_attention` first."""
+    transformers = _transformers()
+    if hf_weights and not Path(hf_weights).is_dir():
+        raise ValueError(f"model.hf_weights: {hf_weights} is not a local folder")
+    auto = transformers.AutoModelForCausalLM
+    try:
+        if hf_weights:
+            model = auto.from_pretrained(
+                hf_weights,
+                config=config,
+                attn_implementation=KEY,
+                dtype=dtype,
+                local_files_only=True,
+            )
+        else:
+            model = auto.from_config(config, attn_implementation=KEY, dtype=dtype)
+    except (KeyError, TypeError, AttributeError) as exc:  # the family picks its own attention
+        raise ValueError(
+            f"transformers cannot build {config.model_type!r} with attn_implementation="
+            f"{KEY!r} ({type(exc).__name__}: {exc}): the family chooses its attention code "
+            f"itself instead of through the attention interface, so ulysses_cp cannot run it"
+        ) from exc
+    return model
+
+
 def build_model(
     topo: Topology,
     *,
@@ -313,30 +312,20 @@ def build_model(
     offload_activations: bool = False,
 ) -> HFCausalLM:
     """Build (random init) or load (``hf_weights``: a local folder) a causal LM with
-    ulysses_cp attention and the chosen memory features."""
-    transformers = _transformers()
+    ulysses_cp attention and the chosen memory features, probed (:meth:`HFCausalLM.probe`:
+    collective over the SP group)."""
+    _transformers()  # a clear error without transformers
     register_attention(topo, backend=backend, layout=layout)
     config = load_config(hf_config)
-    if hf_weights:
-        if not Path(hf_weights).is_dir():
-            raise ValueError(f"model.hf_weights: {hf_weights} is not a local folder")
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            hf_weights,
-            config=config,
-            attn_implementation=KEY,
-            dtype=dtype,
-            local_files_only=True,
-        )
-    else:
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation=KEY, dtype=dtype
-        )
+    model = from_config(config, dtype=dtype, hf_weights=hf_weights)
     if tiled_mlp > 1:
         tile_mlps(model, tiled_mlp)
-    return HFCausalLM(
+    wrapped = HFCausalLM(
         model,
         topo=topo,
         layout=layout,
         activation_checkpointing=activation_checkpointing,
         offload_activations=offload_activations,
     )
+    wrapped.probe()  # before the engine: refused on every rank, or the head to train with
+    return wrapped

@@ -1,0 +1,187 @@
+"""Hybrid token mixers under sequence parallelism: the channel exchange, packed documents
+(each starts a fresh state), refusals of head counts that do not split, and the bytes."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ulysses_cp as ucp
+from tests.helpers import HF_TINY, topology
+from ulysses_cp.core.comm import stats
+from ulysses_cp.core.varlen import doc_layout_indices
+from ulysses_cp.modes.mixer import MixerExchange, split_channels
+
+transformers = pytest.importorskip("transformers")
+from ulysses_cp.models import hf  # noqa: E402
+from ulysses_cp.models.hf_mixers import mixer_degrees  # noqa: E402
+
+TOL = dict(rtol=1e-9, atol=1e-10)
+
+
+def lfm2():
+    return transformers.Lfm2Config(**{**HF_TINY, "layer_types": ["conv", "full_attention"]})
+
+
+def bamba():
+    """8 Mamba2 heads in 2 B/C groups (split with the heads at P = 2, shared at P = 4)."""
+    return transformers.BambaConfig(
+        **HF_TINY,
+        attn_layer_indices=[1],
+        mamba_n_heads=8,
+        mamba_d_head=8,
+        mamba_d_state=8,
+        mamba_n_groups=2,
+        mamba_chunk_size=16,
+    )
+
+
+def qwen3_next(k_heads=4):
+    return transformers.Qwen3NextConfig(
+        **HF_TINY,
+        head_dim=8,
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_only_layers=[0, 1],
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+
+
+def _exchange(rank, layout, packed):
+    """to_channels gives the full tensor's channels of this rank in natural order;
+    from_channels is its inverse; gradients come back to the sending ranks."""
+    topo = topology(2, 2, layout)
+    P, s, C = 4, 32, 8
+    full = torch.randn(2 if not packed else 1, s, C, generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 8, 32], dtype=torch.int32) if packed else None
+    bounds = [0, 8, 32] if packed else [0, s]
+    mine = full[:, doc_layout_indices(bounds, P, topo.sp_rank, layout)].requires_grad_()
+    ex = MixerExchange(topo, s // P, cu)
+    index = split_channels([torch.arange(C).view(C, 1)], P, "channels")
+    got = ex.to_channels(mine, index)
+    assert torch.equal(got, full[..., index[topo.sp_rank]])
+    back = ex.from_channels(got)
+    assert torch.equal(back, mine)
+    (back * 3).sum().backward()
+    assert torch.equal(mine.grad, torch.full_like(mine, 3.0))
+    assert ex.documents() == list(itertools.pairwise(bounds))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_the_exchange_moves_channels_and_back(pools, layout, packed):
+    pools(4).run(_exchange, layout, packed)
+
+
+def _models(topo, cfg):
+    """(SP model, one-process reference with sdpa attention: float64 softmax, where eager
+    would take it in float32)."""
+    hf.register_attention(topo, backend="math")
+    torch.manual_seed(0)
+    sp = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), attn_implementation="ulysses_cp", dtype=torch.float64
+    )
+    ref = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float64
+    )
+    ref.load_state_dict(sp.state_dict())
+    return sp, ref
+
+
+def _packed(rank, u, r, family):
+    """A packed row equals its documents run alone: no state crosses a document."""
+    topo = topology(u, r)
+    sp, ref = _models(topo, {"lfm2": lfm2, "bamba": bamba, "qwen3_next": qwen3_next}[family]())
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(96, (n,), generator=g) for n in (13, 32, 8)]
+    row = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(u * r, "zigzag"))
+    local = hf.shard_batch(row, topo)
+    stats.reset()
+    loss = hf.HFCausalLM(sp).loss(
+        local["input_ids"],
+        local["position_ids"],
+        local["shift_labels"],
+        topo,
+        cu_seqlens=local["cu_seqlens"],
+    )
+    loss.backward()
+    total = sum(
+        torch.nn.functional.cross_entropy(
+            ref(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum"
+        )
+        for d in docs
+    )
+    ref_loss = total / sum(len(d) - 1 for d in docs)
+    ref_loss.backward()
+    # the gated delta rule computes in float32 inside its kernel
+    tol = TOL if family != "qwen3_next" else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    for p, q in zip(sp.parameters(), ref.parameters()):
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        dist.all_reduce(grad, group=topo.sp_group)
+        torch.testing.assert_close(grad, q.grad, **tol)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "bamba", "qwen3_next"])
+@pytest.mark.parametrize("u,r", [(4, 1), (2, 2)], ids=str)
+def test_packed_documents_start_fresh_states(pools, family, u, r):
+    pools(u * r).run(_packed, u, r, family)
+
+
+def _heads_that_do_not_split(rank):
+    topo = topology(4, 1)
+    hf.register_attention(topo, backend="math")
+    model = transformers.AutoModelForCausalLM.from_config(
+        qwen3_next(k_heads=2), attn_implementation="ulysses_cp"
+    )
+    with pytest.raises(ValueError) as info:
+        hf.HFCausalLM(model)
+    return str(info.value)
+
+
+def test_head_counts_that_do_not_split_are_refused_with_the_degrees_that_work(pools):
+    messages = pools(4).run(_heads_that_do_not_split)
+    assert len(set(messages)) == 1
+    assert "2 key heads, 8 value heads" in messages[0]
+    assert "that work: [1, 2]" in messages[0]
+
+
+@pytest.mark.unit
+def test_mixer_degrees():
+    assert mixer_degrees({"heads": 8, "groups": 2}, 8) == [1, 2, 4, 8]
+    assert mixer_degrees({"channels": 12}, 12) == [1, 2, 3, 4, 6, 12]
+    assert mixer_degrees({"key heads": 2, "value heads": 8}, 8) == [1, 2]
+
+
+def _bytes(rank):
+    """One LFM2 conv layer moves B*x to channels and the result back: two all-to-alls of
+    b * s_l * D elements, (P-1)/P of each leaving the rank, in forward and in backward."""
+    topo = topology(4, 1)
+    cfg = transformers.Lfm2Config(**{**HF_TINY, "layer_types": ["conv"], "num_hidden_layers": 1})
+    sp, _ = _models(topo, cfg)
+    model = hf.HFCausalLM(sp)
+    model.probe()
+    ids = torch.randint(96, (2, 64), generator=torch.Generator().manual_seed(3))
+    local = hf.shard_batch({"input_ids": ids, "labels": ids}, topo)
+    stats.reset()
+    loss = model.loss(local["input_ids"], local["position_ids"], local["shift_labels"], topo)
+    forward = stats.total("all_to_all", "forward")
+    loss.backward()
+    return forward, stats.total("all_to_all", "backward")
+
+
+def test_mixer_bytes_match_the_formula(pools):
+    b, s, D, P, B = 2, 64, 32, 4, 8
+    want = 2 * b * (s // P) * D * (P - 1) // P * B
+    for forward, backward in pools(4).run(_bytes):
+        assert forward == want and backward == want

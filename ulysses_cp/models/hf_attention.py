@@ -1,0 +1,312 @@
+"""``ucp.attention`` behind transformers' attention interface.
+
+``register_attention(topo)`` registers :func:`attention_forward` under the key
+``"ulysses_cp"``, so every attention layer of a model built with
+``attn_implementation="ulysses_cp"`` runs Ulysses, ring or hybrid attention on its local
+shard. transformers calls it with ``(module, query, key, value, attention_mask, scaling=,
+dropout=, **kwargs)``, ``(b, h, s, d)`` tensors with RoPE applied and GQA heads not
+expanded, and expects ``((b, s, h, d), None)``. A key without "flash"/"sdpa" in it skips
+transformers' kernel checks, and without a registered mask function the model passes
+``attention_mask=None``: the mask is ours to build, from the layer's type.
+
+What each layer type means here (``config.layer_types[module.layer_idx]``):
+
+- ``full_attention`` (or no layer types): causal attention over the document.
+- ``sliding_attention``: the window transformers passes as ``sliding_window`` (W tokens:
+  key j visible to query i when ``i - W < j <= i``), our ``window=(W - 1, -1)``.
+- ``chunked_attention`` (Llama 4): causal attention inside chunks of
+  ``config.attention_chunk_size`` tokens counted from each document's start. The chunks
+  are documents for that layer: q, k, v move to the chunks' document-wise layout
+  (:class:`~ulysses_cp.core.relayout.Relayout`), attend there and move back.
+
+Softcap (Gemma 2) and sinks (``s_aux``, GPT-OSS) pass through. Llama 4's NoPE layers
+scale queries by a temperature that grows with the token's position; transformers takes
+that position from ``arange(local length)``, so :class:`~ulysses_cp.models.hf.HFCausalLM`
+switches transformers' scaling off for its calls and :func:`attention_forward` applies it
+from the global ``position_ids`` (``ucp_positions``).
+
+The probe (:mod:`~ulysses_cp.models.hf_guard`) runs the model once on the whole sequence
+with :func:`whole_sequence` (plain local attention, same masks) and records, per call, the
+module and what it asked for (:func:`recording`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..core.derived import once
+from ..core.relayout import Relayout, chunk_bounds
+from ..core.sharding import layout_of, sequence_multiple
+from ..core.topology import Topology
+from ..modes.attention import attention
+
+__all__ = [
+    "KEY",
+    "LAYER_TYPES",
+    "attention_forward",
+    "layer_type",
+    "local_topology",
+    "recording",
+    "register_attention",
+    "registered_topology",
+    "temperature",
+    "transformers_module",
+    "whole",
+    "whole_sequence",
+]
+
+KEY = "ulysses_cp"
+# the attention layer types this adapter builds the mask of; Falcon-H1 and ZAYA call their
+# layers (attention beside another mixer) "hybrid" (causal) and "hybrid_sliding" (windowed)
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+_ALIASES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+# process-wide state of the calls: how many (the first-forward check), whole-sequence mode
+# (the probe's reference run), and an optional record of each call's module and options
+_STATE: dict[str, Any] = {"calls": 0, "whole": False, "record": None, "topo": None}
+
+
+def transformers_module():
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError(
+            "Hugging Face models need transformers: `pip install .[hf]` (transformers >= 5)"
+        )
+    import transformers
+
+    return transformers
+
+
+def refuse(what: str, fix: str) -> None:
+    raise ValueError(f"ulysses_cp attention cannot honour {what}; {fix}")
+
+
+def calls() -> int:
+    """How many attention calls went through the interface so far (process-wide)."""
+    return int(_STATE["calls"])
+
+
+@contextmanager
+def whole_sequence() -> Iterator[None]:
+    """Inside: the interface runs plain local attention on the whole (unsharded) sequence,
+    with the same masks; the probe's reference."""
+    before = _STATE["whole"]
+    _STATE["whole"] = True
+    try:
+        yield
+    finally:
+        _STATE["whole"] = before
+
+
+def whole() -> bool:
+    """Inside :func:`whole_sequence`?"""
+    return bool(_STATE["whole"])
+
+
+def local_topology(topo: Topology) -> Topology:
+    """No sequence parallelism, the run's options (the whole-sequence reference)."""
+    return Topology(rank=0, world_size=1, ulysses_degree=1, ring_degree=1, options=topo.options)
+
+
+@contextmanager
+def recording() -> Iterator[list[tuple[Any, dict]]]:
+    """Inside: every call appends ``(module, options)`` to the yielded list."""
+    before = _STATE["record"]
+    record: list[tuple[Any, dict]] = []
+    _STATE["record"] = record
+    try:
+        yield record
+    finally:
+        _STATE["record"] = before
+
+
+def layer_type(module) -> str | None:
+    """``config.layer_types[module.layer_idx]`` where the model declares layer types."""
+    types = getattr(getattr(module, "config", None), "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if types is None or not isinstance(idx, int) or not 0 <= idx < len(types):
+        return None
+    return _ALIASES.get(str(types[idx]), str(types[idx]))
+
+
+def temperature(module) -> tuple[float, float] | None:
+    """``(floor_scale, attn_scale)`` of a Llama 4 NoPE layer with temperature tuning."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return None
+    return float(module.floor_scale), float(module.attn_scale)
+
+
+def _scale_queries(query: torch.Tensor, module, positions: torch.Tensor | None) -> torch.Tensor:
+    """Llama 4's temperature from the GLOBAL positions: ``q * (1 + attn_scale *
+    log1p(floor((pos + 1) / floor_scale)))``, computed in float32 as transformers does."""
+    floor_scale, attn_scale = module._ucp_temperature
+    if positions is None:
+        raise ValueError(
+            f"{type(module).__name__} scales queries by position (attention temperature "
+            f"tuning) and needs the global position_ids: call the model through "
+            f"ucp.models.hf.HFCausalLM"
+        )
+    pos = positions.to(query.device).float()  # (b, s)
+    scale = torch.log1p(torch.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (query * scale[:, None, :, None]).to(query.dtype)  # (b, h, s, d) * (b, 1, s, 1)
+
+
+def attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    *,
+    topo: Topology,
+    backend,
+    layout,
+    **kwargs,
+):
+    """The attention function transformers calls (module docstring)."""
+    if dropout:
+        refuse(f"attention dropout {dropout}", "set config.attention_dropout = 0.0")
+    if attention_mask is not None:
+        refuse(
+            f"an attention mask (passed to {type(module).__name__})",
+            "pad sequences at their end with ignored labels, or pack documents "
+            "(cu_seqlens), instead of masking",
+        )
+    if query.dim() != 4 or query.shape[0] != key.shape[0]:
+        raise ValueError(f"unexpected query shape {tuple(query.shape)} (want (b, h, s, d))")
+    _STATE["calls"] += 1
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+    kind = layer_type(module)
+    options = _variants(kwargs, causal)
+    if _STATE["record"] is not None:
+        _STATE["record"].append((module, dict(options, causal=causal, layer_type=kind)))
+    if kind is not None and kind not in LAYER_TYPES:
+        refuse(
+            f"layer type {kind!r} ({type(module).__name__})",
+            f"ulysses_cp builds the masks of {list(LAYER_TYPES)}",
+        )
+    if kind == "sliding_attention" and "window" not in options:
+        refuse(
+            f"a sliding_attention layer ({type(module).__name__}) that passes no sliding_window",
+            "this family masks its window outside the attention call; use full attention",
+        )
+    positions = kwargs.get("ucp_positions")
+    if getattr(module, "_ucp_temperature", None) is not None and positions is not None:
+        query = _scale_queries(query, module, positions)  # transformers' own is switched off
+    elif temperature(module) is not None and topo.sp_world_size > 1 and not _STATE["whole"]:
+        _scale_queries(query, module, None)  # raises: the positions would be local
+    if _STATE["whole"]:
+        topo = local_topology(topo)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, h, s, d) -> (b, s, h, d)
+
+    def run(q, k, v, cu_seqlens=None):
+        return attention(
+            q, k, v, topo, causal=causal, layout=layout, softmax_scale=scaling,
+            backend=backend, cu_seqlens=cu_seqlens, **options,
+        )  # fmt: skip
+
+    cu = kwargs.get("ucp_cu_seqlens")
+    if kind == "chunked_attention":
+        if not causal:
+            refuse("a bidirectional chunked_attention layer", "chunked layers are causal")
+        out = _chunked(q, k, v, topo, layout, cu, int(module.config.attention_chunk_size), run)
+    else:
+        out = run(q, k, v, cu_seqlens=cu)
+    return out.contiguous(), None  # as transformers' own kernels return it
+
+
+def _variants(kwargs: dict, causal: bool) -> dict:
+    """The attention variants a layer asks for, in ``ucp.attention``'s terms: a sliding
+    window of W tokens (transformers: key j visible to query i when ``i - W < j <= i``) is
+    ``window=(W - 1, -1)``; ``softcap`` (Gemma 2) as is; ``s_aux`` (GPT-OSS sinks, one logit
+    per query head) as ``sinks``."""
+    out: dict[str, Any] = {}
+    w = kwargs.get("sliding_window")
+    if w is not None:
+        if not isinstance(w, int) or w < 1:
+            refuse(f"sliding_window={w!r}", "set a positive integer window or None")
+        if not causal:
+            refuse(
+                f"sliding_window={w} in a bidirectional layer",
+                "ulysses_cp takes transformers' sliding windows in causal layers",
+            )
+        out["window"] = (w - 1, -1)
+    if kwargs.get("softcap") is not None:
+        out["softcap"] = float(kwargs["softcap"])
+    if kwargs.get("s_aux") is not None:
+        out["sinks"] = kwargs["s_aux"]
+    return out
+
+
+def _chunked(q, k, v, topo: Topology, layout: str, cu, chunk: int, run) -> torch.Tensor:
+    """Causal attention inside chunks of ``chunk`` tokens of every document: the chunks are
+    the documents of this call. A batch of b unpacked rows is one packed row of b
+    documents (each rank's shards of the rows, concatenated, are its document-wise shard
+    of that row), so batches and packed rows take the same path."""
+    P = topo.sp_world_size
+    b, s = q.shape[:2]
+    m = sequence_multiple(P, layout)
+    if chunk % m:
+        raise ValueError(
+            f"chunked attention with attention_chunk_size {chunk} over {P} sequence-parallel "
+            f"ranks in the {layout} layout needs chunks that are multiples of {m}; use a "
+            f"degree or layout whose multiple divides {chunk}"
+        )
+    key = (b, s, chunk, P, topo.sp_rank, layout, str(q.device))
+    if cu is None:
+        move, cu_inner = _chunk_plan([i * s * P for i in range(b + 1)], chunk, topo, key)
+    else:
+        move, cu_inner = once(
+            (cu,), ("chunks", *key), partial(_chunk_plan_of, cu, chunk, topo, key)
+        )
+    q, k, v = (t.reshape(1, b * s, *t.shape[2:]) for t in (q, k, v))  # rows -> documents
+    out = move.back(run(move(q), move(k), move(v), cu_seqlens=cu_inner))
+    return out.reshape(b, s, *out.shape[2:])
+
+
+_PLANS: dict[tuple, tuple[Relayout, torch.Tensor]] = {}
+
+
+def _chunk_plan(bounds: list[int], chunk: int, topo: Topology, key: tuple):
+    """The move to the chunks' layout and the chunks' ``cu_seqlens`` (kept per shape)."""
+    full = (tuple(bounds), *key, id(topo.sp_group))
+    if full not in _PLANS:
+        if len(_PLANS) > 32:
+            _PLANS.clear()
+        inner = chunk_bounds(bounds, chunk)
+        move = Relayout(
+            bounds, inner, P=topo.sp_world_size, rank=topo.sp_rank, layout=key[5],
+            group=topo.sp_group,
+        )  # fmt: skip
+        _PLANS[full] = (move, torch.tensor(inner, dtype=torch.int32, device=key[6]))
+    return _PLANS[full]
+
+
+def _chunk_plan_of(cu: torch.Tensor, chunk: int, topo: Topology, key: tuple):
+    return _chunk_plan([int(x) for x in cu.tolist()], chunk, topo, key)
+
+
+def register_attention(
+    topo: Topology, backend: str | None = None, layout: str | None = None
+) -> str:
+    """Register ``ucp.attention`` over ``topo`` as ``attn_implementation="ulysses_cp"``
+    (process-wide; registering again replaces the topology), with the run's choices
+    (``topo.options``: a ``layout=`` that disagrees raises; ``backend=`` overrides the run's
+    backend). Returns the key."""
+    transformers = transformers_module()
+    fn = partial(attention_forward, topo=topo, backend=backend, layout=layout_of(topo, layout))
+    transformers.AttentionInterface.register(KEY, fn)
+    _STATE["topo"] = topo
+    return KEY
+
+
+def registered_topology() -> Topology | None:
+    """The topology of the last :func:`register_attention` (None before any)."""
+    return _STATE["topo"]

@@ -1,0 +1,314 @@
+"""Hybrid models' token mixers under sequence parallelism, exact in every mode.
+
+transformers 5 builds its hybrid layers from kernels with the signatures of the CUDA
+libraries (``causal_conv1d_fn`` of causal-conv1d, ``mamba2_chunk_scan`` =
+mamba_ssm's ``mamba_chunk_scan_combined``, ``torch_chunk_gated_delta_rule`` = fla's
+``chunk_gated_delta_rule``), pure torch on CPU and the libraries' kernels where installed.
+Each adapter here replaces one mixer's ``forward`` (its parameters and state-dict names
+stay as they are) with the Ulysses treatment (:mod:`~ulysses_cp.modes.mixer`):
+
+1. the per-token input projections on this rank's shard (all heads);
+2. one all-to-all over the SP group: this rank's heads (channels) for every token, in the
+   sequence's natural order (the layout undone);
+3. the family's own conv and recurrent kernels (looked up in the family's modeling module,
+   so a GPU gets the kernels transformers would pick) on those heads, once per document;
+4. one all-to-all back; the per-token gated norm and output projection on the shard.
+
+Families: short convolutions (LFM2, LFM2-MoE: channels split), gated delta nets
+(Qwen3-Next, Qwen3.5: key heads and their value heads split), Mamba2 (Bamba,
+GraniteMoeHybrid, Nemotron-H, Falcon-H1: heads split; B/C groups split with them, or sent
+to every rank whose heads use them). Head counts that do not split over the SP degree are
+refused with the degrees that work. Every other mixer is refused by the guard
+(:mod:`~ulysses_cp.models.hf_guard`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..core.derived import once
+from ..core.topology import Topology
+from ..modes.mixer import MixerExchange, split_channels
+from .hf_attention import local_topology, whole
+
+__all__ = ["ADAPTERS", "install_mixers", "mixer_degrees"]
+
+
+def _kernel(module: Any, name: str) -> Callable:
+    """The family's own kernel function of that name (its modeling module's)."""
+    return getattr(sys.modules[type(module).__module__], name)
+
+
+def _by_document(ex: MixerExchange, run: Callable, *seq: torch.Tensor) -> Any:
+    """``run(*seq)`` on the whole sequence (dim 1), or on each document's piece, so that
+    every document starts from a fresh state; the outputs concatenated along dim 1."""
+    docs = ex.documents()
+    if len(docs) == 1:
+        return run(*seq)
+    return torch.cat([run(*(t[:, a:b] for t in seq)) for a, b in docs], dim=1)
+
+
+def _conv(module: Any, conv: nn.Conv1d, ex: MixerExchange, x, mine, activation):
+    """Depthwise causal conv of channels ``mine`` (``x`` ``(b, s, c)`` natural order)."""
+    fn = _kernel(module, "causal_conv1d_fn")
+    weight = conv.weight.squeeze(1)[mine]  # (C, K) -> (c, K)
+    bias = None if conv.bias is None else conv.bias[mine]
+
+    def run(piece):  # (b, s_doc, c) -> (b, c, s_doc) -> (b, s_doc, c)
+        kw = {} if activation is None else {"activation": activation}
+        return fn(piece.transpose(1, 2), weight, bias, **kw).transpose(1, 2)
+
+    return _by_document(ex, run, x)
+
+
+def _units(n: int, width: int, offset: int = 0) -> torch.Tensor:
+    """Channel indices of ``n`` units (heads, groups) of ``width`` channels: ``(n, width)``."""
+    return torch.arange(offset, offset + n * width).view(n, width)
+
+
+# ---------------------------------------------------------------- short convolution (LFM2)
+
+
+def short_conv(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor:
+    """LFM2's ShortConv: ``out_proj(C * conv(B * x))``, the conv per channel."""
+    B, C, h = module.in_proj(x).chunk(3, dim=-1)  # (b, s_l, D) each
+    D = h.shape[-1]
+    index = split_channels([_units(D, 1)], ex.P, "channels")
+    mine = index[ex.topo.sp_rank].to(x.device)
+    full = ex.to_channels(B * h, index)  # (b, s, D/P)
+    y = ex.from_channels(_conv(module, module.conv, ex, full, mine, None))  # (b, s_l, D)
+    return module.out_proj((C * y).contiguous())
+
+
+def short_conv_units(module: Any) -> dict[str, int]:
+    return {"channels": int(module.conv.weight.shape[0])}
+
+
+# ---------------------------------------------------------------- gated delta net (Qwen3-Next)
+
+
+def _qwen3_next_projection(module: Any, x: torch.Tensor):
+    q, k, v, z, b, a = module.fix_query_key_value_ordering(
+        module.in_proj_qkvz(x), module.in_proj_ba(x)
+    )
+    mixed = torch.cat([t.flatten(2) for t in (q, k, v)], dim=-1)  # (b, s_l, 2 Kd + Vd)
+    return mixed, z, b, a
+
+
+def _qwen3_5_projection(module: Any, x: torch.Tensor):
+    z = module.in_proj_z(x)
+    z = z.unflatten(-1, (-1, module.head_v_dim))  # (b, s_l, Hv, dv)
+    return module.in_proj_qkv(x), z, module.in_proj_b(x), module.in_proj_a(x)
+
+
+def gated_delta_net(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule per value head; each rank takes a block of key heads and the
+    value heads that use them (consecutive, as the kernel groups them)."""
+    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    if hasattr(module, "in_proj_qkvz"):
+        mixed, z, b, a = _qwen3_next_projection(module, x)
+    else:
+        mixed, z, b, a = _qwen3_5_projection(module, x)
+    kd = hk * dk
+    conv_dim = 2 * kd + hv * dv
+    source = torch.cat([mixed, b, a], dim=-1)  # (b, s_l, conv_dim + 2 Hv)
+    units = [
+        _units(hk, dk),  # q
+        _units(hk, dk, kd),  # k
+        _units(hv, dv, 2 * kd),  # v
+        _units(hv, 1, conv_dim),  # b
+        _units(hv, 1, conv_dim + hv),  # a
+    ]
+    index = split_channels(units, ex.P, "key and value heads")
+    rank = ex.topo.sp_rank
+    full = ex.to_channels(source, index)  # (b, s, c)
+    k_l, v_l = hk // ex.P, hv // ex.P
+    c_conv = 2 * k_l * dk + v_l * dv
+    mine = index[rank][:c_conv].to(x.device)
+    heads = slice(rank * v_l, (rank + 1) * v_l)
+    qkv = _conv(module, module.conv1d, ex, full[..., :c_conv], mine, module.activation)
+    q, k, v = qkv.split([k_l * dk, k_l * dk, v_l * dv], dim=-1)
+    q, k = (t.unflatten(-1, (k_l, dk)) for t in (q, k))  # (b, s, Hk/P, dk)
+    v = v.unflatten(-1, (v_l, dv))  # (b, s, Hv/P, dv)
+    b_, a_ = full[..., c_conv : c_conv + v_l], full[..., c_conv + v_l :]
+    beta = b_.sigmoid()
+    g = -module.A_log[heads].float().exp() * F.softplus(a_.float() + module.dt_bias[heads])
+    rule = _kernel(module, "torch_chunk_gated_delta_rule")
+
+    def run(q, k, v, g, beta):
+        out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=True)  # fmt: skip
+        return out
+
+    core = _by_document(ex, run, q, k, v, g, beta)  # (b, s, Hv/P, dv)
+    core = ex.from_channels(core.flatten(2)).unflatten(-1, (hv, dv))  # (b, s_l, Hv, dv)
+    shape = core.shape
+    core = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(shape)
+    return module.out_proj(core.flatten(2))
+
+
+def gated_delta_net_units(module: Any) -> dict[str, int]:
+    return {"key heads": module.num_k_heads, "value heads": module.num_v_heads}
+
+
+# ---------------------------------------------------------------- Mamba2
+
+
+def _mamba2_groups(module: Any, P: int) -> list[torch.Tensor]:
+    """Per rank, the B/C groups its heads use (contiguous head blocks; a group shared by
+    several ranks goes to each of them)."""
+    H, G = module.num_heads, module.n_groups
+    per_group = H // G
+    out = []
+    for r in range(P):
+        heads = range(r * H // P, (r + 1) * H // P)
+        out.append(torch.tensor(sorted({h // per_group for h in heads})))
+    if len({len(g) for g in out}) != 1:
+        raise ValueError(f"{H} heads in {G} groups do not split evenly over {P} ranks")
+    return out
+
+
+def mamba2(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor:
+    """Mamba2 (SSD): heads split, each rank's B/C groups with them; the gated norm (per
+    token) and the output projection back on the shard."""
+    H, p, G, N = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
+    I = module.intermediate_size
+    dtype = x.dtype
+    if hasattr(module, "mup_vector"):  # Falcon-H1's multipliers
+        proj = module.in_proj(x * module.ssm_in_multiplier) * module.mup_vector
+    else:
+        proj = module.in_proj(x)
+    gate, xbc, dt = proj.split([I, module.conv_dim, H], dim=-1)
+    source = torch.cat([xbc, dt], dim=-1)  # (b, s_l, conv_dim + H)
+    groups = _mamba2_groups(module, ex.P)
+    heads = split_channels([_units(H, p)], ex.P, "heads")
+    dts = split_channels([_units(H, 1, module.conv_dim)], ex.P, "heads")
+    index = [
+        torch.cat([heads[r], *(_units(G, N, I + off)[groups[r]].flatten() for off in (0, G * N)),
+                   dts[r]])
+        for r in range(ex.P)
+    ]  # fmt: skip
+    rank = ex.topo.sp_rank
+    full = ex.to_channels(source, index)  # (b, s, c)
+    h_l, g_l = H // ex.P, len(groups[rank])
+    c_conv = h_l * p + 2 * g_l * N
+    mine = index[rank][:c_conv].to(x.device)
+    conv = _conv(module, module.conv1d, ex, full[..., :c_conv], mine, module.activation)
+    xs, B, C = conv.split([h_l * p, g_l * N, g_l * N], dim=-1)
+    dt_l = full[..., c_conv:]  # (b, s, H/P)
+    my = slice(rank * h_l, (rank + 1) * h_l)
+    A = -torch.exp(module.A_log.float())[my]
+    scan = _kernel(module, "mamba2_chunk_scan")
+
+    def run(xs, dt_l, B, C):
+        return scan(
+            xs.unflatten(-1, (h_l, p)), dt_l, A, B.unflatten(-1, (g_l, N)),
+            C.unflatten(-1, (g_l, N)), chunk_size=module.chunk_size, D=module.D[my], z=None,
+            dt_bias=module.dt_bias[my], dt_softplus=True, dt_limit=module.time_step_limit,
+        )  # fmt: skip
+
+    y = _by_document(ex, run, xs, dt_l, B, C).flatten(2)  # (b, s, H/P * p)
+    y = ex.from_channels(y)  # (b, s_l, I)
+    norm = getattr(module, "mamba_rms_norm", True)  # Falcon-H1 may gate without the norm
+    y = module.norm(y, gate) if norm else y * F.silu(gate)
+    return module.out_proj(y.to(dtype))
+
+
+def mamba2_units(module: Any) -> dict[str, int]:
+    return {"heads": module.num_heads, "groups": module.n_groups}
+
+
+# ---------------------------------------------------------------- installing
+
+
+# class name -> (forward, head counts that must split)
+ADAPTERS: dict[str, tuple[Callable, Callable]] = {
+    "Lfm2ShortConv": (short_conv, short_conv_units),
+    "Lfm2MoeShortConv": (short_conv, short_conv_units),
+    "Qwen3NextGatedDeltaNet": (gated_delta_net, gated_delta_net_units),
+    "Qwen3_5GatedDeltaNet": (gated_delta_net, gated_delta_net_units),
+    "Qwen3_5MoeGatedDeltaNet": (gated_delta_net, gated_delta_net_units),
+    "BambaMixer": (mamba2, mamba2_units),
+    "GraniteMoeHybridMambaLayer": (mamba2, mamba2_units),
+    "NemotronHMamba2Mixer": (mamba2, mamba2_units),
+    "FalconH1Mixer": (mamba2, mamba2_units),
+}
+
+
+def mixer_degrees(units: dict[str, int], limit: int = 64) -> list[int]:
+    """SP degrees up to ``limit`` that split every unit count (groups may also be shared:
+    a degree that is a multiple of the group count works)."""
+    ok = []
+    for P in range(1, limit + 1):
+        fine = True
+        for name, n in units.items():
+            if n % P and not (name == "groups" and P % n == 0):
+                fine = False
+        if fine:
+            ok.append(P)
+    return ok
+
+
+def _check(module: Any, units: dict[str, int], P: int) -> None:
+    if P not in mixer_degrees(units, max(P, 1)):
+        counts = ", ".join(f"{n} {name}" for name, n in units.items())
+        raise ValueError(
+            f"{type(module).__name__} has {counts}, which {P} sequence-parallel ranks cannot "
+            f"split (each rank runs the recurrence for a share of them over the whole "
+            f"sequence); sequence-parallel degrees (ulysses x ring) that work: "
+            f"{mixer_degrees(units)}"
+        )
+
+
+def _exchange(topo: Topology, s_l: int, cu: torch.Tensor | None) -> MixerExchange:
+    key = ("mixer", s_l, topo.sp_world_size, topo.sp_rank, topo.layout, id(topo.sp_group))
+    if cu is None:
+        if key not in _PLANS:
+            _PLANS[key] = MixerExchange(topo, s_l)
+        return _PLANS[key]
+    return once((cu,), key, partial(MixerExchange, topo, s_l, cu))
+
+
+_PLANS: dict[tuple, MixerExchange] = {}
+
+
+def _forward(adapter: Callable, module: Any, topo: Topology, hidden_states=None,
+             cache=None, attention_mask=None, **kwargs):  # fmt: skip
+    if cache is not None or kwargs.get("cache_params") is not None:
+        raise ValueError(
+            f"{type(module).__name__} under sequence parallelism trains without a cache; "
+            f"call the model with use_cache=False"
+        )
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            f"{type(module).__name__}: a padding mask cannot be honoured; pad sequences at "
+            f"their end with ignored labels, or pack documents (cu_seqlens)"
+        )
+    assert hidden_states is not None, "the mixer's hidden states"
+    if whole():  # the probe's whole-sequence reference
+        topo = local_topology(topo)
+    ex = _exchange(topo, hidden_states.shape[1], kwargs.get("ucp_cu_seqlens"))
+    return adapter(module, ex, hidden_states)
+
+
+def install_mixers(model: nn.Module, topo: Topology) -> int:
+    """Give every known mixer of ``model`` its sequence-parallel forward over ``topo`` (its
+    head counts checked against the SP degree first). Returns how many."""
+    n = 0
+    for module in model.modules():
+        entry = ADAPTERS.get(type(module).__name__)
+        if entry is None or getattr(module, "ucp_sequence_parallel", False):
+            continue
+        adapter, units = entry
+        _check(module, units(module), topo.sp_world_size)
+        module.forward = partial(_forward, adapter, module, topo)
+        object.__setattr__(module, "ucp_sequence_parallel", True)  # read by the guard
+        n += 1
+    return n
