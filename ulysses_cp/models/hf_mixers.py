@@ -38,7 +38,7 @@ from ..core.topology import Topology
 from ..modes.mixer import MixerExchange, split_channels
 from .hf_attention import local_topology, whole
 
-__all__ = ["ADAPTERS", "install_mixers", "mixer_degrees"]
+__all__ = ["ADAPTERS", "install_mixers", "mixer_channels", "mixer_degrees"]
 
 
 def _kernel(module: Any, name: str) -> Callable:
@@ -223,6 +223,26 @@ def mamba2(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor:
 
 def mamba2_units(module: Any) -> dict[str, int]:
     return {"heads": module.num_heads, "groups": module.n_groups}
+
+
+# ---------------------------------------------------------------- bytes
+
+
+def mixer_channels(module: Any, P: int) -> tuple[int, int]:
+    """Channels per token that one mixer layer's two all-to-alls carry over ``P`` ranks,
+    summed over the destinations: ``(to heads, back)``. Each rank sends ``(P-1)/P`` of
+    ``b * s_local * channels`` elements in each, in forward and again in backward."""
+    kind = ADAPTERS[type(module).__name__][0]
+    if kind is short_conv:
+        d = int(module.conv.weight.shape[0])
+        return d, d
+    if kind is gated_delta_net:
+        hk, hv = module.num_k_heads, module.num_v_heads
+        dk, dv = module.head_k_dim, module.head_v_dim
+        return 2 * hk * dk + hv * dv + 2 * hv, hv * dv
+    H, p, N = module.num_heads, module.head_dim, module.ssm_state_size
+    groups = sum(len(g) for g in _mamba2_groups(module, P))  # a shared group goes to each
+    return H * p + 2 * groups * N + H, H * p
 
 
 # ---------------------------------------------------------------- installing
