@@ -13,15 +13,20 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from .sharding import check_layout
-
 __all__ = [
     "BACKENDS",
     "KV_EXCHANGES",
+    "LAYOUTS",
     "Backend",
     "KVExchange",
+    "Layout",
     "RunOptions",
+    "check_layout",
 ]
+
+# How tokens are laid out across the sequence-parallel ranks (``ulysses_cp.core.sharding``).
+Layout = Literal["zigzag", "contiguous"]
+LAYOUTS: tuple[str, ...] = get_args(Layout)
 
 # How KV moves inside a ring group: point-to-point ring steps, or one all-gather (with a
 # reduce-scatter of dk/dv in the backward).
@@ -31,6 +36,11 @@ KV_EXCHANGES: tuple[str, ...] = get_args(KVExchange)
 # The local attention kernels by name (implemented in ``ulysses_cp.kernels``).
 Backend = Literal["auto", "flash_attn", "torch", "math"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
 
 
 @dataclass(frozen=True)

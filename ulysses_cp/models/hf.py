@@ -33,19 +33,21 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import HFDtype, HFModelConfig
+from ..core.batch import BatchPlan, shard_batch
 from ..core.sharding import layout_of
 from ..core.topology import Topology
 from ..modes.attention import attention
-from ..training.data import shard_batch
 from .memory import checkpointed, lm_loss, tile_mlps
 
+# shard_batch's one home is ulysses_cp.core.batch; it is named here too because the API
+# contract (shared/API.md) has Hugging Face users import it from this module
 __all__ = [
     "DTYPES",
     "KEY",
     "HFCausalLM",
-    "HFModelConfig",
     "build_model",
     "check_supported",
+    "heads",
     "load_config",
     "register_attention",
     "shard_batch",
@@ -71,20 +73,21 @@ def _refuse(what: str, fix: str) -> None:
     raise ValueError(f"ulysses_cp attention cannot honour {what}; {fix}")
 
 
-def _attention_forward(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    scaling=None,
-    dropout=0.0,
-    *,
-    topo: Topology,
-    backend,
-    layout,
-    **kwargs,
-):
+class _Registered:
+    """The function registered under :data:`KEY`: transformers calls it with ``(module,
+    query, key, value, attention_mask, scaling=, dropout=, **kwargs)``."""
+
+    def __init__(self, topo: Topology, backend: str | None, layout: str) -> None:
+        self.topo, self.backend, self.layout = topo, backend, layout
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        return _attention_forward(
+            self, module, (query, key, value), attention_mask, scaling, dropout, kw
+        )
+
+
+def _attention_forward(run: _Registered, module, qkv, attention_mask, scaling, dropout, kwargs):
+    query, key, value = qkv
     if dropout:
         _refuse(f"attention dropout {dropout}", "set config.attention_dropout = 0.0")
     if attention_mask is not None:
@@ -103,12 +106,12 @@ def _attention_forward(
         q,
         k,
         v,
-        topo,
+        run.topo,
         causal=causal,
-        layout=layout,
+        layout=run.layout,
         softmax_scale=scaling,
-        backend=backend,
-        cu_seqlens=kwargs.get("ucp_cu_seqlens"),
+        backend=run.backend,
+        batch=kwargs.get("ucp_batch"),
         **_variants(kwargs, causal),
     )
     return out, None
@@ -145,7 +148,7 @@ def register_attention(
     (``topo.options``: a ``layout=`` that disagrees raises; ``backend=`` overrides the run's
     backend). Returns the key."""
     transformers = _transformers()
-    fn = partial(_attention_forward, topo=topo, backend=backend, layout=layout_of(topo, layout))
+    fn = _Registered(topo, backend, layout_of(topo, layout))
     transformers.AttentionInterface.register(KEY, fn)
     return KEY
 
@@ -163,8 +166,8 @@ def check_supported(model: nn.Module) -> None:
 
 class HFCausalLM(nn.Module):
     """A transformers causal LM as ulysses_cp trains it: ``forward(input_ids,
-    position_ids, cu_seqlens=None, return_hidden=False)`` on this rank's shard, returning
-    logits, or the final hidden states for :func:`~ulysses_cp.memory.tiled_cross_entropy`
+    position_ids, batch=None, return_hidden=False)`` on this rank's shard, returning
+    logits, or the final hidden states for :func:`~ulysses_cp.models.memory.tiled_cross_entropy`
     with :attr:`head`. Global ``position_ids`` are required."""
 
     def __init__(
@@ -182,7 +185,7 @@ class HFCausalLM(nn.Module):
             raise ValueError(
                 f"the model was built with attn_implementation="
                 f"{model.config._attn_implementation!r}; build it with "
-                f"attn_implementation='{KEY}' after ucp.hf.register_attention(topo)"
+                f"attn_implementation='{KEY}' after register_attention(topo)"
             )
         if getattr(model.config, "final_logit_softcapping", None):
             _refuse("final_logit_softcapping", "use a model without it")
@@ -214,7 +217,7 @@ class HFCausalLM(nn.Module):
             raise ValueError(
                 "position_ids look local (0..s_local-1) on some sequence-parallel rank: "
                 "RoPE needs the GLOBAL positions of each rank's tokens; build the shards "
-                "with ucp.hf.shard_batch / data.shard_batch"
+                "with ucp.shard_batch"
             )
 
     @property
@@ -225,19 +228,21 @@ class HFCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        batch: BatchPlan | None = None,
         return_hidden: bool = False,
     ):
+        """``batch``: the batch's plan (``ucp.shard_batch``), handed to every attention."""
         if position_ids is None:
             raise ValueError(
                 "position_ids are required under sequence parallelism: pass the GLOBAL "
-                "positions of this rank's tokens (ucp.hf.shard_batch / data.shard_batch make "
-                "them); local 0..s_local-1 would give every rank but the first the wrong RoPE"
+                "positions of this rank's tokens (ucp.shard_batch makes them); local "
+                "0..s_local-1 would give every rank but the first the wrong RoPE"
             )
-        if not self._checked and cu_seqlens is None:
+        packed = batch is not None and batch.cu_seqlens is not None
+        if not self._checked and not packed:
             self._check_global_positions(position_ids)
         before = _CALLS["n"]
-        kwargs = {} if cu_seqlens is None else {"ucp_cu_seqlens": cu_seqlens}
+        kwargs = {} if batch is None else {"ucp_batch": batch}
         out = self.model.model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs
         )
@@ -258,7 +263,7 @@ class HFCausalLM(nn.Module):
         labels: torch.Tensor,
         topo: Topology,
         *,
-        cu_seqlens: torch.Tensor | None = None,
+        batch: BatchPlan | None = None,
         tiled_loss: int = 0,
     ) -> torch.Tensor:
         """SP cross-entropy of shifted ``labels`` (tiled when ``tiled_loss > 1``)."""
@@ -269,7 +274,7 @@ class HFCausalLM(nn.Module):
             position_ids,
             labels,
             topo,
-            cu_seqlens=cu_seqlens,
+            batch=batch,
             tiled_loss=tiled_loss,
         )
 
@@ -300,28 +305,25 @@ def load_config(spec: str | dict) -> Any:
     return transformers.AutoConfig.for_model(model_type, **fields)
 
 
+def heads(config: Any) -> tuple[int, int]:
+    """(query heads, kv heads) of a transformers config (:func:`load_config`'s result)."""
+    hq = config.num_attention_heads
+    return hq, getattr(config, "num_key_value_heads", None) or hq
+
+
 def build_model(
-    topo: Topology,
-    *,
-    hf_config: str | dict,
-    hf_weights: str | None = None,
-    backend: str | None = None,
-    layout: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    tiled_mlp: int = 0,
-    activation_checkpointing: bool = False,
-    offload_activations: bool = False,
+    topo: Topology, mc: HFModelConfig, *, backend: str | None = None, layout: str | None = None
 ) -> HFCausalLM:
-    """Build (random init) or load (``hf_weights``: a local folder) a causal LM with
-    ulysses_cp attention and the chosen memory features."""
+    """Build (random init) or load (``mc.hf_weights``: a local folder) the causal LM of a
+    ``"model"`` block with ulysses_cp attention and the block's dtype and memory features."""
     transformers = _transformers()
     register_attention(topo, backend=backend, layout=layout)
-    config = load_config(hf_config)
-    if hf_weights:
-        if not Path(hf_weights).is_dir():
-            raise ValueError(f"model.hf_weights: {hf_weights} is not a local folder")
+    config, dtype = load_config(mc.hf_config), DTYPES[mc.dtype]
+    if mc.hf_weights:
+        if not Path(mc.hf_weights).is_dir():
+            raise ValueError(f"model.hf_weights: {mc.hf_weights} is not a local folder")
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            hf_weights,
+            mc.hf_weights,
             config=config,
             attn_implementation=KEY,
             dtype=dtype,
@@ -331,12 +333,12 @@ def build_model(
         model = transformers.AutoModelForCausalLM.from_config(
             config, attn_implementation=KEY, dtype=dtype
         )
-    if tiled_mlp > 1:
-        tile_mlps(model, tiled_mlp)
+    if mc.tiled_mlp > 1:
+        tile_mlps(model, mc.tiled_mlp)
     return HFCausalLM(
         model,
         topo=topo,
         layout=layout,
-        activation_checkpointing=activation_checkpointing,
-        offload_activations=offload_activations,
+        activation_checkpointing=mc.activation_checkpointing,
+        offload_activations=mc.offload_activations,
     )
