@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -66,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     args = parse_args(argv)
+    # DeepSpeed's ZeRO calls a torch collective that torch deprecates: once per rank, a
+    # warning the user can do nothing about
+    warnings.filterwarnings(
+        "ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning
+    )
     # every config error is raised here, identically on every rank, before any collective
     run = RunConfig.load(args.deepspeed_config)
     sp, mc, dc, tc = run.sequence_parallel, run.model, run.data, run.training

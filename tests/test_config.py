@@ -72,3 +72,15 @@ def test_the_deepspeed_config_is_never_changed():
     assert run.raw == before
     if optimizer is not None:  # CPU: torch's AdamW, the block removed from the copy only
         assert "optimizer" not in swapped.raw and "optimizer" in run.raw
+
+
+def test_deepspeeds_keys_are_read_without_importing_it():
+    """The top-level keys DeepSpeed knows, read from its constants' source, are those the
+    imported module holds (a config is parsed without importing DeepSpeed)."""
+    import deepspeed.runtime.constants as ds_constants
+
+    from ulysses_cp.schema import _deepspeed_constants
+
+    names = vars(ds_constants).items()
+    imported = {v for n, v in names if n.isupper() and isinstance(v, str) and v.isidentifier()}
+    assert set(_deepspeed_constants()) == imported and len(imported) > 50

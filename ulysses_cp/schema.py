@@ -11,7 +11,10 @@ fields that name files, resolved against the config file's folder (:func:`resolv
 
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
+import importlib.util
 import types
 import typing
 from dataclasses import fields
@@ -126,15 +129,43 @@ DEEPSPEED_KEYS = (
 
 def known_top_level_keys(ours: tuple[str, ...]) -> set[str]:
     """Top-level keys a config may hold: ``ours`` (our blocks) and DeepSpeed's."""
-    keys = {*ours, *DEEPSPEED_KEYS}
+    return {*ours, *DEEPSPEED_KEYS, *_deepspeed_constants()}
+
+
+@functools.cache
+def _deepspeed_constants() -> frozenset[str]:
+    """The string constants of the installed ``deepspeed/runtime/constants.py`` (the
+    config keys DeepSpeed reads), read from its source: importing DeepSpeed to parse a
+    config would take seconds and print its accelerator warning. Empty when there is no
+    DeepSpeed (the documented list alone)."""
+    spec = importlib.util.find_spec("deepspeed")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
     try:
-        import deepspeed.runtime.constants as ds_constants
-    except Exception:  # deepspeed missing or broken: the documented list alone
-        return keys
-    for name, value in vars(ds_constants).items():
-        if name.isupper() and isinstance(value, str) and value.isidentifier():
-            keys.add(value)
-    return keys
+        tree = ast.parse((Path(folders[0]) / "runtime" / "constants.py").read_text())
+    except (IndexError, OSError, SyntaxError):
+        return frozenset()
+    consts = {  # class-level string constants, read through ``Class.NAME`` too
+        f"{c.name}.{t.id}": n.value.value
+        for c in tree.body
+        if isinstance(c, ast.ClassDef)
+        for n in c.body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    keys = set()
+    for node in tree.body:
+        if not isinstance(node, ast.Assign):
+            continue
+        value = node.value
+        if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name):
+            text = consts.get(f"{value.value.id}.{value.attr}")
+        else:
+            text = value.value if isinstance(value, ast.Constant) else None
+        upper = any(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets)
+        if upper and isinstance(text, str) and text.isidentifier():
+            keys.add(text)
+    return frozenset(keys)
 
 
 def check_top_level_keys(config: dict, ours: tuple[str, ...], source: str) -> None:

@@ -15,6 +15,8 @@ Tests compare updated parameters against a single process for every stage.
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 from dataclasses import asdict, fields
 from datetime import timedelta
@@ -54,23 +56,50 @@ def deepspeed_part(run: RunConfig) -> dict:
 
 def init_distributed(timeout_s: float | None = None) -> None:
     """``deepspeed.init_distributed`` with nccl on CUDA machines, gloo elsewhere;
-    ``timeout_s``: the collective timeout (DeepSpeed's default when None)."""
+    ``timeout_s``: the collective timeout (DeepSpeed's default when None). Imports
+    DeepSpeed (the first import in a run: see :func:`_quiet_cpu_deepspeed`)."""
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        # DeepSpeed's own switch, set unless the user set it: without it every rank warns
+        # at import that it "was unable to detect" a GPU and fell back to the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    if not torch.cuda.is_available():
-        # DeepSpeed's CPU shared-memory allreduce (used when the launcher sets LOCAL_SIZE)
-        # creates a 69 MB /dev/shm buffer per rank and run that is never unlinked, not even
-        # on a clean exit (deepspeed 0.19.8): a day of runs filled /dev/shm (19 GB, i.e.
-        # RAM) and the OOM killer took a test rank. gloo's allreduce does the same job.
-        os.environ.pop("LOCAL_SIZE", None)
+    if cpu:
+        _quiet_cpu_deepspeed()
     else:
         # before any CUDA work: this rank's GPU (the launcher's LOCAL_RANK), not GPU 0
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-        deepspeed.init_distributed(
-            dist_backend="nccl" if torch.cuda.is_available() else "gloo", **kwargs
-        )
+        deepspeed.init_distributed(dist_backend="nccl" if not cpu else "gloo", **kwargs)
+
+
+def _quiet_cpu_deepspeed() -> None:
+    """On CPU, DeepSpeed's shared-memory collectives are not used: gloo does the job.
+
+    DeepSpeed's CPU shared-memory allreduce (used when the launcher sets LOCAL_SIZE)
+    creates a 69 MB /dev/shm buffer per rank and run that is never unlinked, not even on a
+    clean exit (deepspeed 0.19.8): a day of runs filled /dev/shm (19 GB, i.e. RAM) and the
+    OOM killer took a test rank. The op behind it serves only DeepSpeed's inference
+    all-reduce, yet every rank JIT-compiles it on the first run (a C++ compiler, and a
+    build killed halfway leaves a lock that makes every later start wait) and loads it on
+    every run, printing a line per rank: it is not built."""
+    # the module itself: the attribute ``deepspeed.comm.torch`` is torch (a star import)
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    os.environ.pop("LOCAL_SIZE", None)
+    ds_torch.build_shm_op = lambda: None  # type: ignore[attr-defined]
+
+
+class _Drop(logging.Filter):
+    """Drops DeepSpeed log records that contain ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 
 def run_options(run: RunConfig) -> RunOptions:
@@ -244,14 +273,21 @@ def initialize(
     ds_config = deepspeed_part(run)
     if _zero_stage(run) == 3 and topo.sp_world_size > 1:
         _partition_over_all_ranks(model, mpu, ds_config)
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler,
-        config=ds_config,
-        mpu=mpu,
-    )
+    # DeepSpeed's warmup schedulers ask for their learning rate in their own constructor
+    # and warn, on every rank, that they "have not started": noise at every start
+    quiet = _Drop("get learning rate from scheduler before it has started")
+    logging.getLogger("DeepSpeed").addFilter(quiet)
+    try:
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            config=ds_config,
+            mpu=mpu,
+        )
+    finally:
+        logging.getLogger("DeepSpeed").removeFilter(quiet)
     from .portable import settle_initial_state
 
     settle_initial_state(engine)  # state an optimizer made in __init__ (Adagrad)
