@@ -4,6 +4,7 @@ with a flash-attn stand-in on the path so that the flash_attn rows run too."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -14,7 +15,8 @@ from tests.helpers import ROOT, run
 @pytest.mark.launcher
 def test_gpu_check_dry_run_passes_every_section(tmp_path):
     standin = ROOT / "tests" / "flash_standin" / "v2_8_3"
-    env = dict(OUT=str(tmp_path), PYTHONPATH=f"{standin}:{ROOT}")
+    # the interpreter running the tests (the script's default is the repository's .venv)
+    env = dict(OUT=str(tmp_path), PYTHONPATH=f"{standin}:{ROOT}", PYTHON=sys.executable)
     run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"], env=env)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] and report["dry_run"] and report["flash_attn"] == "2.8.3"
