@@ -49,7 +49,7 @@ class RunOptions:
     ``backend``: the local attention kernel (``ucp.BACKENDS``); ``check_inputs``: compare
     every SP rank's inputs before communicating; ``grad_scale``: multiplies the gradient of
     the SP loss (1, or the SP degree where ZeRO-3 averages gradients over SP ranks too:
-    ``ucp.engine.zero_grad_scale``); ``kv_exchange``: how KV moves inside a ring group
+    ``training.engine.zero_grad_scale``); ``kv_exchange``: how KV moves inside a ring group
     (``"ring"``: point-to-point steps overlapped with compute; ``"allgather"``: one
     all-gather, and a reduce-scatter of dk/dv in the backward); ``head_chunks``: the Ulysses
     all-to-alls go in this many chunks of heads, overlapped with the attention of the
