@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -66,9 +67,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     args = parse_args(argv)
+    # DeepSpeed's ZeRO calls a torch collective that torch deprecates: once per rank, a
+    # warning the user can do nothing about
+    warnings.filterwarnings(
+        "ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning
+    )
     # every config error is raised here, identically on every rank, before any collective
     run = RunConfig.load(args.deepspeed_config)
-    config, sp, mc, dc, tc = run.raw, run.sequence_parallel, run.model, run.data, run.training
+    sp, mc, dc, tc = run.sequence_parallel, run.model, run.data, run.training
     if args.max_steps is not None:
         tc = replace(tc, max_steps=args.max_steps)
     if args.plan:  # before any process group: every rank would print the same
@@ -78,13 +84,13 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
             print(plan_for_launch(run, dict(os.environ)), flush=True)
         return
     ucp.init_distributed(timeout_s=sp.collective_timeout_s)
-    validate(sp, mc, dc)
+    validate(run)
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     resuming = check_output_dir(out, args.resume, args.overwrite)
     # missing or short data files fail here, before the engine; task "dataset" tokenizes
     # its files once (rank 0, with a progress bar) into a cache every rank maps
     dataset, held_out = make_datasets(dc, run.eval)
-    topo = ucp.topology_from_config(config)
+    topo = ucp.topology_from_config(run)
     line, warning = describe(gather_groups(topo))  # the groups as built, node by node
     log.info(line)
     if warning:
@@ -92,13 +98,16 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
 
     torch.manual_seed(tc.seed)
     model = build_model(mc, topo)
-    optimizer, ds_config = cpu_optimizer(config, model)
-    engine = ucp.initialize(model=model, config=ds_config, topo=topo, optimizer=optimizer)
+    optimizer, ds_run = cpu_optimizer(run, model)
+    engine = ucp.initialize(model=model, config=ds_run, topo=topo, optimizer=optimizer)
     info = {"world_size": topo.world_size, "dp": topo.dp_degree, "ulysses": topo.ulysses_degree,
             "ring": topo.ring_degree, "mode": topo.mode, "layout": topo.layout}  # fmt: skip
-    evaluator = None if held_out is None else Evaluator(held_out, run.eval)
-    trainer = Trainer(engine, topo, dataset, tc=tc, seq_len=dc.seq_len, out=out,
-                      tiled_loss=mc.tiled_loss, hooks=hooks, evaluator=evaluator)  # fmt: skip
+    evaluator = None
+    if held_out is not None:
+        micro = engine.train_micro_batch_size_per_gpu()
+        evaluator = Evaluator(held_out, run.eval, topo, micro_batch=micro, device=engine.device)
+    trainer = Trainer(engine, topo, dataset, tc=tc, out=out, tiled_loss=mc.tiled_loss,
+                      hooks=hooks, evaluator=evaluator)  # fmt: skip
     start = 0
     if resuming:
         tag = checkpoint.latest_tag(out)
@@ -107,7 +116,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     elif args.resume == "auto":
         log.info(f"--resume auto: no checkpoint in {out}, starting at step 0")
     trainer.tracker = tracker = Tracker(
-        output_dir=out, config=config, topo_info=info, is_main=dist.get_rank() == 0,
+        output_dir=out, config=run.raw, topo_info=info, is_main=dist.get_rank() == 0,
         resume=resuming, start_step=start,
     )  # fmt: skip
     log.info(

@@ -36,6 +36,7 @@ from profiling import longest_fitting, peak_memory
 import ulysses_cp as ucp
 import ulysses_cp.modes.ring as ring_mod
 from ulysses_cp.modes.ulysses import head_chunk_choices
+from ulysses_cp.plan.comm import forward_comm_bytes
 
 HQ, HKV, D = 8, 4, 64
 ONLY: list[str] = []  # --only
@@ -74,7 +75,7 @@ OPTIONS = ("check_inputs", "head_chunks", "kv_exchange")
 def formula(N: int, u: int, r: int, nbytes: int) -> int:
     """Forward bytes sent per rank (all-to-all + ring), b = 1."""
     return sum(
-        ucp.forward_comm_bytes(
+        forward_comm_bytes(
             batch=1,
             seq_len=N,
             hq=HQ,
@@ -96,22 +97,14 @@ def attention_fn(topos: dict, name: str, spec, backend: str):
         from deepspeed.sequence.layer import DistributedAttention
 
         def local(q, k, v, *args, **kwargs):
-            return ucp.local_attention(q, k, v, causal=True, backend=backend)
+            return ucp.local_attention(q, k, v, backend=backend)
 
         peer = DistributedAttention(local, topo.ulysses_group, scatter_idx=2, gather_idx=1)
         return lambda q, k, v: peer(q, k, v, batch_dim_idx=0)
     if "overlap" in extra:
-        return lambda q, k, v: ring_mod.ring_attention(
-            q,
-            k,
-            v,
-            group=topo.ring_group,
-            causal=True,
-            softmax_scale=None,
-            backend=backend,
-            layout=layout,
-            overlap=extra["overlap"],
-        )
+        ring = ring_mod.Ring(topo.ring_group, layout, overlap=extra["overlap"])
+        call = ucp.KernelCall(ucp.AttentionSpec(causal=True), backend)
+        return lambda q, k, v: ring_mod.ring_attention(q, k, v, ring=ring, call=call)
     return ucp.Attention(topo)
 
 
@@ -253,8 +246,9 @@ def bench_lengths(args, topos, P, device, dtype) -> list[dict]:
 
 def max_length(args, topos, P, device, dtype, what: str) -> dict:
     """Longest N (a multiple of 2P*64) whose per-rank peak fits ``args.budget_mb``."""
-    from ulysses_cp.models.decoder import Decoder, ModelConfig
-    from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
+    from ulysses_cp.config import DataConfig, ModelConfig
+    from ulysses_cp.models.decoder import Decoder
+    from ulysses_cp.training.data import KVRecall, global_batch
 
     budget = args.budget_mb * 2**20
     out = {}
@@ -287,10 +281,10 @@ def max_length(args, topos, P, device, dtype, what: str) -> dict:
                 full = global_batch(
                     data, step=0, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1
                 )
-                local = {k_: t.to(device) for k_, t in shard_batch(full, topo, layout).items()}
+                local = {k_: t.to(device) for k_, t in ucp.shard_batch(full, topo, layout).items()}
 
                 def step():
-                    logits = model(local["input_ids"], local["position_ids"])
+                    logits = model(local["input_ids"], local["position_ids"], local["batch"])
                     ucp.sequence_parallel_cross_entropy(
                         logits, local["shift_labels"], topo
                     ).backward()

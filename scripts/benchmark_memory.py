@@ -31,9 +31,10 @@ from benchlib import barrier, max_over_ranks, run_ranks, sync
 from profiling import longest_fitting, peak_memory
 
 import ulysses_cp as ucp
-from ulysses_cp.models.decoder import Decoder, ModelConfig
+from ulysses_cp.config import DataConfig, HFModelConfig, ModelConfig
+from ulysses_cp.models.decoder import Decoder
 from ulysses_cp.models.memory import tiled_cross_entropy
-from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
+from ulysses_cp.training.data import KVRecall, global_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,13 +59,8 @@ def build(kind: str, features: dict, topo, device):
     if kind == "hf":
         from ulysses_cp.models import hf
 
-        model = hf.build_model(
-            topo,
-            hf_config=str(ROOT / "configs" / "hf" / "tiny_llama.json"),
-            tiled_mlp=features["tiled_mlp"],
-            activation_checkpointing=features["activation_checkpointing"],
-            offload_activations=features["offload_activations"],
-        )
+        hf_config = str(ROOT / "configs" / "hf" / "tiny_llama.json")
+        model = hf.build_model(topo, HFModelConfig(hf_config=hf_config, **features))
     else:
         model = Decoder(
             ModelConfig(**features),
@@ -83,10 +79,10 @@ def step_fn(model, features: dict, topo, N: int, device):
         dp_rank=0,
         dp_degree=1,
     )
-    local = {k: t.to(device) for k, t in shard_batch(full, topo).items()}
+    local = {k: t.to(device) for k, t in ucp.shard_batch(full, topo).items()}
 
     def step():
-        args = (local["input_ids"], local["position_ids"])
+        args = (local["input_ids"], local["position_ids"], local["batch"])
         if features["tiled_loss"] > 1:
             hidden = model(*args, return_hidden=True)
             chunks = features["tiled_loss"]

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ulysses_cp as ucp
 from ulysses_cp.core.log import get_logger
+from ulysses_cp.plan.comm import forward_comm_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -34,9 +35,9 @@ def modes(world: int) -> list[tuple[int, int]]:
 
 
 def formula_bytes(args, u: int, r: int, nbytes: int) -> list[int]:
-    """Per rank, forward: [all-to-all, ring] bytes by ``ucp.forward_comm_bytes``."""
+    """Per rank, forward: [all-to-all, ring] bytes by the planner's ``forward_comm_bytes``."""
     return list(
-        ucp.forward_comm_bytes(
+        forward_comm_bytes(
             batch=args.batch,
             seq_len=args.seq,
             hq=args.heads,
@@ -66,7 +67,7 @@ def run_case(args, u: int, r: int, layout: str) -> dict:
     out.backward(ucp.shard_sequence(dout, topo).to(dtype))
     got = [ucp.gather_sequence(t.detach(), topo).double() for t in (out, *(x.grad for x in local))]
     refs = [t.detach().requires_grad_() for t in (q, k, v)]
-    ref_out = ucp.local_attention(*refs, causal=True, backend="math")
+    ref_out = ucp.local_attention(*refs, backend="math")
     ref = [ref_out.detach(), *torch.autograd.grad(ref_out, refs, dout)]
     errs = {n: (a - b).abs().max().item() for n, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
     sent_all = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]

@@ -105,12 +105,13 @@ def measure_zero(rank: int, world: int, stage: int, kind: str) -> dict:
         "comms_logger": {"enabled": True, "verbose": False, "prof_all": True},
         "sequence_parallel": {"ulysses_degree": world, "attention_backend": "torch"},
     }
-    topo = ucp.topology_from_config(cfg)
+    run = ucp.RunConfig.load(cfg)
+    topo = ucp.topology_from_config(run)
     N = 64 * world
     with LiveBytes() as live:
         model = build(kind, FEATURES["none"], topo, torch.device("cpu"))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        engine = ucp.initialize(model=model, config=cfg, topo=topo, optimizer=opt)
+        engine = ucp.initialize(model=model, config=run, topo=topo, optimizer=opt)
         step = step_fn(engine, FEATURES["none"], topo, N, torch.device("cpu"))
         logged: dict[str, int] = {}
         for i in range(2):
@@ -128,13 +129,16 @@ def measure_zero(rank: int, world: int, stage: int, kind: str) -> dict:
 
 
 def _train_step(engine, topo, N: int) -> None:
-    from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
+    from ulysses_cp.config import DataConfig
+    from ulysses_cp.training.data import KVRecall, global_batch
 
     full = global_batch(KVRecall(DataConfig(seq_len=N)), step=0, micro_step=0, grad_accum=1,
                         micro_batch=1, dp_rank=0, dp_degree=1)  # fmt: skip
-    local = shard_batch(full, topo)
+    local = ucp.shard_batch(full, topo)
     loss = ucp.sequence_parallel_cross_entropy(
-        engine(local["input_ids"], local["position_ids"]), local["shift_labels"], topo
+        engine(local["input_ids"], local["position_ids"], local["batch"]),
+        local["shift_labels"],
+        topo,
     )
     engine.backward(loss)
     engine.step()

@@ -1,10 +1,89 @@
+"""Test tiers and the shared process pools.
+
+Every test belongs to exactly one tier (README "Tests", docs/architecture.md):
+
+- ``unit``: starts no process. Marked here, automatically, for every test that is neither
+  of the others; a guard fails a unit test that starts one (a ``multiprocessing`` process,
+  a subprocess, a fork), naming the tiers to choose from.
+- ``distributed``: runs on the process pool (:class:`tests.distributed.DistPool`, the
+  ``pools`` fixture, marked here) or starts worker processes of its own (marked in the file).
+- ``launcher``: runs programs as a user would (``deepspeed``/``torchrun`` launches, scripts,
+  ``python -m``), marked in the file.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
 import os
+import subprocess
 
 import pytest
+import torch
 
 from tests.distributed import DistPool
 
 os.environ.setdefault("WANDB_MODE", "disabled")
+# The tests' tensors are tiny: one thread per process (as in the pool's ranks). OpenMP's
+# worker threads only wait on each other there, and with other processes on the machine
+# a 48-token einsum took 8 ms on 2 threads against 0.5 ms on one.
+torch.set_num_threads(1)
+
+TIERS = ("unit", "distributed", "launcher")
+
+
+def tier_of(item: pytest.Item) -> str:
+    """The tier a collected test belongs to: its own marker, the pool fixture, else unit."""
+    marked = [t for t in ("distributed", "launcher") if item.get_closest_marker(t)]
+    if len(marked) > 1:
+        raise pytest.UsageError(f"{item.nodeid}: marked {marked}; a test has one tier")
+    if marked:
+        return marked[0]
+    return "distributed" if "pools" in getattr(item, "fixturenames", ()) else "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(tier_of(item))
+
+
+class ProcessStarted(RuntimeError):
+    """A unit-tier test started a process."""
+
+
+def _refuse(what: str):
+    def start(*args, **kwargs):
+        raise ProcessStarted(
+            f"a unit test started {what}; unit tests start no process: mark the test "
+            f"@pytest.mark.distributed (a process pool) or @pytest.mark.launcher (a program "
+            f"run as a user would), or take the process out of it"
+        )
+
+    return start
+
+
+_STARTS = [
+    (multiprocessing.process.BaseProcess, "start", "a multiprocessing process"),
+    (subprocess.Popen, "__init__", "a subprocess"),
+    (os, "fork", "a fork"),
+    (os, "posix_spawn", "a spawned process"),
+    (os, "system", "a shell"),
+]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """The guard: while a unit test runs (its fixtures' setup and teardown included),
+    starting a process raises :class:`ProcessStarted`."""
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in _STARTS]
+    for owner, name, what in _STARTS:
+        setattr(owner, name, _refuse(what))
+    try:
+        return (yield)
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
 
 
 @pytest.fixture(scope="session")

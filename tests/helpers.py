@@ -1,13 +1,16 @@
-"""Shared test helpers: deterministic inputs, the float64 reference, a tiny model,
-process groups and configs, and runs of train.py under the deepspeed launcher."""
+"""What the tests share: deterministic inputs, the one float64 reference, the one shard ->
+attend -> gather runner, tiny models, process groups, the one run-config builder and the
+one way to start programs (train.py under the deepspeed launcher, torchrun, scripts)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,9 +19,11 @@ import torch
 
 import ulysses_cp as ucp
 from tests.distributed import COLLECTIVE_TIMEOUT_S
-from ulysses_cp.models.decoder import ModelConfig
+from ulysses_cp.config import ModelConfig, RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "train.py"
+TOL64 = dict(rtol=1e-10, atol=1e-10)
 TINY = ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 # the tiny Hugging Face configs of the HF tests (4 heads, 2 kv heads, vocabulary 96)
 HF_TINY = dict(
@@ -31,6 +36,8 @@ HF_TINY = dict(
     max_position_embeddings=512,
     attention_dropout=0.0,
 )
+
+# ---------------------------------------------------------------- attention
 
 
 def make_qkv(
@@ -45,13 +52,29 @@ def make_qkv(
     return [t.to(dtype) for t in (q, k, v, dout)]
 
 
-def reference(q, k, v, dout, causal: bool, softmax_scale=None, bounds=None, window=(-1, -1)):
-    """Full attention in float64, written here independently of ulysses_cp's kernels: an
-    explicit (causal, and block-diagonal for packed ``bounds``) mask, ``torch.softmax``,
-    and autograd for the gradients. Returns ``[out, dq, dk, dv]``."""
+def sinks_for(hq: int) -> torch.Tensor:
+    """The sink logits the tests use, one per query head."""
+    return torch.linspace(-1.0, 2.0, hq, dtype=torch.float64)
+
+
+def reference(
+    q, k, v, dout, causal=True, *, softmax_scale=None, softcap=0.0, sinks=None, bounds=None,
+    window=(-1, -1),
+):  # fmt: skip
+    """Full attention ``(b, s, h, d)`` in float64, written here independently of
+    ulysses_cp's kernels: an explicit (causal, windowed, block-diagonal for packed
+    ``bounds``) mask, ``softcap * tanh(s / softcap)`` on the scores, the sinks as one more
+    column of logits whose value vector is zero, ``torch.softmax``, and autograd for the
+    gradients. ``dout``: the output gradient, or a function of the output giving the loss.
+    Returns ``[out, dq, dk, dv, dsinks]`` (``dsinks`` None without sinks)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    hq, hkv, n = q.shape[2], k.shape[2], q.shape[1]
-    kk, vv = (t.repeat_interleave(hq // hkv, dim=2) for t in (k, v))  # head i uses kv i // g
+    sk = None if sinks is None else sinks.detach().double().requires_grad_()
+    hq, n = q.shape[2], q.shape[1]
+    kk, vv = (t.repeat_interleave(hq // t.shape[2], dim=2) for t in (k, v))  # head i: kv i // g
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     mask = torch.ones(n, n, dtype=torch.bool)
     if bounds is not None:
         doc = torch.zeros(n, dtype=torch.long)
@@ -65,11 +88,18 @@ def reference(q, k, v, dout, causal: bool, softmax_scale=None, bounds=None, wind
         mask &= j >= i - window[0]
     if window[1] >= 0:
         mask &= j <= i + window[1]
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
-    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout.double())]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sk is not None:  # one more logit per head, value zero
+        scores = torch.cat([scores, sk.view(1, hq, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
+        vv = torch.cat([vv, torch.zeros_like(vv[:, :1])], dim=1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees nothing: zeros
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, vv)
+    inputs = (q, k, v) if sk is None else (q, k, v, sk)
+    if callable(dout):
+        grads = torch.autograd.grad(dout(out), inputs)
+    else:
+        grads = torch.autograd.grad(out, inputs, dout.double())
+    return [out.detach(), *grads] if sk is not None else [out.detach(), *grads, None]
 
 
 def sdpa_attention(q, k, v, causal: bool = True):
@@ -81,21 +111,69 @@ def sdpa_attention(q, k, v, causal: bool = True):
     return out.transpose(1, 2)
 
 
-def sharded_run(q, k, v, dout, topo, *, causal, layout, backend, softmax_scale=None):
-    """Shard full tensors, run ucp.attention + backward, gather out and grads."""
-    ql, kl, vl = (
-        ucp.shard_sequence(t, topo, layout=layout).detach().requires_grad_() for t in (q, k, v)
-    )
-    dl = ucp.shard_sequence(dout, topo, layout=layout)
-    out = ucp.attention(
-        ql, kl, vl, topo, causal=causal, layout=layout, backend=backend, softmax_scale=softmax_scale
-    )
-    out.backward(dl)
-    return [
-        ucp.gather_sequence(t, topo, layout=layout).detach()
-        for t in (out, ql.grad, kl.grad, vl.grad)
-    ]
+def sharded_run(q, k, v, dout, topo, *, sinks=None, cu_seqlens=None, **attention_kwargs):
+    """The one shard -> attend -> gather runner: every rank shards the same full tensors
+    (in ``layout=`` when given, document-wise with ``cu_seqlens``), runs ``ucp.attention``
+    and its backward, gathers. Returns ``[out, dq, dk, dv, dsinks]`` (``dsinks``: this
+    rank's share of the sinks' gradient, None without sinks)."""
+    kw = dict(layout=attention_kwargs.get("layout"), cu_seqlens=cu_seqlens)
+    ql, kl, vl = (ucp.shard_sequence(t, topo, **kw).detach().requires_grad_() for t in (q, k, v))
+    sk = None if sinks is None else sinks.detach().clone().requires_grad_()
+    out = ucp.attention(ql, kl, vl, topo, sinks=sk, cu_seqlens=cu_seqlens, **attention_kwargs)
+    out.backward(ucp.shard_sequence(dout, topo, **kw))
+    got = [ucp.gather_sequence(t, topo, **kw).detach() for t in (out, ql.grad, kl.grad, vl.grad)]
+    return [*got, None if sk is None else sk.grad]
 
+
+def attend_case(
+    rank, u, r, layout="zigzag", *, seed, hq, hkv, bounds=None, sinks=False, options=None, **kw
+):
+    """A pool task: the case's full tensors (``case_inputs``) through :func:`sharded_run`
+    on ``topology(u, r, layout, **options)``; ``kw`` go to ``ucp.attention``. Returns
+    ``(got, bytes sent by op)``."""
+    topo = topology(u, r, layout, **(options or {}))
+    q, k, v, dout = case_inputs(seed, hq, hkv, bounds)
+    cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
+    ucp.comm_stats.reset()
+    got = sharded_run(
+        q, k, v, dout, topo, sinks=sinks_for(hq) if sinks else None, cu_seqlens=cu, **kw
+    )
+    return got, ucp.comm_stats.snapshot()
+
+
+def case_inputs(seed: int, hq: int, hkv: int, bounds=None, d: int = 8):
+    """A case's full q, k, v, dout: batch 2 x 32 tokens, or one packed row of ``bounds``."""
+    s = 32 if bounds is None else bounds[-1]
+    return make_qkv(seed=seed, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=d)
+
+
+def check_case(results, *, seed, hq, hkv, bounds=None, sinks=False, tol=TOL64, **math):
+    """Every rank's gathered output and gradients of :func:`attend_case` against the float64
+    reference (``math``: ``causal``, ``softcap``, ``window``...); the sinks' gradient summed
+    over the ranks (each rank holds its share)."""
+    q, k, v, dout = case_inputs(seed, hq, hkv, bounds)
+    ref = reference(q, k, v, dout, bounds=bounds, sinks=sinks_for(hq) if sinks else None, **math)
+    for got, _ in results:
+        for name, g, x in zip(("out", "dq", "dk", "dv"), got[:4], ref[:4]):
+            torch.testing.assert_close(g, x, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    if sinks:
+        torch.testing.assert_close(sum(got[4] for got, _ in results), ref[4], **tol)
+
+
+MATH = ("causal", "softmax_scale", "softcap", "window")  # attention keywords the reference takes
+
+
+def attend_and_check(pools, u, r, layout="zigzag", *, seed, hq, hkv, bounds=None, sinks=False,
+                     options=None, **kw):  # fmt: skip
+    """:func:`attend_case` on ``u * r`` pool ranks, every result checked (:func:`check_case`)
+    with the math keywords of ``kw``; the results, for more checks."""
+    case = dict(seed=seed, hq=hq, hkv=hkv, bounds=bounds, sinks=sinks)
+    results = pools(u * r).run(attend_case, u, r, layout, **case, options=options, **kw)
+    check_case(results, **case, **{k: v for k, v in kw.items() if k in MATH})
+    return results
+
+
+# ---------------------------------------------------------------- groups and configs
 
 _TOPOS: dict = {}
 
@@ -111,34 +189,58 @@ def topology(u: int, r: int, layout: str = "zigzag", **options):
 def topology_for(config: dict):
     """The cached groups of :func:`topology` with the run's choices of ``config`` (what
     ``ucp.topology_from_config`` gives, without creating new groups per engine)."""
-    sp = config["sequence_parallel"]
-    options = ucp.run_options(config)
-    return topology(
-        sp.get("ulysses_degree", 1),
-        sp.get("ring_degree", 1),
-        **asdict(options),
-    )
+    run = RunConfig.load(config)
+    sp = run.sequence_parallel
+    return topology(sp.ulysses_degree, sp.ring_degree, **asdict(ucp.run_options(run)))
 
 
-def ds_config(
-    u: int, r: int, stage: int, *, micro_batch: int = 1, backend: str = "torch", **sp
-) -> dict:
-    """A DeepSpeed config for one-step tests: no gradient clipping (clipping at a norm below
-    the gradient's would hide a gradient off by a constant factor), a client optimizer, ZeRO
-    ``stage``, our block with degrees, backend and ``sp`` extras."""
-    return {
+# what the launcher tests train: a tiny decoder on kv_recall, AdamW, 2 CPU ranks
+LAUNCH = dict(
+    micro_batch=2,
+    gradient_clipping=1.0,
+    optimizer={"type": "AdamW", "params": {"lr": 1e-2}},
+    model={"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64},
+    data={"task": "kv_recall", "seq_len": 64, "n_queries": 8},
+)
+
+
+def run_config(
+    u: int = 2, r: int = 1, stage: int = 2, *, micro_batch: int = 1, backend: str = "torch",
+    sp: dict | None = None, **blocks,
+) -> dict:  # fmt: skip
+    """The one run-config builder: DeepSpeed's batch and ZeRO keys and our
+    ``sequence_parallel`` block (degrees, backend, and ``sp``), then ``blocks`` (a dict
+    updates the block of its name, None drops it, anything else sets the key). The
+    defaults are what in-process tests step once: SGD from the test and no gradient
+    clipping (clipping at a norm below the gradient's would hide a gradient off by a
+    constant factor); ``**LAUNCH`` adds what a launcher run trains."""
+    cfg: dict = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage},
         "sequence_parallel": {
-            "ulysses_degree": u,
-            "ring_degree": r,
-            "attention_backend": backend,
-            **sp,
+            "ulysses_degree": u, "ring_degree": r, "attention_backend": backend, **(sp or {}),
         },
-    }
+    }  # fmt: skip
+    for key, value in copy.deepcopy(blocks).items():
+        if value is None:
+            cfg.pop(key, None)
+        elif isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key].update(value)
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def write_config(folder: Path, cfg: dict, name: str = "cfg") -> Path:
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+# ---------------------------------------------------------------- programs
 
 
 def free_port() -> int:
@@ -147,28 +249,72 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(
-    cfg_path: Path, out: Path, *extra: str, num_gpus: int = 2, script: Path = ROOT / "train.py"
-) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        str(num_gpus),
-        "--master_port",
-        str(free_port()),
-        str(script),
-        "--deepspeed_config",
-        str(cfg_path),
-        "--output_dir",
-        str(out),
-        *extra,
-    ]
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
+def deepspeed_cmd(
+    cfg_path: Path, out: Path, *extra: str, num_gpus: int = 2, script: Path = TRAIN,
+    launcher: tuple[str, ...] = (),
+) -> list[str]:  # fmt: skip
+    """``train.py`` (or ``script``) under DeepSpeed's launcher; ``launcher``: its options
+    (a hostfile, a node rank...) instead of ``--num_gpus`` and a free port."""
+    opts = launcher or ("--num_gpus", str(num_gpus), "--master_port", str(free_port()))
+    args = ("--deepspeed_config", str(cfg_path), "--output_dir", str(out), *extra)
+    return [sys.executable, "-m", "deepspeed.launcher.runner", *opts, str(script), *args]
+
+
+def torchrun_cmd(script: str | Path, *args: str, nproc: int = 2) -> list[str]:
+    port = ("--master-port", str(free_port()))
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *port]
+    return [*run, str(script), *args]
+
+
+def start(cmd: list[str], *, env: dict | None = None) -> subprocess.Popen:
+    """The one way tests start a program: in the repository, WANDB offline, this package
+    first on the path, stdout and stderr together."""
+    env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **(env or {}),
+    }
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str]]:
+    """``(returncode, output)`` of each program, in order; one that outlives ``timeout``
+    (counted from this call) is killed and fails the test."""
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
+                pytest.fail(f"{p.args[:4]} did not exit within {timeout} s:\n{out[-3000:]}")
+            results.append((p.returncode, out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return results
+
+
+def run(cmd: list[str], *, env: dict | None = None, timeout: float = 600, ok: bool = True) -> str:
+    """One program to its end: its output. ``ok``: it must exit 0; ``ok=False``: it must
+    fail (else the test fails, showing the output's end)."""
+    code, out = finish([start(cmd, env=env)], timeout)[0]
+    assert (code == 0) is ok, f"exit code {code}:\n{out[-6000:]}"
+    return out
+
+
+def launch(cfg_path: Path, out: Path, *extra: str, num_gpus: int = 2, script: Path = TRAIN,
+           env: dict | None = None, ok: bool = True) -> str:  # fmt: skip
+    """``train.py`` under the deepspeed launcher to its end; its output."""
+    cmd = deepspeed_cmd(cfg_path, out, *extra, num_gpus=num_gpus, script=script)
+    return run(cmd, env=env, ok=ok)
 
 
 def metrics(out: Path) -> list[dict]:
@@ -189,11 +335,12 @@ needs_fp16 = pytest.mark.skipif(
 )
 
 
-def hf_pair(cfg, topo, backend="math"):
-    """(model through ``ucp.attention``, single-process sdpa reference): the same Hugging
-    Face config, the same float64 weights."""
-    import copy
+# ---------------------------------------------------------------- models
 
+
+def hf_pair(cfg, topo, backend="math", reference_attention="sdpa", dtype=torch.float64):
+    """(model through ``ucp.attention``, single-process reference with transformers' own
+    ``reference_attention``): the same Hugging Face config, the same weights."""
     import transformers
 
     from ulysses_cp.models import hf
@@ -201,10 +348,34 @@ def hf_pair(cfg, topo, backend="math"):
     hf.register_attention(topo, backend=backend)
     torch.manual_seed(0)
     sp = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="ulysses_cp", dtype=torch.float64
+        copy.deepcopy(cfg), attn_implementation="ulysses_cp", dtype=dtype
     )
     ref = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float64
+        copy.deepcopy(cfg), attn_implementation=reference_attention, dtype=dtype
     )
     ref.load_state_dict(sp.state_dict())
     return sp, ref
+
+
+def hf_loss_and_grads(sp, ref, topo, ids: torch.Tensor, dtype=torch.float64):
+    """The SP model's loss of ``ids`` (sharded by ``ucp.shard_batch``) and the reference's
+    (one process, the whole rows), both backward: ``(loss, ref_loss, grads)`` with
+    ``grads[name] = (SP gradient summed over the SP ranks, reference gradient)``."""
+    import torch.distributed as dist
+
+    from ulysses_cp.models import hf
+
+    logits = ref(input_ids=ids).logits.to(dtype)  # transformers' own loss casts to float32
+    ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    ref_loss.backward()
+    local = ucp.shard_batch({"input_ids": ids, "labels": ids}, topo)
+    loss = hf.HFCausalLM(sp).loss(
+        local["input_ids"], local["position_ids"], local["shift_labels"], topo, batch=local["batch"]
+    )
+    loss.backward()
+    grads = {}
+    for (name, p), q in zip(sp.named_parameters(), ref.parameters()):
+        grad = torch.zeros_like(q) if p.grad is None else p.grad.clone()
+        dist.all_reduce(grad, group=topo.sp_group)  # SP ranks' shares sum to the gradient
+        grads[name] = (grad, torch.zeros_like(q) if q.grad is None else q.grad)
+    return loss, ref_loss, grads

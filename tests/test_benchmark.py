@@ -4,21 +4,18 @@ plot, and every measured byte count equals its formula."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, run
+
+pytestmark = pytest.mark.launcher
 
 
 def test_benchmark_window_quick(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_window.py"), "--quick"]
-    res = subprocess.run(
-        [*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
-    )
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    run([*cmd, "--out", str(tmp_path)], timeout=300)
     rows = {(r["mode"], r["case"]): r for r in json.loads(
         (tmp_path / "benchmark_window.json").read_text())["rows"]}  # fmt: skip
     N = 1024
@@ -50,9 +47,8 @@ def test_benchmark_quick(tmp_path):
         "--out",
         str(tmp_path),
     ]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert "x peer" in res.stdout  # the table
+    out = run(cmd, timeout=600)
+    assert "x peer" in out  # the table
     data = json.loads((tmp_path / "benchmark_attention.json").read_text())
     rows = [r for w in data["worlds"].values() for r in w["rows"]]
     impls = {r["impl"] for r in rows}
@@ -76,10 +72,7 @@ def test_benchmark_quick(tmp_path):
 @pytest.mark.slow
 def test_benchmark_packing_quick(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_packing.py"), "--quick"]
-    res = subprocess.run(
-        [*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
-    )
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = run([*cmd, "--out", str(tmp_path)], timeout=300)
     rows = json.loads((tmp_path / "benchmark_packing.json").read_text())["rows"]
     cases = {(r["mode"], r["case"]) for r in rows}
     for mode in ("ulysses", "ring_zigzag", "hybrid_zigzag"):
@@ -89,17 +82,14 @@ def test_benchmark_packing_quick(tmp_path):
         assert r["time_s"] > 0 and 0 < r["work_fraction"] <= 1
         if r["case"] == "unpacked":
             assert r["ratio_to_unpacked"] == 1.0
-    assert "x unpacked" in res.stdout
+    assert "x unpacked" in out
 
 
 @pytest.mark.slow
 def test_benchmark_memory_quick(tmp_path):
     pytest.importorskip("transformers")
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_memory.py"), "--quick"]
-    res = subprocess.run(
-        [*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
-    )
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = run([*cmd, "--out", str(tmp_path)], timeout=600)
     rows = json.loads((tmp_path / "benchmark_memory.json").read_text())["rows"]
     keys = {(r["ranks"], r["model"], r["features"]) for r in rows}
     for ranks in (1, 4):
@@ -108,4 +98,4 @@ def test_benchmark_memory_quick(tmp_path):
                 assert (ranks, model, features) in keys
     for r in rows:
         assert r["max_len"] > 0 and r["tokens_per_s"] > 0
-    assert "max len" in res.stdout
+    assert "max len" in out

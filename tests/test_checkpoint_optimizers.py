@@ -12,10 +12,12 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import ds_config, needs_fp16, topology_for
-from ulysses_cp.models.decoder import Decoder, ModelConfig
+from tests.helpers import needs_fp16, run_config, topology_for
+from ulysses_cp.config import DataConfig, ModelConfig
+from ulysses_cp.models.decoder import Decoder
 from ulysses_cp.training import checkpoint
-from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
+from ulysses_cp.training import portable as saved_state
+from ulysses_cp.training.data import KVRecall, global_batch
 
 TINY = ModelConfig(vocab_size=256, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64)
 OPTIMIZERS = {
@@ -33,7 +35,7 @@ SCALER = {"cur_scale": 2.0**11, "cur_iter": 7, "last_overflow_iter": 5, "cur_hys
 
 
 def _config(stage, precision="fp32", degrees=(2, 1), layout="zigzag"):
-    cfg = ds_config(*degrees, stage, backend="math", layout=layout)
+    cfg = run_config(*degrees, stage, backend="math", sp={"layout": layout})
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -70,7 +72,7 @@ def _batch(step, topo):
         KVRecall(DataConfig(seq_len=64, n_queries=8)),
         step=step, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1,
     )  # fmt: skip
-    return shard_batch(full, topo)
+    return ucp.shard_batch(full, topo)
 
 
 def _train(engine, current, steps):
@@ -91,9 +93,9 @@ def _params(engine):
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
-    masters = checkpoint._masters(engine)
+    masters = saved_state._masters(engine)
     params = list(engine.module.parameters())
-    if any(checkpoint._hp_mapped(p) for p in params):
+    if any(saved_state._hp_mapped(p) for p in params):
         return [safe_get_full_fp32_param(p).float().clone() for p in params]
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
         return [
@@ -128,7 +130,7 @@ def _resume(rank, opt, stage_a, stage_b, out, precision="fp32", force_portable=F
         return ucp.sequence_parallel_cross_entropy(logits, ignored, topo)
 
     if force_portable:  # the portable state on the same stage: the same arithmetic after
-        checkpoint._load_portable(engine, Path(out) / "step2" / "portable.pt", zero_loss)
+        saved_state.load_portable(engine, Path(out) / "step2" / "portable.pt", zero_loss)
     else:
         assert checkpoint.load(engine, out, zero_loss=zero_loss) == 2
     resumed = _train(engine, current, [2])
@@ -137,14 +139,14 @@ def _resume(rank, opt, stage_a, stage_b, out, precision="fp32", force_portable=F
 
 
 def _mark_scaler(engine):
-    scaler = checkpoint._scaler(engine)
+    scaler = saved_state._scaler(engine)
     for key, value in SCALER.items() if scaler is not None else ():
         if hasattr(scaler, key):
             setattr(scaler, key, value)
 
 
 def _scaler_state(engine):
-    scaler = checkpoint._scaler(engine)
+    scaler = saved_state._scaler(engine)
     return None if scaler is None else {k: getattr(scaler, k, None) for k in SCALER}
 
 

@@ -4,7 +4,6 @@ values of the wrong type are refused naming the key; the DeepSpeed part is never
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
@@ -67,9 +66,21 @@ def test_a_shipped_config_parses_once_into_every_block():
 
 def test_the_deepspeed_config_is_never_changed():
     """The CPU optimizer swap returns a new config; the one given keeps its blocks."""
-    config = json.loads((ROOT / "configs" / "tiny_cpu_zero2_u2r2.json").read_text())
-    before = copy.deepcopy(config)
-    optimizer, ds_config = cpu_optimizer(config, torch.nn.Linear(2, 2))
-    assert config == before
+    run = RunConfig.load(ROOT / "configs" / "tiny_cpu_zero2_u2r2.json")
+    before = copy.deepcopy(run.raw)
+    optimizer, swapped = cpu_optimizer(run, torch.nn.Linear(2, 2))
+    assert run.raw == before
     if optimizer is not None:  # CPU: torch's AdamW, the block removed from the copy only
-        assert "optimizer" not in ds_config and "optimizer" in config
+        assert "optimizer" not in swapped.raw and "optimizer" in run.raw
+
+
+def test_deepspeeds_keys_are_read_without_importing_it():
+    """The top-level keys DeepSpeed knows, read from its constants' source, are those the
+    imported module holds (a config is parsed without importing DeepSpeed)."""
+    import deepspeed.runtime.constants as ds_constants
+
+    from ulysses_cp.schema import _deepspeed_constants
+
+    names = vars(ds_constants).items()
+    imported = {v for n, v in names if n.isupper() and isinstance(v, str) and v.isidentifier()}
+    assert set(_deepspeed_constants()) == imported and len(imported) > 50

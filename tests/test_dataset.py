@@ -23,13 +23,15 @@ transformers = pytest.importorskip("transformers")
 import tokenizers  # noqa: E402
 
 from ulysses_cp.config import DataConfig, EvalConfig, RunConfig  # noqa: E402
+from ulysses_cp.core.batch import BatchPlan  # noqa: E402
 from ulysses_cp.core.topology import Topology  # noqa: E402
 from ulysses_cp.models import hf  # noqa: E402
 from ulysses_cp.training import corpus as corpus_mod  # noqa: E402
-from ulysses_cp.training.corpus import load_corpus, load_tokenizer  # noqa: E402
+from ulysses_cp.training.corpus import load_corpus  # noqa: E402
 from ulysses_cp.training.data import data_vocab_size, global_batch  # noqa: E402
 from ulysses_cp.training.evaluate import evaluate  # noqa: E402
 from ulysses_cp.training.token_data import TokenDataset, make_token_datasets  # noqa: E402
+from ulysses_cp.training.tokenizer import load_tokenizer  # noqa: E402
 
 TEXT = "the a cat dog bird sat ran flew on under over mat log tree red blue big small"
 WORDS = TEXT.split()
@@ -102,21 +104,26 @@ def stream(c) -> list[list[int]]:
     return [c.tokens[a:b].tolist() for a, b in itertools.pairwise(off)]
 
 
-def test_jsonl_parquet_saved_folder_and_workers_give_the_tokenizers_ids(data, tmp_path):
-    import datasets
-
+def _built_corpus(data, path: Path, cache: Path, workers: int) -> None:
+    """``path`` tokenized by ``workers`` processes gives the tokenizer's own ids, 2 bytes a
+    token (vocabulary < 65536), BOS ... EOS per document."""
     tok = load_tokenizer(str(data["tok"]))
     want = reference_ids(data["tok"], data["docs"])
     assert all(ids[0] == 1 and ids[-1] == tok.eos_id == 2 for ids in want)  # BOS ... EOS
+    c = load_corpus([str(path)], tok, text_field="text", cache_dir=str(cache), workers=workers)
+    assert c.built and c.n_docs == len(want) and stream(c) == want, path
+    assert c.tokens.dtype.name == "uint16"  # vocabulary < 65536: 2 bytes a token
+    assert (cache / c.path.name / "tokens.bin").stat().st_size == 2 * sum(map(len, want))
+
+
+def test_jsonl_parquet_and_saved_folder_give_the_tokenizers_ids(data, tmp_path):
+    import datasets
+
     saved = tmp_path / "saved"
     datasets.Dataset.from_dict({"text": data["docs"]}).save_to_disk(str(saved))
-    for files, workers in [([data["jsonl"]], 1), ([data["parquet"]], 2), ([saved], 1)]:
-        c = load_corpus([str(f) for f in files], tok, text_field="text",
-                        cache_dir=str(tmp_path / "cache"), workers=workers)  # fmt: skip
-        assert c.built and c.n_docs == len(want) and stream(c) == want, files
-        assert c.tokens.dtype.name == "uint16"  # vocabulary < 65536: 2 bytes a token
-        size = (tmp_path / "cache" / c.path.name / "tokens.bin").stat().st_size
-        assert size == 2 * sum(map(len, want))
+    for path in (data["jsonl"], data["parquet"], saved):
+        _built_corpus(data, path, tmp_path / "cache", workers=1)
+    want = reference_ids(data["tok"], data["docs"])
     # a bare tokenizer.json (no config: the EOS token is named in data.eos_token)
     bare = load_tokenizer(str(data["tok"] / "tokenizer.json"), eos_token="<eos>")
     c = load_corpus([str(data["jsonl"])], bare, text_field="text", cache_dir=str(tmp_path / "c2"))
@@ -272,8 +279,9 @@ def test_the_packed_loss_equals_the_one_document_per_row_loss(data, tmp_path):
     for i in shared:
         row = ds.packed_sample(i)
         args = (row["input_ids"][None], row["position_ids"][None], row["shift_labels"][None], topo)
+        plan = BatchPlan.of(topo, "zigzag", (1, 64), row["cu_seqlens"])
         with torch.no_grad():
-            packed = model.loss(*args, cu_seqlens=row["cu_seqlens"]).item()
+            packed = model.loss(*args, batch=plan).item()
             mixed = model.loss(*args).item()  # attention across documents: must differ
         total, count = _per_document(ref, ds, i)
         assert packed == pytest.approx(total / count, rel=1e-10), i
@@ -290,7 +298,7 @@ def _eval_under_sp(rank, files, tok, cache, u, r, packing, batches, micro):
 
     def loss_fn(local):
         return model.loss(local["input_ids"], local["position_ids"], local["shift_labels"],
-                          topo, cu_seqlens=local.get("cu_seqlens"))  # fmt: skip
+                          topo, batch=local.get("batch"))  # fmt: skip
 
     got = evaluate(held, loss_fn, topo, batches=batches, micro_batch=micro)
     # single process: samples 0 .. batches * micro * dp - 1, one row at a time
@@ -382,7 +390,13 @@ def test_bad_input_is_refused_naming_the_value_and_the_fix(data, tmp_path, monke
     fails(r"pip install \.\[data\]", seq_len=32, cache_dir=str(tmp_path / "fresh"))
 
 
+@pytest.mark.distributed
+def test_tokenizing_processes_give_the_same_ids(data, tmp_path):
+    _built_corpus(data, data["parquet"], tmp_path / "cache", workers=2)
+
+
 @pytest.mark.slow
+@pytest.mark.launcher
 def test_train_py_on_a_corpus_evaluates_and_resumes_at_the_same_sample(data, tmp_path):
     from tests.helpers import launch, metrics
 
@@ -409,7 +423,7 @@ def test_train_py_on_a_corpus_evaluates_and_resumes_at_the_same_sample(data, tmp
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
     res = launch(path, tmp_path / "full")
-    assert "tokenized 80 documents" in res.stdout and "step     4  eval_loss" in res.stdout
+    assert "tokenized 80 documents" in res and "step     4  eval_loss" in res
     rows = metrics(tmp_path / "full")
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2, 4]
@@ -417,7 +431,7 @@ def test_train_py_on_a_corpus_evaluates_and_resumes_at_the_same_sample(data, tmp
     assert evals[1]["eval_ppl"] == pytest.approx(math.exp(evals[1]["eval_loss"]))
     launch(path, tmp_path / "part", "--max_steps", "2")
     res = launch(path, tmp_path / "part", "--resume")
-    assert "resumed from" in res.stdout and "tokenized" not in res.stdout  # the cache, reused
+    assert "resumed from" in res and "tokenized" not in res  # the cache, reused
     assert len(list((tmp_path / "cache").iterdir())) == 1
     resumed = metrics(tmp_path / "part")
     assert [(r["step"], "loss" in r) for r in resumed] == [(r["step"], "loss" in r) for r in rows]
@@ -435,11 +449,11 @@ def test_the_shipped_config_points_at_the_example_corpus():
     assert [Path(f).resolve() for f in run.data.files] == [corpus / "train.jsonl"]
     assert Path(run.data.tokenizer).resolve() == corpus / "tokenizer"
     assert [Path(f).resolve() for f in run.eval.files] == [corpus / "eval.jsonl"]
-    assert run.model.vocab_size() == 512  # scripts/make_tiny_corpus.py's --vocab_size
+    assert hf.load_config(run.model.hf_config).vocab_size == 512  # make_tiny_corpus.py's
 
 
 def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused(data, tmp_path, monkeypatch):
-    from ulysses_cp.config import HFModelConfig, SequenceParallelConfig
+    from ulysses_cp.config import HFModelConfig, SequenceParallelConfig, TrainingConfig
     from ulysses_cp.training import build
 
     monkeypatch.setattr(build.dist, "get_world_size", lambda: 1)
@@ -448,10 +462,11 @@ def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused(data, tmp_pat
     sp = SequenceParallelConfig()
     for vocab in (n, n - 1):
         mc = HFModelConfig(hf_config={"model_type": "llama", **HF_TINY, "vocab_size": vocab})
+        run = RunConfig({}, sp, mc, dc, TrainingConfig())
         if vocab == n:
-            build.validate(sp, mc, dc)
+            build.validate(run)
             continue
         with pytest.raises(ValueError) as err:
-            build.validate(sp, mc, dc)
+            build.validate(run)
         assert f"vocabulary ({n - 1}) is smaller than the data's ({n} tokenizer" in str(err.value)
         assert f"use vocab_size >= {n} in model.hf_config" in str(err.value)

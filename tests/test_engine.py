@@ -14,21 +14,24 @@ import ulysses_cp as ucp
 from tests.helpers import (
     ROOT,
     TINY,
-    ds_config,
     needs_fp16,
+    run_config,
     sdpa_attention,
     topology,
     topology_for,
 )
-from ulysses_cp.models.decoder import Decoder, ModelConfig
-from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
+from ulysses_cp.config import DataConfig, ModelConfig, RunConfig, read_config
+from ulysses_cp.core.batch import shard_batch
+from ulysses_cp.models.decoder import Decoder
+from ulysses_cp.training.data import KVRecall, global_batch
+from ulysses_cp.training.engine import zero_grad_scale
 
 
 def _step(rank, u, r, stage, layout, grad_factor=1.0, own_terms=False):
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    cfg = ds_config(u, r, stage, micro_batch=2, backend="math", layout=layout)
+    cfg = run_config(u, r, stage, micro_batch=2, backend="math", sp={"layout": layout})
     topo = topology_for(cfg)
     torch.manual_seed(0)
     model = Decoder(TINY, ucp.Attention(topo))
@@ -52,7 +55,7 @@ def _step(rank, u, r, stage, layout, grad_factor=1.0, own_terms=False):
         )
 
     local = shard_batch(batch(topo.dp_rank), topo, layout)
-    logits = engine(local["input_ids"], local["position_ids"])
+    logits = engine(local["input_ids"], local["position_ids"], local["batch"])
     loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
     fixed = torch.ones(3, TINY.dim)  # the same on every rank
     n_tokens = local["input_ids"].numel() * topo.sp_world_size  # of this replica's batch
@@ -150,8 +153,10 @@ def test_config_block_validation():
         ucp.SequenceParallelConfig.from_dict({"layout": "ring"})
     with pytest.raises(ValueError, match="attention_backend"):
         ucp.SequenceParallelConfig.from_dict({"attention_backend": "xformers"})
-    assert ucp.engine.zero_grad_scale({"zero_optimization": {"stage": 3}}, 4) == 4
-    assert ucp.engine.zero_grad_scale({"zero_optimization": {"stage": 2}}, 4) == 1
+    for stage, scale in ((3, 4), (2, 1)):
+        sp = {"ulysses_degree": 4}
+        run = RunConfig.load({"zero_optimization": {"stage": stage}, "sequence_parallel": sp})
+        assert zero_grad_scale(run) == scale
 
 
 def _checkpointed_grads(rank):
@@ -186,7 +191,7 @@ def _packed_step(rank, u, r, stage):
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    cfg = ds_config(u, r, stage)
+    cfg = run_config(u, r, stage)
     topo = topology_for(cfg)
     g = torch.Generator().manual_seed(11)
     lengths = [1, 23, 8, 40, 3, 17]
@@ -201,7 +206,7 @@ def _packed_step(rank, u, r, stage):
         model=model, config=cfg, topo=topo, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)
     )
     local = shard_batch(packed, topo, "zigzag")
-    logits = engine(local["input_ids"], local["position_ids"], local["cu_seqlens"])
+    logits = engine(local["input_ids"], local["position_ids"], local["batch"])
     loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
     engine.backward(loss)
     engine.step()
@@ -217,7 +222,7 @@ def _packed_step(rank, u, r, stage):
     ref_logits = ref(ids, pos)
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten())
     ref_loss.backward()
-    torch.optim.SGD(ref.parameters(), lr=0.5).step()  # no clipping, as in ds_config
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()  # no clipping, as in run_config
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
         err = max((p - q).abs().max().item() for p, q in zip(params, ref.parameters()))
@@ -235,14 +240,14 @@ def test_a_config_means_what_it_says(tmp_path):
     """A misspelled top-level block is refused (DeepSpeed would drop it silently); a JSON
     syntax error names the file and line; keys starting with '_' are comments."""
     with pytest.raises(ValueError, match=r"'sequence_paralel' \(did you mean 'sequence_parallel'"):
-        ucp.engine.load_config({"sequence_paralel": {"ulysses_degree": 2}})
+        read_config({"sequence_paralel": {"ulysses_degree": 2}})
     with pytest.raises(ValueError, match=r"'zero_optimisation' \(did you mean 'zero_optimization'"):
-        ucp.engine.load_config({"zero_optimisation": {"stage": 2}})
-    ucp.engine.load_config({"_comment": "kept", "train_batch_size": 8, "wandb": {}})
+        read_config({"zero_optimisation": {"stage": 2}})
+    read_config({"_comment": "kept", "train_batch_size": 8, "wandb": {}})
     bad = tmp_path / "bad.json"
     bad.write_text('{\n  "train_batch_size": 8,\n  "bf16": {"enabled": true,}\n}\n')
     with pytest.raises(ValueError, match=rf"{bad}: invalid JSON at line 3, column"):
-        ucp.engine.load_config(bad)
+        read_config(bad)
 
 
 def test_output_folder_is_never_silently_reused(tmp_path):
@@ -267,7 +272,8 @@ def test_the_skip_path_keeps_the_tiled_loss():
     """A non-finite micro batch is re-run with every label ignored: with tiled_loss the LM
     head still sees one tile at a time (the full logits are never materialised) and the
     loss has no gradient."""
-    from ulysses_cp.training.trainer import Trainer, TrainingConfig
+    from ulysses_cp.config import TrainingConfig
+    from ulysses_cp.training.trainer import Trainer
 
     model = Decoder(TINY, lambda q, k, v: ucp.local_attention(q, k, v, backend="math"))
 
@@ -285,7 +291,7 @@ def test_the_skip_path_keeps_the_tiled_loss():
     local = {"input_ids": ids, "position_ids": torch.arange(64).expand(2, -1),
              "shift_labels": ids}  # fmt: skip
     tc = TrainingConfig(save_on_signal=False)
-    trainer = Trainer(Engine(), topo, None, tc=tc, seq_len=64, out=None, tracker=None, tiled_loss=4)
+    trainer = Trainer(Engine(), topo, None, tc=tc, out=None, tiled_loss=4)
     loss = trainer.ignored_loss(local)
     loss.backward()
     assert loss.item() == 0.0 and max(rows) == 2 * 64 // 4, rows
@@ -298,10 +304,10 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path):
     cfg = {"model": {"hf_config": "hf/x.json", "hf_weights": "/abs/w"},
            "data": {"task": "text", "files": ["a.txt", "/abs/b.txt"]}}  # fmt: skip
     (folder / "run.json").write_text(json.dumps(cfg))
-    got = ucp.engine.load_config(folder / "run.json")
+    got = read_config(folder / "run.json")
     assert got["model"] == {"hf_config": str(folder / "hf/x.json"), "hf_weights": "/abs/w"}
     assert got["data"]["files"] == [str(folder / "a.txt"), "/abs/b.txt"]
-    shipped = ucp.engine.load_config(ROOT / "configs" / "tiny_cpu_hf_llama_u2r2.json")
+    shipped = read_config(ROOT / "configs" / "tiny_cpu_hf_llama_u2r2.json")
     assert Path(shipped["model"]["hf_config"]).is_file()
 
 
@@ -309,8 +315,7 @@ def _dtypes(rank, stage, precision):
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    cfg = ds_config(2, 1, stage)
-    cfg[precision] = {"enabled": True}
+    cfg = run_config(2, 1, stage, **{precision: {"enabled": True}})
     topo = topology_for(cfg)
     model = Decoder(TINY, ucp.Attention(topo))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -338,11 +343,12 @@ def test_low_precision_means_low_precision_under_every_stage(pools, stage, preci
 def _trainer_run(rank, out):
     """The trainer in process (no launcher): every step reaches the hooks, losses are
     logged, and the end of the run is checkpointed."""
+    from ulysses_cp.config import TrainingConfig
     from ulysses_cp.training import checkpoint
-    from ulysses_cp.training.trainer import Hooks, Trainer, TrainingConfig
+    from ulysses_cp.training.trainer import Hooks, Trainer
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    cfg = ds_config(2, 1, 2)
+    cfg = run_config(2, 1, 2)
     topo = topology_for(cfg)
     torch.manual_seed(0)
     model = Decoder(TINY, ucp.Attention(topo))
@@ -360,7 +366,7 @@ def _trainer_run(rank, out):
 
     tc = TrainingConfig(max_steps=3, log_interval=1, save_on_signal=False)
     data = KVRecall(DataConfig(seq_len=64, n_queries=8))
-    trainer = Trainer(engine, topo, data, tc=tc, seq_len=64, out=Path(out), hooks=Record())
+    trainer = Trainer(engine, topo, data, tc=tc, out=Path(out), hooks=Record())
     state = trainer.run(0)
     return state.step, len(state.losses), seen, checkpoint.latest_tag(out)
 

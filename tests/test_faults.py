@@ -3,67 +3,51 @@ SIGTERM, and resuming under another layout or world size. Each run is 2-4 CPU ra
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, free_port, launch, metrics
+from tests.helpers import (
+    LAUNCH,
+    ROOT,
+    TRAIN,
+    finish,
+    free_port,
+    launch,
+    metrics,
+    run_config,
+    start,
+    write_config,
+)
 
-BASE = {
-    "train_micro_batch_size_per_gpu": 2,
-    "gradient_accumulation_steps": 1,
-    "gradient_clipping": 1.0,
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-    "scheduler": {
-        "type": "WarmupLR",
-        "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3},
-    },
-    "zero_optimization": {"stage": 2},
-    "sequence_parallel": {
-        "ulysses_degree": 2,
-        "ring_degree": 1,
-        "attention_backend": "torch",
-        "collective_timeout_s": 20,
-    },
-    "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64},
-    "data": {"task": "kv_recall", "seq_len": 64, "n_queries": 8},
-    "training": {"max_steps": 4, "log_interval": 1, "save_interval": 2},
-}
-
+pytestmark = [pytest.mark.launcher, pytest.mark.slow]
 
 FAULTY = ROOT / "tests" / "train_with_faults.py"  # train.py with tests/faults.py hooks
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
+                                         "warmup_num_steps": 3}}  # fmt: skip
 
 
 def config(tmp: Path, name: str, **blocks) -> Path:
-    cfg = json.loads(json.dumps(BASE))
+    """The faults' run: 2 ranks, u2, 4 steps saved every 2, a short collective timeout."""
+    cfg = run_config(
+        **{**LAUNCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}},
+        scheduler=WARMUP,
+        sp={"collective_timeout_s": 20},
+        training={"max_steps": 4, "log_interval": 1, "save_interval": 2},
+    )
     for block, values in blocks.items():
         cfg[block].update(values)
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(cfg))
-    return path
+    return write_config(tmp, cfg, name)
 
 
 def run(cfg: Path, out: Path, *extra, ranks: int = 2, fault: str | None = None, ok=True):
-    """The deepspeed launcher; returns (returncode, output)."""
-    if fault:
-        os.environ["UCP_FAULT"] = fault
-    script = FAULTY if fault else ROOT / "train.py"
-    try:
-        if ok:
-            res = launch(cfg, out, *extra, num_gpus=ranks, script=script)
-        else:
-            with pytest.raises(AssertionError) as info:
-                launch(cfg, out, *extra, num_gpus=ranks, script=script)
-            return 1, str(info.value)
-    finally:
-        os.environ.pop("UCP_FAULT", None)
-    return res.returncode, res.stdout + res.stderr
+    """The deepspeed launcher (train.py, or with a fault); its output."""
+    env = {"UCP_FAULT": fault} if fault else None
+    script = FAULTY if fault else TRAIN
+    return launch(cfg, out, *extra, num_gpus=ranks, script=script, env=env, ok=ok)
 
 
 def losses(out: Path) -> dict[int, float | None]:
@@ -73,46 +57,15 @@ def losses(out: Path) -> dict[int, float | None]:
 def start_ranks(cfg: Path, out: Path, world: int, *extra, fault: str | None = None):
     """Start the ranks ourselves (no launcher), so each one can be signalled or killed."""
     port = str(free_port())
+    script = FAULTY if fault else TRAIN
+    cmd = [sys.executable, str(script), "--deepspeed_config", str(cfg), "--output_dir", str(out)]
     procs = []
     for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "WANDB_MODE": "disabled",
-        }
-        if fault:
-            env["UCP_FAULT"] = fault
-        script = FAULTY if fault else ROOT / "train.py"
-        cmd = [sys.executable, str(script), "--deepspeed_config", str(cfg)]
-        procs.append(
-            subprocess.Popen(
-                [*cmd, "--output_dir", str(out), *extra],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "WANDB_MODE": "disabled", **({"UCP_FAULT": fault} if fault else {})}  # fmt: skip
+        procs.append(start([*cmd, *extra], env=env))
     return procs
-
-
-def finish(procs, timeout: float = 180) -> list[tuple[int, str]]:
-    results = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            pytest.fail(f"rank did not exit within {timeout} s:\n{out[-3000:]}")
-        results.append((p.returncode, out))
-    return results
 
 
 @pytest.fixture(scope="module")
@@ -123,26 +76,24 @@ def reference(tmp_path_factory):
     return losses(tmp / "out")
 
 
-@pytest.mark.slow
 def test_dead_rank_stops_the_others_with_a_message_and_the_run_resumes(tmp_path, reference):
     cfg = config(tmp_path, "cfg")
     t0 = time.monotonic()
     procs = start_ranks(cfg, tmp_path / "out", 2, fault="kill:rank=1,step=3")
-    (code0, out0), (code1, _) = finish(procs)
+    (code0, out0), (code1, _) = finish(procs, 180)
     assert code1 == -signal.SIGKILL
     assert code0 != 0, out0[-2000:]
     assert "CollectiveError" in out0 and "group (global ranks [0, 1])" in out0, out0[-3000:]
     assert "training failed" in out0 and "--resume" in out0
     assert time.monotonic() - t0 < 120
     assert (tmp_path / "out" / "latest").read_text() == "step2"
-    _, log = run(cfg, tmp_path / "out", "--resume")
+    log = run(cfg, tmp_path / "out", "--resume")
     assert "resumed from" in log and "at step 2" in log
     got = losses(tmp_path / "out")
     for step in (3, 4):
         assert got[step] == pytest.approx(reference[step], rel=1e-6), (step, got, reference)
 
 
-@pytest.mark.slow
 def test_hung_rank_times_out_with_a_message(tmp_path):
     cfg = config(tmp_path, "cfg", sequence_parallel={"collective_timeout_s": 8})
     procs = start_ranks(cfg, tmp_path / "out", 2, fault="hang:rank=1,step=2")
@@ -150,47 +101,43 @@ def test_hung_rank_times_out_with_a_message(tmp_path):
     code0, out0 = finish(procs[:1], timeout=120)[0]
     waited = time.monotonic() - t0
     procs[1].kill()
-    finish(procs[1:])
+    finish(procs[1:], 180)
     assert code0 != 0 and "CollectiveError" in out0, out0[-3000:]
     assert "sp group (global ranks [0, 1])" in out0 and "collective timeout" in out0
     assert waited < 90, waited
 
 
-@pytest.mark.slow
 def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path, reference):
     cfg = config(tmp_path, "cfg")
     out = tmp_path / "out"
     run(cfg, out, fault="crash_in_save:step=4", ok=False)
     assert (out / "latest").read_text() == "step2"
     assert (out / "step4.tmp").is_dir() and not (out / "step4").exists()
-    _, log = run(cfg, out, "--resume")
+    log = run(cfg, out, "--resume")
     assert "at step 2" in log
     assert (out / "latest").read_text() == "step4" and not (out / "step4.tmp").exists()
     got = losses(out)
     assert [got[s] for s in (3, 4)] == pytest.approx([reference[3], reference[4]], rel=1e-6)
 
 
-@pytest.mark.slow
 def test_nonfinite_loss_stop_saves_and_exits(tmp_path):
     cfg = config(tmp_path, "cfg", training={"on_nonfinite": "stop", "save_interval": 0})
-    results = finish(start_ranks(cfg, tmp_path / "out", 2, fault="nan_loss:step=3"))
+    results = finish(start_ranks(cfg, tmp_path / "out", 2, fault="nan_loss:step=3"), 180)
     log = results[0][1]
     assert [code for code, _ in results] == [3, 3], log[-3000:]
     assert "non-finite loss at step 3" in log and "on_nonfinite is 'stop'" in log, log[-3000:]
     assert (tmp_path / "out" / "latest").read_text() == "step2"  # the state before step 3
 
 
-@pytest.mark.slow
 def test_nonfinite_gradients_skip_the_step(tmp_path):
     cfg = config(tmp_path, "cfg")
-    _, log = run(cfg, tmp_path / "out", fault="nan_grad:step=3")
+    log = run(cfg, tmp_path / "out", fault="nan_grad:step=3")
     assert "non-finite gradients at step 3: update skipped (1 so far)" in log, log[-3000:]
     rows = metrics(tmp_path / "out")
     assert rows[2]["loss"] is None and rows[2]["skipped_steps"] == 1
     assert all(r["loss"] is not None and r["loss"] < 10 for r in rows if r["step"] != 3)
 
 
-@pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(tmp_path, reference):
     cfg = config(tmp_path, "cfg", training={"max_steps": 2000, "save_interval": 0})
     out = tmp_path / "out"
@@ -202,7 +149,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, reference):
         time.sleep(0.2)
     for p in procs:
         p.send_signal(signal.SIGTERM)
-    results = finish(procs)
+    results = finish(procs, 180)
     assert [code for code, _ in results] == [0, 0], results[0][1][-3000:]
     assert "stopped by signal after step" in results[0][1]
     tag = (out / "latest").read_text()
@@ -211,7 +158,6 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, reference):
     assert [r["step"] for r in metrics(out)] == list(range(1, saved + 1))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "first,then,ranks_then",
     [
@@ -226,7 +172,7 @@ def test_resume_under_another_layout(tmp_path, reference, first, then, ranks_the
     ranks_first = 4 if first.get("ulysses_degree") == 4 else 2
     out = tmp_path / "out"
     run(config(tmp_path, "a", sequence_parallel=first), out, "--max_steps", "2", ranks=ranks_first)
-    _, log = run(config(tmp_path, "b", sequence_parallel=then), out, "--resume", ranks=ranks_then)
+    log = run(config(tmp_path, "b", sequence_parallel=then), out, "--resume", ranks=ranks_then)
     assert "resumed from" in log and "at step 2" in log
     if ranks_then != ranks_first:
         assert "loading its portable state" in log
@@ -235,18 +181,16 @@ def test_resume_under_another_layout(tmp_path, reference, first, then, ranks_the
         assert got[step] == pytest.approx(reference[step], rel=1e-4), (step, got, reference)
 
 
-@pytest.mark.slow
 def test_resume_under_another_zero_stage(tmp_path, reference):
     out = tmp_path / "out"
     run(config(tmp_path, "a"), out, "--max_steps", "2")
     cfg = config(tmp_path, "b", zero_optimization={"stage": 3})
-    _, log = run(cfg, out, "--resume")
+    log = run(cfg, out, "--resume")
     assert "loading its portable state on 2 ranks / ZeRO-3" in log
     got = losses(out)
     assert [got[s] for s in (3, 4)] == pytest.approx([reference[3], reference[4]], rel=1e-4)
 
 
-@pytest.mark.slow
 def test_bad_config_fails_on_every_rank_before_training(tmp_path):
     cfg = config(tmp_path, "cfg", training={"on_nonfinte": "skip"}, data={"seq_len": 66})
     t0 = time.monotonic()
@@ -274,13 +218,12 @@ def check_one_line(results, message: str) -> None:
     assert sum(out.count(message) for _, out in results) == 1
 
 
-@pytest.mark.slow
 def test_checkpoint_without_portable_state_refuses_another_world(tmp_path):
     out = tmp_path / "out"
     cfg = config(tmp_path, "a", training={"portable_checkpoint": False})
     run(cfg, out, "--max_steps", "2")
     assert not (out / "step2" / "portable.pt").exists()
-    _, log = run(
+    log = run(
         config(tmp_path, "b", sequence_parallel={"ulysses_degree": 4}),
         out,
         "--resume",

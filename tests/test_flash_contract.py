@@ -17,8 +17,8 @@ import torch
 import ulysses_cp as ucp
 from tests.flash_standin import unuse, use
 from tests.helpers import reference as float64_attention
-from ulysses_cp import kernels
-from ulysses_cp.kernels import flash_backend, torch_backend
+from ulysses_cp.kernels import backends, flash_backend, torch_backend
+from ulysses_cp.kernels.spec import AttentionSpec, Scores
 
 # (release, wrap): 2.6 has plain functions; 2.7/2.8 custom ops (torch 2.4-2.9) or plain
 # functions (torch >= 2.10, where the release's string version check fails)
@@ -95,7 +95,9 @@ def test_local_attention_matches_float64(standin, hq, hkv, d, causal, packed):
     for dtype in (torch.bfloat16, torch.float16):
         got = run(
             q, k, v, do, dtype,
-            lambda *t: ucp.local_attention(*t, causal=causal, backend="flash_attn", cu_seqlens=cu),
+            lambda *t: ucp.local_attention(
+                *t, AttentionSpec(causal=causal), backend="flash_attn", cu_seqlens=cu
+            ),
         )  # fmt: skip
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
             assert a.dtype == dtype, name
@@ -108,7 +110,7 @@ def test_batch_and_scale_reach_the_kernel(standin):
     ref = float64_attention(q, k, v, do, True, softmax_scale=0.3)
     got = run(
         q, k, v, do, torch.bfloat16,
-        lambda *t: ucp.local_attention(*t, causal=True, softmax_scale=0.3, backend="flash_attn"),
+        lambda *t: ucp.local_attention(*t, AttentionSpec(scale=0.3), backend="flash_attn"),
     )  # fmt: skip
     for a, b in zip(got, ref):
         assert rel_err(a, b) < TOL[torch.bfloat16]
@@ -234,18 +236,18 @@ def test_missing_broken_and_flash3_installs_say_which(tmp_path, monkeypatch):
 def test_auto_picks_flash_attn_only_for_inputs_it_runs():
     install("2.8.3", "custom_op")
     try:
-        assert kernels.flash_attn_unusable("cuda", torch.bfloat16, 128) is None
-        assert kernels.flash_attn_unusable("cuda", torch.float16, 256) is None
-        assert "float32" in kernels.flash_attn_unusable("cuda", torch.float32, 128)
-        assert "head dim 512" in kernels.flash_attn_unusable("cuda", torch.bfloat16, 512)
-        assert "on cpu" in kernels.flash_attn_unusable("cpu", torch.bfloat16, 128)
-        assert "capability 7.5" in kernels.flash_attn_unusable("cuda", torch.float16, 64, (7, 5))
-        assert kernels.flash_attn_unusable("cuda", torch.float16, 64, (8, 0)) is None
+        assert backends.flash_attn_unusable("cuda", torch.bfloat16, 128) is None
+        assert backends.flash_attn_unusable("cuda", torch.float16, 256) is None
+        assert "float32" in backends.flash_attn_unusable("cuda", torch.float32, 128)
+        assert "head dim 512" in backends.flash_attn_unusable("cuda", torch.bfloat16, 512)
+        assert "on cpu" in backends.flash_attn_unusable("cpu", torch.bfloat16, 128)
+        assert "capability 7.5" in backends.flash_attn_unusable("cuda", torch.float16, 64, (7, 5))
+        assert backends.flash_attn_unusable("cuda", torch.float16, 64, (8, 0)) is None
         q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)  # CPU: never flash-attn
-        assert kernels.resolve_backend("auto", q) == "torch"
+        assert backends.resolve_backend("auto", q) == "torch"
     finally:
         uninstall()
-    assert "not installed" in kernels.flash_attn_unusable("cuda", torch.bfloat16, 128)
+    assert "not installed" in backends.flash_attn_unusable("cuda", torch.bfloat16, 128)
 
 
 # ---------------------------------------------------------------- torch backend, CUDA calls
@@ -262,16 +264,16 @@ def test_cuda_kernel_calls_bind_to_the_aten_schemas(dtype, hq, hkv, d):
     b, s = 2, 100
     q, dout = (torch.empty(b, s, hq, d, device="meta", dtype=dtype) for _ in range(2))
     k, v = (torch.empty(b, s, hkv, d, device="meta", dtype=dtype) for _ in range(2))
-    out, lse = torch_backend.forward(q, k, v, True, 0.125)
+    out, lse = torch_backend.forward(q, k, v, Scores(True, 0.125))
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (b, hq, s) and lse.dtype == torch.float32
-    dq, dk, dv = torch_backend.backward(dout, q, k, v, out, lse, True, 0.125)
+    dq, dk, dv = torch_backend.backward(dout, q, k, v, out, lse, Scores(True, 0.125))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
 def test_float64_off_cpu_goes_to_math():
     q = torch.empty(1, 16, 2, 8, device="meta", dtype=torch.float64)
-    out, lse = torch_backend.forward(q, q, q, True, 0.3)
+    out, lse = torch_backend.forward(q, q, q, Scores(True, 0.3))
     assert out.dtype == torch.float64 and lse.dtype == torch.float64
 
 
@@ -279,7 +281,7 @@ def test_float64_off_cpu_goes_to_math():
 
 
 def _modes(rank, version, wrap):
-    from tests.helpers import topology
+    from tests.helpers import sharded_run, topology
 
     install(version, wrap)
     try:
@@ -291,19 +293,9 @@ def _modes(rank, version, wrap):
                 topo = topology(u, r, layout)
                 for cu in (None, bounds(N, 8)):
                     ref = reference(q, k, v, do, True, cu)
-
-                    def shard(t, topo=topo, layout=layout, cu=cu):
-                        return ucp.shard_sequence(t, topo, layout=layout, cu_seqlens=cu)
-
-                    local = run(
-                        *(shard(t) for t in (q, k, v, do)), torch.bfloat16,
-                        lambda *t, topo=topo, layout=layout, cu=cu: ucp.attention(
-                            *t, topo, layout=layout, backend="flash_attn", cu_seqlens=cu
-                        ),
-                    )  # fmt: skip
-                    got = [
-                        ucp.gather_sequence(t, topo, layout=layout, cu_seqlens=cu) for t in local
-                    ]
+                    low = (t.to(torch.bfloat16) for t in (q, k, v, do))
+                    kw = dict(layout=layout, backend="flash_attn", cu_seqlens=cu)
+                    got = sharded_run(*low, topo, **kw)[:4]
                     errs = [rel_err(a, b) for a, b in zip(got, ref)]
                     rows.append((u, r, layout, cu is not None, errs))
         return rows

@@ -2,7 +2,7 @@
 bytes as one chunk, the next chunk's all-to-all posted before the current chunk computes,
 less staging memory, and the option's checks.
 
-Reference: float64 attention on the full tensors (``tests.test_variants.reference``)."""
+Reference: float64 attention on the full tensors (``tests.helpers.reference``)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,9 @@ import torch
 
 import ulysses_cp as ucp
 from tests.distributed import WorkerError
-from tests.helpers import ROOT, make_qkv, topology
-from tests.test_variants import _sinks, reference
+from tests.helpers import ROOT, attend_and_check, make_qkv, topology
 from ulysses_cp.kernels import math_backend
 from ulysses_cp.modes.ulysses import head_chunk_choices, resolve_head_chunks
-
-TOL64 = dict(rtol=1e-10, atol=1e-10)
 
 
 def test_choices_follow_the_heads_per_rank():
@@ -45,34 +42,6 @@ def test_automatic_rule_and_errors():
         ucp.RunOptions(head_chunks=-1)
 
 
-def _run(rank, u, r, layout, c, *, hq, hkv, causal=True, bounds=None, sinks=False, **extra):
-    topo = topology(u, r, layout)
-    s = 32 if bounds is None else bounds[-1]
-    q, k, v, dout = make_qkv(seed=5, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=8)
-    cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
-    kw = dict(layout=layout, cu_seqlens=cu)
-    ql, kl, vl = (ucp.shard_sequence(t, topo, **kw).detach().requires_grad_() for t in (q, k, v))
-    sk = _sinks(hq).requires_grad_() if sinks else None
-    out = ucp.attention(
-        ql, kl, vl, topo, causal=causal, backend="math", head_chunks=c, sinks=sk, **kw, **extra
-    )
-    out.backward(ucp.shard_sequence(dout, topo, **kw))
-    got = [ucp.gather_sequence(t, topo, **kw).detach() for t in (out, ql.grad, kl.grad, vl.grad)]
-    return [*got, None if sk is None else sk.grad]
-
-
-def _check(results, *, hq, hkv, causal=True, bounds=None, sinks=False, window=(-1, -1), **_):
-    s = 32 if bounds is None else bounds[-1]
-    q, k, v, dout = make_qkv(seed=5, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=8)
-    sk = _sinks(hq) if sinks else None
-    ref = reference(q, k, v, dout, causal=causal, sinks=sk, bounds=bounds, window=window)
-    for got in results:
-        for name, g, x in zip(("out", "dq", "dk", "dv"), got[:4], ref[:4]):
-            torch.testing.assert_close(g, x, **TOL64, msg=lambda m, n=name: f"{n}: {m}")
-    if sinks:  # each rank's share; summed over the SP ranks, the full gradient
-        torch.testing.assert_close(sum(got[4] for got in results), ref[4], **TOL64)
-
-
 # (u, r, hq, hkv, c): MHA, GQA with kv chunks = c, GQA with fewer kv chunks than c, kv
 # replication (hkv < u), hybrid
 CASES = [
@@ -90,8 +59,9 @@ CASES = [
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_chunked_ulysses_matches_float64(pools, u, r, hq, hkv, c, layout, causal):
-    kw = dict(hq=hq, hkv=hkv, causal=causal)
-    _check(pools(u * r).run(_run, u, r, layout, c, **kw), **kw)
+    attend_and_check(
+        pools, u, r, layout, seed=5, hq=hq, hkv=hkv, backend="math", head_chunks=c, causal=causal
+    )
 
 
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)])
@@ -100,8 +70,8 @@ def test_chunked_packed_rows_with_sinks_and_windows(pools, u, r):
     for extra in (dict(sinks=True), dict(window=(5, -1)), dict(kv_exchange="allgather")):
         if "kv_exchange" in extra and r == 1:
             continue
-        kw = dict(hq=8, hkv=4, bounds=bounds, **extra)
-        _check(pools(u * r).run(_run, u, r, "zigzag", 2, **kw), **kw)
+        case = dict(seed=5, hq=8, hkv=4, bounds=bounds, backend="math", head_chunks=2)
+        attend_and_check(pools, u, r, **case, **extra)
 
 
 def _bytes_and_order(rank, c, hq=8, hkv=4):
@@ -110,9 +80,9 @@ def _bytes_and_order(rank, c, hq=8, hkv=4):
     topo = topology(4, 1, "zigzag", check_inputs=False)
     seen = []
 
-    def forward(q, k, v, causal, scale):
+    def forward(q, k, v, how):
         seen.append(ucp.comm_stats.calls[("all_to_all", "forward")])
-        return math_backend.forward(q, k, v, causal, scale)
+        return math_backend.forward(q, k, v, how)
 
     def backward(*args):
         seen.append(-ucp.comm_stats.calls[("all_to_all", "backward")])
@@ -205,9 +175,9 @@ def test_a_chunk_count_that_does_not_split_the_heads_is_refused(pools):
 
 def test_config_sets_the_runs_chunk_count():
     cfg = {"sequence_parallel": {"ulysses_degree": 1, "head_chunks": 4}}
-    assert ucp.engine.run_options(cfg).head_chunks == 4
+    assert ucp.run_options(ucp.RunConfig.load(cfg)).head_chunks == 4
     with pytest.raises(ValueError, match="head_chunks must be an integer >= 0"):
-        ucp.engine.run_options({"sequence_parallel": {"head_chunks": -2}})
+        ucp.RunConfig.load({"sequence_parallel": {"head_chunks": -2}})
 
 
 def _hybrid_bytes(rank, c, exchange):

@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import HF_TINY, hf_pair, topology
+from tests.helpers import HF_TINY, hf_loss_and_grads, hf_pair, topology
 
 transformers = pytest.importorskip("transformers")
+from ulysses_cp.config import HFModelConfig  # noqa: E402
+from ulysses_cp.core.batch import shard_batch  # noqa: E402
 from ulysses_cp.models import hf  # noqa: E402
-from ulysses_cp.training.data import shard_batch  # noqa: E402
 
 TOL = dict(rtol=1e-9, atol=1e-10)
 
@@ -31,23 +32,13 @@ def models(family: str, topo, backend="math", **extra):
 def _equal_to_single_process(rank, u, r, family):
     topo = topology(u, r)
     sp, ref = models(family, topo)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(96, (2, 64), generator=g)
-    # transformers' own loss casts logits to float32; compute the float64 loss here
-    logits = ref(input_ids=ids).logits
-    ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    ref_loss.backward()
-    model = hf.HFCausalLM(sp)
-    local = shard_batch({"input_ids": ids, "labels": ids}, topo, "zigzag")
-    loss = model.loss(local["input_ids"], local["position_ids"], local["shift_labels"], topo)
-    loss.backward()
+    ids = torch.randint(96, (2, 64), generator=torch.Generator().manual_seed(1))
+    loss, ref_loss, grads = hf_loss_and_grads(sp, ref, topo, ids)
     errs = {"loss": abs(loss.item() - ref_loss.item())}
     worst = 0.0
-    for (name, p), q in zip(sp.named_parameters(), ref.parameters()):
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=topo.sp_group)  # SP ranks' shares sum to the gradient
-        torch.testing.assert_close(grad, q.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
-        worst = max(worst, (grad - q.grad).abs().max().item())
+    for name, (grad, want) in grads.items():
+        torch.testing.assert_close(grad, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        worst = max(worst, (grad - want).abs().max().item())
     torch.testing.assert_close(loss, ref_loss, **TOL)
     errs["grad"] = worst
     return errs
@@ -113,8 +104,8 @@ def test_what_cannot_be_honoured_is_refused(pools):
 
 
 def test_hf_config_block_and_local_configs(tmp_path):
-    mc = hf.HFModelConfig.from_dict({"hf_config": "configs/hf/tiny_qwen3.json", "tiled_mlp": 2})
-    assert mc.heads() == (4, 2)
+    mc = HFModelConfig.from_dict({"hf_config": "configs/hf/tiny_qwen3.json", "tiled_mlp": 2})
+    assert hf.heads(hf.load_config(mc.hf_config)) == (4, 2)
     cfg = hf.load_config({"model_type": "llama", "num_attention_heads": 8, "hidden_size": 64})
     assert cfg.num_attention_heads == 8
     with pytest.raises(ValueError, match="not found"):
@@ -122,9 +113,9 @@ def test_hf_config_block_and_local_configs(tmp_path):
     with pytest.raises(ValueError, match="model_type"):
         hf.load_config({"hidden_size": 8})
     with pytest.raises(ValueError, match="unknown keys"):
-        hf.HFModelConfig.from_dict({"hf_config": "x", "tiled": 2})
+        HFModelConfig.from_dict({"hf_config": "x", "tiled": 2})
     with pytest.raises(ValueError, match=r"needs model\.activation_checkpointing"):
-        hf.HFModelConfig.from_dict({"hf_config": "x", "offload_activations": True})
+        HFModelConfig.from_dict({"hf_config": "x", "offload_activations": True})
 
 
 def _packed(rank):
@@ -138,11 +129,7 @@ def _packed(rank):
     row = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(4, "zigzag"))
     local = shard_batch(row, topo, "zigzag")
     loss = hf.HFCausalLM(sp).loss(
-        local["input_ids"],
-        local["position_ids"],
-        local["shift_labels"],
-        topo,
-        cu_seqlens=local["cu_seqlens"],
+        local["input_ids"], local["position_ids"], local["shift_labels"], topo, batch=local["batch"]
     )
     loss.backward()
     total = sum(
@@ -174,9 +161,8 @@ def test_local_weights_and_set_attn_implementation(tmp_path):
     saved = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
     saved.save_pretrained(tmp_path / "weights")
     (tmp_path / "config.json").write_text(saved.config.to_json_string())
-    model = hf.build_model(
-        topo, hf_config=str(tmp_path), hf_weights=str(tmp_path / "weights"), backend="math"
-    )
+    mc = HFModelConfig(hf_config=str(tmp_path), hf_weights=str(tmp_path / "weights"))
+    model = hf.build_model(topo, mc, backend="math")
     for (name, a), b in zip(model.model.named_parameters(), saved.parameters()):
         assert torch.equal(a, b), name
     ids = torch.randint(96, (1, 16), generator=torch.Generator().manual_seed(0))

@@ -5,17 +5,12 @@ ulysses_cp's kernels). Sliding windows (per layer), softcap and sinks included."
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.helpers import HF_TINY, topology
+from tests.helpers import HF_TINY, hf_loss_and_grads, hf_pair, topology
 
 transformers = pytest.importorskip("transformers")
-from ulysses_cp.models import hf  # noqa: E402
-from ulysses_cp.training.data import shard_batch  # noqa: E402
 
 # family: (config class name, extra config, what it exercises); a window of 8 tokens
 # crosses the zigzag chunks of a 64-token row over 4 ranks (8 chunks of 8)
@@ -70,33 +65,12 @@ def family_config(family: str):
 def _equal_to_eager(rank, u, r, family):
     topo = topology(u, r, "zigzag")
     dtype = torch.float32 if family in FLOAT32 else torch.float64
-    hf.register_attention(topo, backend="math")
-    cfg = family_config(family)
-    torch.manual_seed(0)
-    sp = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="ulysses_cp", dtype=dtype
-    )
-    ref = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="eager", dtype=dtype
-    )
-    ref.load_state_dict(sp.state_dict())
+    sp, ref = hf_pair(family_config(family), topo, reference_attention="eager", dtype=dtype)
     ids = torch.randint(96, (2, 64), generator=torch.Generator().manual_seed(1))
-    logits = ref(input_ids=ids).logits.to(dtype)
-    ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    ref_loss.backward()
-    model = hf.HFCausalLM(sp)
-    local = shard_batch({"input_ids": ids, "labels": ids}, topo, "zigzag")
-    loss = model.loss(local["input_ids"], local["position_ids"], local["shift_labels"], topo)
-    loss.backward()
+    loss, ref_loss, grads = hf_loss_and_grads(sp, ref, topo, ids, dtype)
     worst = {"loss": abs(loss.item() - ref_loss.item())}
-    grads = {}
-    for (name, p), q in zip(sp.named_parameters(), ref.parameters()):
-        grad = torch.zeros_like(q) if p.grad is None else p.grad.clone()
-        dist.all_reduce(grad, group=topo.sp_group)  # SP ranks' shares sum to the gradient
-        want = torch.zeros_like(q) if q.grad is None else q.grad
-        grads[name] = (grad, want)
-        scale = max(want.abs().max().item(), 1e-30)
-        worst[name] = (grad - want).abs().max().item() / scale
+    for name, (grad, want) in grads.items():
+        worst[name] = (grad - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
     return worst, loss.item(), ref_loss.item(), grads
 
 

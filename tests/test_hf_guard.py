@@ -13,10 +13,10 @@ from tests.helpers import HF_TINY
 
 transformers = pytest.importorskip("transformers")
 from ulysses_cp.models import hf  # noqa: E402
-from ulysses_cp.models.hf_guard import probe, split_test  # noqa: E402
+from ulysses_cp.models.hf_guard import probe  # noqa: E402
 from ulysses_cp.models.hf_head import candidates  # noqa: E402
+from ulysses_cp.models.hf_split import split_test  # noqa: E402
 
-pytestmark = pytest.mark.unit
 N = 40
 
 

@@ -89,7 +89,7 @@ def _rows(rank, u, r, layout):
     ref_loss.backward()
     local = hf.shard_batch({"input_ids": ids, "labels": ids}, topo)
     loss = hf.HFCausalLM(sp).loss(
-        local["input_ids"], local["position_ids"], local["shift_labels"], topo
+        local["input_ids"], local["position_ids"], local["shift_labels"], topo, batch=local["batch"]
     )
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, **TOL)
@@ -118,7 +118,7 @@ def _packed(rank, u, r):
         local["position_ids"],
         local["shift_labels"],
         topo,
-        cu_seqlens=local["cu_seqlens"],
+        batch=local["batch"],
     )
     loss.backward()
     total = sum(

@@ -112,7 +112,7 @@ def _packed(rank, u, r, family):
         local["position_ids"],
         local["shift_labels"],
         topo,
-        cu_seqlens=local["cu_seqlens"],
+        batch=local["batch"],
     )
     loss.backward()
     total = sum(
@@ -156,7 +156,6 @@ def test_head_counts_that_do_not_split_are_refused_with_the_degrees_that_work(po
     assert "that work: [1, 2]" in messages[0]
 
 
-@pytest.mark.unit
 def test_mixer_degrees():
     assert mixer_degrees({"heads": 8, "groups": 2}, 8) == [1, 2, 4, 8]
     assert mixer_degrees({"channels": 12}, 12) == [1, 2, 3, 4, 6, 12]
@@ -174,7 +173,9 @@ def _bytes(rank):
     ids = torch.randint(96, (2, 64), generator=torch.Generator().manual_seed(3))
     local = hf.shard_batch({"input_ids": ids, "labels": ids}, topo)
     stats.reset()
-    loss = model.loss(local["input_ids"], local["position_ids"], local["shift_labels"], topo)
+    loss = model.loss(
+        local["input_ids"], local["position_ids"], local["shift_labels"], topo, batch=local["batch"]
+    )
     forward = stats.total("all_to_all", "forward")
     loss.backward()
     return forward, stats.total("all_to_all", "backward")

@@ -57,7 +57,9 @@ def _sweep(rank, family, u, r):
     want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), IDS[:, 1:].flatten())
     want.backward()
     local = hf.shard_batch({"input_ids": IDS, "labels": IDS}, topo)
-    loss = model.loss(local["input_ids"], local["position_ids"], local["shift_labels"], topo)
+    loss = model.loss(
+        local["input_ids"], local["position_ids"], local["shift_labels"], topo, batch=local["batch"]
+    )
     loss.backward()
     errors = {"loss": abs(loss.item() - want.item()) / abs(want.item())}
     pairs = []
@@ -160,7 +162,6 @@ def test_named_families_are_exact_in_every_mode(pools, family, u, r):
     assert verdict == "exact", detail
 
 
-@pytest.mark.unit
 def test_the_family_table_in_the_docs_is_the_sweeps():
     """docs/models.md has one row per family: exact exactly for EXACT."""
     rows = {}

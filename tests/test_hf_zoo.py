@@ -27,8 +27,6 @@ from tests.hf_zoo import (
     wake_zero_params_,
 )
 
-pytestmark = pytest.mark.unit
-
 B, S = 2, 64
 MAX_PARAMS = 300_000
 

@@ -4,28 +4,13 @@ mode, both layouts, packed rows and windows, and its bytes equal their formulas.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import ulysses_cp as ucp
 from tests.distributed import WorkerError
-from tests.helpers import make_qkv, reference, topology
+from tests.helpers import attend_and_check, make_qkv, topology
+from ulysses_cp.plan.comm import forward_comm_bytes
 
-TOL64 = dict(rtol=1e-10, atol=1e-10)
-
-
-def _run(rank, u, r, layout, *, causal, hq, hkv, bounds=None, exchange="allgather", **kw):
-    topo = topology(u, r, layout, kv_exchange=exchange)
-    s = 32 if bounds is None else bounds[-1]
-    q, k, v, dout = make_qkv(seed=21, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=8)
-    cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
-    sh = dict(layout=layout, cu_seqlens=cu)
-    ql, kl, vl = (ucp.shard_sequence(t, topo, **sh).detach().requires_grad_() for t in (q, k, v))
-    ucp.comm_stats.reset()
-    out = ucp.attention(ql, kl, vl, topo, causal=causal, backend="math", cu_seqlens=cu, **kw)
-    out.backward(ucp.shard_sequence(dout, topo, **sh))
-    snap = ucp.comm_stats.snapshot()
-    got = [ucp.gather_sequence(t, topo, **sh).detach() for t in (out, ql.grad, kl.grad, vl.grad)]
-    return got, snap
+ALLGATHER = dict(kv_exchange="allgather")
 
 
 @pytest.mark.parametrize("u,r", [(1, 2), (1, 4), (2, 2)])
@@ -33,16 +18,15 @@ def _run(rank, u, r, layout, *, causal, hq, hkv, bounds=None, exchange="allgathe
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1)])
 def test_allgather_matches_float64(pools, u, r, layout, causal, hq, hkv):
-    results = pools(u * r).run(_run, u, r, layout, causal=causal, hq=hq, hkv=hkv)
-    q, k, v, dout = make_qkv(seed=21, b=2, s=32, hq=hq, hkv=hkv, d=8)
-    ref = reference(q, k, v, dout, causal)
+    results = attend_and_check(
+        pools, u, r, layout, seed=21, hq=hq, hkv=hkv, options=ALLGATHER, backend="math",
+        causal=causal,
+    )  # fmt: skip
     P_ring = r
-    for got, snap in results:
-        for name, g, x in zip(("out", "dq", "dk", "dv"), got, ref):
-            torch.testing.assert_close(g, x, **TOL64, msg=lambda m, n=name: f"{n}: {m}")
+    for _, snap in results:
         # bytes: forward all-gather = the ring's forward formula (this rank's KV block to
         # the r - 1 others); backward: the KV again, and r - 1 float64 dk/dv shares
-        _, ring_bytes = ucp.forward_comm_bytes(
+        _, ring_bytes = forward_comm_bytes(
             batch=2, seq_len=32, hq=hq, hkv=hkv, head_dim=8, ulysses_degree=u,
             ring_degree=r, bytes_per_element=8,
         )  # fmt: skip
@@ -57,14 +41,10 @@ def test_allgather_matches_float64(pools, u, r, layout, causal, hq, hkv):
 @pytest.mark.parametrize("window", [(-1, -1), (5, -1)], ids=str)
 def test_allgather_packed_rows_and_windows(pools, u, r, window):
     bounds = [0, 8, 32, 40, 64]
-    results = pools(u * r).run(
-        _run, u, r, "zigzag", causal=True, hq=4, hkv=2, bounds=bounds, window=window
-    )
-    q, k, v, dout = make_qkv(seed=21, b=1, s=64, hq=4, hkv=2, d=8)
-    ref = reference(q, k, v, dout, True, bounds=bounds, window=window)
-    for got, _ in results:
-        for name, g, x in zip(("out", "dq", "dk", "dv"), got, ref):
-            torch.testing.assert_close(g, x, **TOL64, msg=lambda m, n=name: f"{n}: {m}")
+    attend_and_check(
+        pools, u, r, seed=21, hq=4, hkv=2, bounds=bounds, options=ALLGATHER, backend="math",
+        window=window,
+    )  # fmt: skip
 
 
 def _disagree(rank):
@@ -85,4 +65,4 @@ def test_unknown_exchange_is_refused():
     with pytest.raises(ValueError, match="kv_exchange 'broadcast' is not one of"):
         ucp.RunOptions(kv_exchange="broadcast")
     cfg = {"sequence_parallel": {"kv_exchange": "allgather"}, "train_batch_size": 1}
-    assert ucp.run_options(cfg).kv_exchange == "allgather"
+    assert ucp.run_options(ucp.RunConfig.load(cfg)).kv_exchange == "allgather"

@@ -1,103 +1,261 @@
-"""The package's folders: imports point down only, and the module paths from before the
-folders still import (as the very same module objects)."""
+"""The package's shape, read from its source (no imports, no processes): every module on a
+floor, imports pointing down or across a floor only, no import cycle anywhere (a folder's
+included, type-only and function-level imports counted), each public name defined in one
+module, modules of at most 400 lines, functions of at most 8 parameters."""
+
+from __future__ import annotations
 
 import ast
-import importlib
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import ROOT
-from ulysses_cp.moved import MOVED
 
 PKG = ROOT / "ulysses_cp"
-# A layer may import from the layers after it in this list, never from those before it
-# (plan: the planner, above everything it predicts).
-LAYERS = ["plan", "training", "integrations", "models", "modes", "kernels", "core"]
-ALLOWED_UP = {("models/hf.py", "training.data")}  # shard_batch for a Hugging Face batch
+# bottom to top: a module may import from its own floor and the floors below it
+FLOORS = ["core", "config", "kernels", "modes", "models", "integrations", "training", "plan"]
+TOP_LEVEL = {"config.py": "config", "schema.py": "config", "__init__.py": "face"}
+MAX_LINES, MAX_PARAMS = 400, 8
+# the public ucp.attention keeps API.md's keywords (it builds the AttentionSpec)
+MANY_PARAMS = {("modes/attention.py", "attention")}
+# names listed in a module's __all__ whose home is another module: the public face, and
+# shard_batch and register_attention, which API.md has Hugging Face users import from
+# ulysses_cp.models.hf (their homes: core/batch.py, models/hf_attention.py)
+REEXPORTS = {("models/hf.py", "shard_batch"), ("models/hf.py", "register_attention")}
 
 
-def _imports(path: Path, pkg: Path) -> list[str]:
-    """Dotted names (relative to the package) of every intra-package import in ``path``."""
-    parts = path.relative_to(pkg).with_suffix("").parts
-    out = []
+def floor_of(rel: str) -> str | None:
+    """The floor of a module path relative to the package (``"core/comm.py"``)."""
+    if "/" not in rel:
+        return TOP_LEVEL.get(rel)
+    folder = rel.split("/")[0]
+    return folder if folder in FLOORS else None
+
+
+def _module_of(parts: list[str], pkg: Path) -> str | None:
+    """The module file (relative path) for dotted parts inside the package, or None."""
+    path = pkg.joinpath(*parts)
+    if path.with_suffix(".py").is_file():
+        return path.with_suffix(".py").relative_to(pkg).as_posix()
+    if (path / "__init__.py").is_file():
+        return (path / "__init__.py").relative_to(pkg).as_posix()
+    return None
+
+
+def imports(path: Path, pkg: Path) -> list[str]:
+    """The package modules ``path`` imports, anywhere in it (top level, functions,
+    ``TYPE_CHECKING`` blocks): ``from a import b`` counts ``a.b`` when b is a module."""
+    here = path.relative_to(pkg).with_suffix("").parts
+    found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = list(parts[: len(parts) - node.level])
-                mod = ".".join(base + ([node.module] if node.module else []))
-            elif node.module and node.module.startswith("ulysses_cp"):
-                mod = node.module.removeprefix("ulysses_cp").lstrip(".")
+                base = list(here[: len(here) - node.level])
+            elif node.module and node.module.split(".")[0] == pkg.name:
+                base = []
             else:
                 continue
-            out += [f"{mod}.{a.name}".lstrip(".") for a in node.names]
+            dotted = node.module or ""
+            if not node.level:
+                dotted = dotted.removeprefix(pkg.name).lstrip(".")
+            parts = base + [p for p in dotted.split(".") if p]
+            for alias in node.names:
+                found.append(_module_of([*parts, alias.name], pkg) or _module_of(parts, pkg))
         elif isinstance(node, ast.Import):
-            out += [
-                a.name.removeprefix("ulysses_cp.") for a in node.names if "ulysses_cp." in a.name
-            ]
-    return out
+            for alias in node.names:
+                if alias.name.split(".")[0] == pkg.name:
+                    found.append(_module_of(alias.name.split(".")[1:], pkg))
+    return sorted({m for m in found if m is not None})
 
 
-def upward_imports(pkg: Path = PKG) -> list[str]:
+def import_graph(pkg: Path = PKG) -> dict[str, list[str]]:
+    return {p.relative_to(pkg).as_posix(): imports(p, pkg) for p in sorted(pkg.rglob("*.py"))}
+
+
+def upward_imports(graph: dict[str, list[str]]) -> list[str]:
+    """Imports of a floor above the importer's (the package root imports everything and is
+    imported by nothing)."""
+    rank = {name: i for i, name in enumerate([*FLOORS, "face"])}
     bad = []
-    for path in sorted(pkg.rglob("*.py")):
-        rel = path.relative_to(pkg).as_posix()
-        layer = rel.split("/")[0]
-        if layer not in LAYERS:
-            continue
-        for name in _imports(path, pkg):
-            target = name.split(".")[0]
-            up = target in LAYERS and LAYERS.index(target) < LAYERS.index(layer)
-            if up and not any(rel == f and name.startswith(t) for f, t in ALLOWED_UP):
-                bad.append(f"{rel} imports {name}")
+    for mod, targets in graph.items():
+        for target in targets:
+            a, b = floor_of(mod), floor_of(target)
+            if a is not None and b is not None and rank[b] > rank[a]:
+                bad.append(f"{mod} imports {target}")
     return bad
 
 
-def test_imports_point_down_only():
-    assert upward_imports() == []
+def cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """Every import cycle (strongly connected components of more than one module, and
+    modules that import themselves), Tarjan's algorithm."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, []):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, []):
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
 
 
-def test_the_check_sees_an_upward_import(tmp_path):
-    (tmp_path / "core").mkdir()
-    (tmp_path / "core" / "x.py").write_text("from ..modes.ring import merge\n")
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "y.py").write_text("import ulysses_cp.training.data\n")
-    found = upward_imports(tmp_path)
-    assert found == ["core/x.py imports modes.ring.merge", "kernels/y.py imports training.data"]
+def test_every_module_is_on_a_floor():
+    unplaced = [m for m in import_graph() if floor_of(m) is None]
+    assert unplaced == [], f"place these modules on a floor (FLOORS, TOP_LEVEL): {unplaced}"
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_module_paths_are_the_new_modules(old):
-    new = importlib.import_module(f"ulysses_cp.{MOVED[old]}")
-    assert importlib.import_module(f"ulysses_cp.{old}") is new
-    assert new.__spec__.name == f"ulysses_cp.{MOVED[old]}"
-    assert Path(new.__file__).is_relative_to(PKG)
+def test_no_import_points_up():
+    assert upward_imports(import_graph()) == []
 
 
-def test_old_paths_in_a_fresh_interpreter():
-    """Every spelling a user may have written, in a process that imported nothing yet;
-    ``ulysses_cp.attention`` stays the function even after its module is imported by name."""
-    code = (
-        "import ulysses_cp, ulysses_cp.ring\n"
-        "from ulysses_cp.ring import merge\n"
-        "from ulysses_cp import trainer\n"
-        "import ulysses_cp.hf as hf\n"
-        "from ulysses_cp.attention import validate_qkv\n"
-        "from ulysses_cp.model import Decoder\n"
-        "import ulysses_cp.modes.ring as r, ulysses_cp.models.hf as h\n"
-        "assert ulysses_cp.ring is r and merge is r.merge and hf is h\n"
-        "assert trainer.__name__ == 'ulysses_cp.training.trainer'\n"
-        "assert Decoder.__module__ == 'ulysses_cp.models.decoder'\n"
-        "assert callable(ulysses_cp.attention) and not isinstance(ulysses_cp.attention, type(r))\n"
-        "print('ok')\n"
+def test_no_import_cycle_anywhere():
+    assert cycles(import_graph()) == []
+
+
+def test_folders_hold_no_code_in_their_init():
+    """A folder's ``__init__.py`` is its docstring: importing one module of a folder runs
+    no other, and no name has a second home there."""
+    for init in PKG.glob("*/__init__.py"):
+        body = ast.parse(init.read_text()).body
+        assert all(isinstance(n, ast.Expr) for n in body), init
+
+
+def _plant(root: Path, files: dict[str, str]) -> Path:
+    pkg = root / "ulysses_cp"
+    for rel, text in files.items():
+        path = pkg / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        init = path.parent / "__init__.py"
+        if not init.exists():
+            init.write_text('"""A folder."""\n')
+    return pkg
+
+
+def test_the_checks_see_a_planted_cycle_and_an_upward_import(tmp_path):
+    pkg = _plant(
+        tmp_path,
+        {
+            # a cycle inside one folder, through a type-only import
+            "core/a.py": "import typing\nif typing.TYPE_CHECKING:\n    from .b import B\n",
+            "core/b.py": "def f():\n    from . import a\n",
+            # a cycle across floors (it is also an upward import)
+            "modes/x.py": "from ..training import y\n",
+            "training/y.py": "import ulysses_cp.modes.x\n",
+            # config importing a model: upward, no cycle
+            "config.py": "from .models.hf import load_config\n",
+            "models/hf.py": "from ..core.a import f\n",
+        },
     )
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "ok"
+    graph = import_graph(pkg)
+    assert graph["core/b.py"] == ["core/a.py"] and graph["config.py"] == ["models/hf.py"]
+    assert cycles(graph) == [["core/a.py", "core/b.py"], ["modes/x.py", "training/y.py"]]
+    assert upward_imports(graph) == [
+        "config.py imports models/hf.py",
+        "modes/x.py imports training/y.py",
+    ]
+    # and the real package is clean: the same checks find nothing there
+    assert cycles(import_graph()) == [] and upward_imports(import_graph()) == []
 
 
-def test_unknown_old_path_is_still_an_import_error():
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("ulysses_cp.no_such_module")
+# ---------------------------------------------------------------- one home per name
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def _exported(tree: ast.Module) -> list[str]:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return list(ast.literal_eval(node.value))
+    return []
+
+
+def test_each_public_name_has_one_home():
+    """A name in a module's ``__all__`` is defined in that module (``ulysses_cp/__init__.py``
+    is the public face and re-exports; ``REEXPORTS`` lists the one other case)."""
+    elsewhere = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        defined = _defined(tree)
+        elsewhere += [f"{rel}: {n}" for n in _exported(tree) if n not in defined]
+    assert sorted(elsewhere) == sorted(f"{f}: {n}" for f, n in REEXPORTS)
+
+
+def test_the_public_face_exports_what_it_imports():
+    import ulysses_cp as ucp
+
+    missing = [n for n in ucp.__all__ if not hasattr(ucp, n)]
+    assert missing == []
+    for name in ("attention", "shard_sequence", "init_topology", "initialize", "shard_batch"):
+        assert name in ucp.__all__
+
+
+# ---------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: p.name)
+def test_modules_are_short(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines (at most {MAX_LINES})"
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = node.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    if names and names[0] in ("self", "cls", "ctx"):
+        names = names[1:]
+    return len(names) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def long_signatures(pkg: Path = PKG) -> list[str]:
+    """Functions with more than MAX_PARAMS parameters (self/cls/ctx not counted)."""
+    found = []
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _parameters(node)
+                if n > MAX_PARAMS and (rel, node.name) not in MANY_PARAMS:
+                    found.append(f"{rel}:{node.lineno} {node.name} takes {n}")
+    return found
+
+
+def test_no_function_takes_more_than_eight_parameters(tmp_path):
+    assert long_signatures() == []
+    pkg = _plant(tmp_path, {"core/z.py": "def f(a, b, c, d, e, f, g, h, *, i):\n    pass\n"})
+    assert long_signatures(pkg) == ["core/z.py:1 f takes 9"]

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import ds_config, topology_for
-from ulysses_cp.models.decoder import Decoder, ModelConfig
+from tests.helpers import run_config, topology_for
+from ulysses_cp.config import DataConfig, HFModelConfig, ModelConfig
+from ulysses_cp.models.decoder import Decoder
 from ulysses_cp.models.memory import TiledMLP, tiled_cross_entropy
-from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
+from ulysses_cp.training.data import KVRecall, global_batch
 
 FEATURES = dict(tiled_mlp=3, tiled_loss=4, activation_checkpointing=True, offload_activations=True)
 OFF = dict(tiled_mlp=0, tiled_loss=0, activation_checkpointing=False, offload_activations=False)
@@ -22,20 +23,15 @@ def _step(rank, kind, stage, features):
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    cfg = ds_config(2, 2, stage)
+    cfg = run_config(2, 2, stage)
     topo = topology_for(cfg)
     torch.manual_seed(0)
+    tiled_loss = features["tiled_loss"]
     if kind == "hf":
         from ulysses_cp.models import hf
 
-        model = hf.build_model(
-            topo,
-            hf_config="configs/hf/tiny_llama.json",
-            backend="torch",
-            tiled_mlp=features["tiled_mlp"],
-            activation_checkpointing=features["activation_checkpointing"],
-            offload_activations=features["offload_activations"],
-        )
+        mc = HFModelConfig(hf_config="configs/hf/tiny_llama.json", **features)
+        model = hf.build_model(topo, mc, backend="torch")
     else:
         mc = ModelConfig(dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, **features)
         model = Decoder(mc, ucp.Attention(topo, backend="torch"))
@@ -46,12 +42,12 @@ def _step(rank, kind, stage, features):
     full = global_batch(
         data, step=0, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1
     )
-    local = shard_batch(full, topo)
-    args = (local["input_ids"], local["position_ids"])
-    if features["tiled_loss"] > 1:
+    local = ucp.shard_batch(full, topo)
+    args = (local["input_ids"], local["position_ids"], local["batch"])
+    if tiled_loss > 1:
         hidden = engine(*args, return_hidden=True)
         loss = tiled_cross_entropy(
-            hidden, engine.module.head, local["shift_labels"], topo, chunks=features["tiled_loss"]
+            hidden, engine.module.head, local["shift_labels"], topo, chunks=tiled_loss
         )
     else:
         loss = ucp.sequence_parallel_cross_entropy(engine(*args), local["shift_labels"], topo)

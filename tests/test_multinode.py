@@ -6,65 +6,40 @@ checked against the nodes, and the losses against a single-node run of the same 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, free_port, launch, metrics
+from tests import helpers
 from ulysses_cp.config import RunConfig
 from ulysses_cp.plan.cli import plan
 from ulysses_cp.plan.nodes import describe, group_spans
 from ulysses_cp.plan.search import Hardware
 
-CONFIG = {
-    "train_micro_batch_size_per_gpu": 2,
-    "gradient_accumulation_steps": 1,
-    "gradient_clipping": 1.0,
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-    "zero_optimization": {"stage": 2},
-    "sequence_parallel": {
-        "ulysses_degree": 2,
-        "ring_degree": 2,
-        "layout": "zigzag",
-        "attention_backend": "torch",
-    },
-    "model": {"dim": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64},
-    "data": {"task": "kv_recall", "seq_len": 64, "n_queries": 8},
-    "training": {"max_steps": 3, "log_interval": 1, "portable_checkpoint": False},
-}
+CONFIG = helpers.run_config(
+    2,
+    2,
+    **helpers.LAUNCH,
+    training={"max_steps": 3, "log_interval": 1, "portable_checkpoint": False},
+)
 
 
 def launch_two_nodes(cfg: Path, hostfile: Path, out: Path) -> list[str]:
     """Both nodes' launchers at once (they rendezvous at 127.0.0.1); their outputs."""
-    port = str(free_port())
-    env = {**os.environ, "WANDB_MODE": "disabled"}
+    port = str(helpers.free_port())
     procs = []
     for node in (0, 1):
-        cmd = [
-            sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
-            "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
-            "--master_port", port, str(ROOT / "train.py"), "--deepspeed_config", str(cfg),
-            "--output_dir", str(out),
-        ]  # fmt: skip
+        opts = ("--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
+                "--master_addr", "127.0.0.1", "--master_port", port)  # fmt: skip
         procs.append(
-            subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            helpers.start(
+                helpers.deepspeed_cmd(cfg, out, launcher=opts), env={"WANDB_MODE": "disabled"}
             )
         )
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, text in zip(procs, outputs):
-        assert p.returncode == 0, text[-4000:]
-    return outputs
+    results = helpers.finish(procs)
+    for code, text in results:
+        assert code == 0, text[-4000:]
+    return [text for _, text in results]
 
 
 def groups_line(text: str) -> dict:
@@ -73,9 +48,9 @@ def groups_line(text: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.launcher
 def test_two_simulated_nodes_through_the_launcher(tmp_path):
-    cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps(CONFIG))
+    cfg = helpers.write_config(tmp_path, CONFIG)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
     outputs = launch_two_nodes(cfg, hostfile, tmp_path / "two")
@@ -89,11 +64,11 @@ def test_two_simulated_nodes_through_the_launcher(tmp_path):
     assert group_spans(groups["ulysses"], node) == [1, 1]  # every all-to-all inside a node
     assert groups["ring"] == [[0, 2], [1, 3]]
     assert group_spans(groups["ring"], node) == [2, 2]  # every ring across the nodes
-    two = metrics(tmp_path / "two")
+    two = helpers.metrics(tmp_path / "two")
     assert [r["step"] for r in two] == [1, 2, 3]
 
-    launch(cfg, tmp_path / "one", num_gpus=4)  # the same config on one node of 4
-    one = metrics(tmp_path / "one")
+    helpers.launch(cfg, tmp_path / "one", num_gpus=4)  # the same config on one node of 4
+    one = helpers.metrics(tmp_path / "one")
     assert [r["step"] for r in one] == [1, 2, 3]
     for a, b in zip(one, two):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), (a, b)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import ds_config
+from tests.helpers import run_config
 from ulysses_cp.core.topology import Topology
 from ulysses_cp.training.engine import check_topology
 
@@ -45,7 +45,8 @@ def test_bad_choices_are_refused_with_the_value(bad, words):
 
 @pytest.mark.parametrize("stage, scale", [(0, 1.0), (1, 1.0), (2, 1.0), (3, 4.0)])
 def test_the_config_fixes_every_choice(stage, scale):
-    cfg = ds_config(2, 2, stage, backend="math", layout="contiguous", check_inputs=False)
+    sp = dict(layout="contiguous", check_inputs=False)
+    cfg = ucp.RunConfig.load(run_config(2, 2, stage, backend="math", sp=sp))
     assert ucp.run_options(cfg) == ucp.RunOptions(
         layout="contiguous", backend="math", check_inputs=False, grad_scale=scale
     )
@@ -54,7 +55,7 @@ def test_the_config_fixes_every_choice(stage, scale):
 def test_a_topology_that_is_not_the_configs_is_refused():
     """ucp.initialize used to overwrite the gradient scale of the topology it was given (a
     value the loss reads); a hand-built topology under a ZeRO-3 config is now refused."""
-    cfg = ds_config(2, 1, 3, backend="torch", layout="zigzag")
+    cfg = ucp.RunConfig.load(run_config(2, 1, 3, backend="torch", sp={"layout": "zigzag"}))
     hand_built = Topology(rank=0, world_size=2, ulysses_degree=2, ring_degree=1)
     with pytest.raises(ValueError) as err:
         check_topology(hand_built.with_options(backend="torch"), cfg)

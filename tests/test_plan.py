@@ -6,13 +6,12 @@ longest-sequence search; then its CLI: fields, ranking, errors."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import plan_vs_measured as pvm
@@ -21,7 +20,7 @@ from ulysses_cp.config import ModelConfig, RunConfig
 from ulysses_cp.plan.cli import main, plan
 from ulysses_cp.plan.comm import attention_bytes, split_nodes, zero_bytes
 from ulysses_cp.plan.memory import activation_bytes, attention_activation
-from ulysses_cp.plan.search import Hardware, Run, predict
+from ulysses_cp.plan.search import Hardware, Run, ZeroKnobs, predict
 from ulysses_cp.plan.shapes import model_shape
 
 TOKENS = 1024  # per rank (at 512 a fixed few hundred KB of the ring modes weighs 15%)
@@ -169,9 +168,10 @@ def test_intra_and_inter_node_bytes():
 def test_zero_stages_order_static_memory():
     shape = _tiny()
     hw = Hardware()
+    knobs = ZeroKnobs(reduce_bucket_size=0)
     peaks = [
         predict(shape, Run(2, 1, "zigzag", stage), seq_len=1024, batch=1, micro_steps=1,
-                world=8, hw=hw, reduce_bucket_size=0)["static_bytes_per_rank"]
+                world=8, hw=hw, zero_knobs=knobs)["static_bytes_per_rank"]
         for stage in (1, 2, 3)
     ]  # fmt: skip
     assert peaks[0] == peaks[1] > peaks[2]  # ZeRO-2 all-reduces whole gradients here (mpu)
@@ -183,18 +183,14 @@ def test_zero_stages_order_static_memory():
 # ---------------------------------------------------------------- the CLI
 
 
-def _cli(*args, cwd=ROOT):
-    cmd = [sys.executable, "-m", "ulysses_cp.plan", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
-
-
+@pytest.mark.launcher
 def test_cli_json_and_table(tmp_path):
     out = tmp_path / "plan.json"
     cfg = ROOT / "configs" / "tiny_cpu_zero2_u2r2.json"
-    res = _cli("--deepspeed_config", str(cfg), "--world", "4", "--gpus-per-node", "2",
-               "--gpu-mem-gb", "0.02", "--seq-step", "16", "--json", str(out))  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    assert "as written:" in res.stdout and "best of" in res.stdout
+    args = ("--deepspeed_config", str(cfg), "--world", "4", "--gpus-per-node", "2",
+            "--gpu-mem-gb", "0.02", "--seq-step", "16", "--json", str(out))  # fmt: skip
+    printed = run([sys.executable, "-m", "ulysses_cp.plan", *args], timeout=300)
+    assert "as written:" in printed and "best of" in printed
     got = json.loads(out.read_text())
     fields = {"peak_bytes_per_rank", "static_bytes_per_rank", "activation_bytes_per_rank",
               "comm_bytes_per_step_per_rank"}  # fmt: skip

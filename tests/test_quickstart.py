@@ -4,11 +4,12 @@ equals full attention."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import pytest
+
+from tests.helpers import ROOT, run, torchrun_cmd
+
+pytestmark = pytest.mark.launcher
 
 
 def quickstart_code() -> str:
@@ -20,9 +21,7 @@ def quickstart_code() -> str:
 def test_readme_quick_start_runs_and_matches_full_attention(tmp_path):
     script = tmp_path / "quickstart.py"
     script.write_text(quickstart_code())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    res = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    found = re.search(r"ulysses over 2 ranks: max \|out - full\| = (\S+)", res.stdout)
-    assert found, res.stdout[-2000:]
+    out = run(torchrun_cmd(script), timeout=300)
+    found = re.search(r"ulysses over 2 ranks: max \|out - full\| = (\S+)", out)
+    assert found, out[-2000:]
     assert float(found.group(1)) < 1e-5

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import ds_config, topology, topology_for
+from tests.helpers import run_config, topology, topology_for
 from ulysses_cp.core.comm import CollectiveError, collective
 
 
@@ -67,6 +67,34 @@ def test_input_check_can_be_switched_off(pools):
         assert on > 0 and off == 0, (on, off)
 
 
+def _input_check_bytes(rank, n_layers, planned):
+    """Input-check bytes of one batch through a decoder with activation checkpointing:
+    sharded (its one check) and attended with the batch's plan, or, without the plan,
+    every attention call checked (the forward and its recomputation, per layer)."""
+    from ulysses_cp.config import ModelConfig
+    from ulysses_cp.models.decoder import Decoder
+
+    topo = topology(2, 1, backend="math")
+    mc = ModelConfig(dim=16, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=32,
+                     activation_checkpointing=True)  # fmt: skip
+    model = Decoder(mc, ucp.Attention(topo))
+    ids = torch.randint(256, (1, 32), generator=torch.Generator().manual_seed(0))
+    ucp.comm_stats.reset()
+    local = ucp.shard_batch({"input_ids": ids}, topo)
+    plan = local["batch"] if planned else None
+    logits = model(local["input_ids"], local["position_ids"], plan)
+    ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo).backward()
+    return ucp.comm_stats.total("all_gather", "input check")
+
+
+def test_inputs_are_checked_once_per_batch_not_per_layer(pools):
+    two, eight = (pools(2).run(_input_check_bytes, n, True)[0] for n in (2, 8))
+    assert two == eight > 0, (two, eight)
+    # the same count without the batch's plan grows with the layers: every call checks
+    two, eight = (pools(2).run(_input_check_bytes, n, False)[0] for n in (2, 8))
+    assert eight > two > 0, (two, eight)
+
+
 def _named_failure(rank):
     topo = topology(2, 1)
     with (
@@ -99,12 +127,13 @@ def _skip_nonfinite(rank, stage):
 
     from tests.faults import FaultHooks
     from tests.helpers import TINY
+    from ulysses_cp.config import DataConfig
     from ulysses_cp.models.decoder import Decoder
-    from ulysses_cp.training.data import DataConfig, KVRecall, global_batch, shard_batch
+    from ulysses_cp.training.data import KVRecall, global_batch
     from ulysses_cp.training.nonfinite import any_rank, gradients_finite, skip_update
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    cfg = ds_config(2, 1, stage)
+    cfg = run_config(2, 1, stage)
     topo = topology_for(cfg)
     torch.manual_seed(0)
     model = Decoder(TINY, ucp.Attention(topo, backend="torch"))
@@ -116,8 +145,8 @@ def _skip_nonfinite(rank, stage):
         full = global_batch(
             data, step=step, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1
         )
-        local = shard_batch(full, topo)
-        logits = engine(local["input_ids"], local["position_ids"])
+        local = ucp.shard_batch(full, topo)
+        logits = engine(local["input_ids"], local["position_ids"], local["batch"])
         return ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
 
     def params():

@@ -9,11 +9,12 @@ import torch
 
 import ulysses_cp as ucp
 import ulysses_cp.modes.ring as ring_mod
-from tests.helpers import make_qkv, reference, sharded_run, topology
-from ulysses_cp.kernels import Kernel, math_backend
-from ulysses_cp.modes.ring import merge
-
-TOL64 = dict(rtol=1e-10, atol=1e-10)
+from tests.helpers import TOL64, make_qkv, reference, sharded_run, topology
+from ulysses_cp.kernels import math_backend
+from ulysses_cp.kernels.backends import Kernel
+from ulysses_cp.kernels.dispatch import KernelCall
+from ulysses_cp.kernels.spec import AttentionSpec
+from ulysses_cp.modes.ring import Ring, merge
 
 # (ulysses, ring): ring P=2, P=4, hybrid 2x2, hybrid 2x4, hybrid 4x2
 MODES = [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)]
@@ -22,7 +23,7 @@ MODES = [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)]
 def _check(rank, u, r, hq, hkv, causal, layout, backend, dtype, b, s):
     topo = topology(u, r, layout)
     q, k, v, dout = make_qkv(seed=21, b=b, s=s, hq=hq, hkv=hkv, d=24, dtype=dtype)
-    got = sharded_run(q, k, v, dout, topo, causal=causal, layout=layout, backend=backend)
+    got = sharded_run(q, k, v, dout, topo, causal=causal, layout=layout, backend=backend)[:4]
     ref = reference(q, k, v, dout, causal)
     tol = TOL64 if dtype == torch.float64 else dict(rtol=1e-4, atol=2e-5)
     errs = {}
@@ -66,13 +67,13 @@ def _work(rank, layout):
         sq, sk = q.shape[1], k.shape[1]
         return q.shape[0] * q.shape[2] * (sq * (sq + 1) // 2 if causal else sq * sk)
 
-    def fwd(q, k, v, causal, scale):
-        counted["n"] += scores(q, k, causal)
-        return math_backend.forward(q, k, v, causal, scale)
+    def fwd(q, k, v, how):
+        counted["n"] += scores(q, k, how.causal)
+        return math_backend.forward(q, k, v, how)
 
-    def bwd(dout, q, k, v, out, lse, causal, scale):
-        counted["n"] += scores(q, k, causal)
-        return math_backend.backward(dout, q, k, v, out, lse, causal, scale)
+    def bwd(dout, q, k, v, out, lse, how):
+        counted["n"] += scores(q, k, how.causal)
+        return math_backend.backward(dout, q, k, v, out, lse, how)
 
     counting = Kernel("counting", fwd, bwd)  # injected as the backend: no module patched
     q, k, v, dout = make_qkv(seed=1, b=1, s=64, hq=2, hkv=2, d=8)
@@ -184,17 +185,9 @@ def _no_overlap(rank):
     res = []
     for overlap in (True, False):
         ql, kl, vl = (ucp.shard_sequence(t, topo).requires_grad_() for t in (q, k, v))
-        out = ring_mod.ring_attention(
-            ql,
-            kl,
-            vl,
-            group=topo.ring_group,
-            causal=True,
-            softmax_scale=None,
-            backend="math",
-            layout="zigzag",
-            overlap=overlap,
-        )
+        ring = Ring(topo.ring_group, "zigzag", overlap=overlap)
+        call = KernelCall(AttentionSpec(causal=True), "math")
+        out = ring_mod.ring_attention(ql, kl, vl, ring=ring, call=call)
         out.backward(ucp.shard_sequence(dout, topo))
         res.append([out, ql.grad, kl.grad, vl.grad])
     for a, b in zip(*res):
@@ -216,7 +209,7 @@ def _bf16_errors(rank):
             causal=True,
             layout="zigzag",
             backend="torch",
-        )
+        )[:4]
         errs[(u, r)] = [(g.double() - x).abs().max().item() for g, x in zip(got, ref)]
     return errs
 

@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ulysses_cp as ucp
 from tests.distributed import WorkerError
+from tests.helpers import reference as float64_attention
 from ulysses_cp.core.sharding import layout_indices
 from ulysses_cp.integrations import torch_native
 
@@ -35,19 +36,16 @@ def _full_qkv(seed: int, b: int, h: int, hkv: int, s: int, d: int):
 
 
 def reference(q, k, v, causal: bool, scale: float | None, shards: list[torch.Tensor]):
-    """Full attention (b, h, s, d) in float64 and the gradients of the summed per-rank
-    losses, ``sum_r mean(out[:, :, shard_r] ** 2)``."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    g = q.shape[1] // k.shape[1]
-    kk, vv = (t.repeat_interleave(g, dim=1) for t in (k, v))
-    s = q.shape[2]
-    scores = (q @ kk.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if causal:
-        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
-    out = torch.softmax(scores, -1) @ vv
-    loss = sum(out[:, :, idx].square().mean() for idx in shards)
-    loss.backward()
-    return out.detach(), q.grad, k.grad, v.grad
+    """Full attention (b, h, s, d) in float64 (``tests.helpers.reference``) and the
+    gradients of the summed per-rank losses, ``sum_r mean(out[:, :, shard_r] ** 2)``."""
+
+    def loss(out):  # (b, s, h, d): the shard's tokens along dim 1
+        return sum(out[:, idx].square().mean() for idx in shards)
+
+    out, *grads, _ = float64_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), loss, causal, softmax_scale=scale
+    )
+    return tuple(t.transpose(1, 2) for t in (out, *grads))
 
 
 def _run_example(
@@ -477,25 +475,10 @@ def test_a_model_under_the_context_equals_one_process(pools, kind, case):
         torch.testing.assert_close(got, p.grad, rtol=1e-8, atol=1e-12, msg=name)
 
 
+@pytest.mark.launcher
 def test_the_example_script_runs_under_the_launcher(tmp_path):
-    import subprocess
-    import sys
+    from tests.helpers import run, torchrun_cmd
 
-    from tests.helpers import ROOT, free_port
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        "scripts/cp_example.py",
-        "--seq",
-        "256",
-    ]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "ulysses over 2 ranks on cpu, torch.float32" in res.stdout
-    assert res.stdout.count(" ok") == 4, res.stdout
+    out = run(torchrun_cmd("scripts/cp_example.py", "--seq", "256"), timeout=300)
+    assert "ulysses over 2 ranks on cpu, torch.float32" in out
+    assert out.count(" ok") == 4, out

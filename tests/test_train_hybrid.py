@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import ROOT, launch, metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.launcher, pytest.mark.slow]
 
 
 def _run(tmp_path, name: str, degrees: tuple[int, int], gpus: int) -> list[float]:

@@ -8,8 +8,7 @@ import torch
 import ulysses_cp as ucp
 from ulysses_cp.core.sharding import check_sequence_length, natural_to_pairs, pairs_to_natural
 from ulysses_cp.core.topology import Topology
-from ulysses_cp.modes.attention import validate_qkv
-from ulysses_cp.training.data import shard_batch
+from ulysses_cp.modes.checks import validate_qkv
 
 
 def test_plan_groups_hybrid_8_ranks():
@@ -77,7 +76,7 @@ def test_the_layout_is_stated_once():
         "shard_sequence": lambda: ucp.shard_sequence(x, t, layout="zigzag"),
         "gather_sequence": lambda: ucp.gather_sequence(x, t, layout="zigzag"),
         "attention": lambda: ucp.attention(x, x, x, t, layout="zigzag"),
-        "data.shard_batch": lambda: shard_batch(
+        "shard_batch": lambda: ucp.shard_batch(
             {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, t, layout="zigzag"
         ),
     }

@@ -1,11 +1,12 @@
-"""Attention variants: logit softcap and attention sinks, exact in every mode.
+"""Attention variants: logit softcap, attention sinks and sliding windows, exact in every
+mode and layout.
 
-Reference: float64 attention written here on the full tensors, with the softcap applied to
-the scores and the sinks as one more column of logits whose value vector is zero."""
+Reference: float64 attention on the full tensors (``tests.helpers.reference``), with the
+softcap applied to the scores, the sinks as one more column of logits whose value vector is
+zero, and the window in the mask."""
 
 from __future__ import annotations
 
-import itertools
 from contextlib import contextmanager
 
 import pytest
@@ -13,101 +14,12 @@ import torch
 
 import ulysses_cp as ucp
 from tests.distributed import WorkerError
-from tests.helpers import make_qkv, topology
+from tests.helpers import TOL64, attend_and_check, make_qkv, reference, sinks_for, topology
+from ulysses_cp.kernels.dispatch import KernelCall, attn_backward, attn_forward
+from ulysses_cp.kernels.spec import AttentionSpec
 
-TOL64 = dict(rtol=1e-10, atol=1e-10)
 MODES = [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]
-
-
-def reference(q, k, v, dout, *, causal, softcap=0.0, sinks=None, bounds=None, window=(-1, -1)):
-    """float64 ``[out, dq, dk, dv, dsinks]`` of full attention (b, s, h, d)."""
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    sk = None if sinks is None else sinks.detach().double().requires_grad_()
-    hq, n = q.shape[2], q.shape[1]
-    kk, vv = (t.repeat_interleave(hq // t.shape[2], dim=2) for t in (k, v))
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * q.shape[-1] ** -0.5
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    mask = torch.ones(n, n, dtype=torch.bool)
-    if causal:
-        mask = mask.tril()
-    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    if window[0] >= 0:
-        mask &= j >= i - window[0]
-    if window[1] >= 0:
-        mask &= j <= i + window[1]
-    if bounds is not None:
-        doc = torch.zeros(n, dtype=torch.long)
-        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
-            doc[a:b] = i
-        mask &= doc[:, None] == doc[None, :]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if sk is not None:  # one more logit per head, value zero
-        column = sk.view(1, hq, 1, 1).expand(*scores.shape[:3], 1)
-        scores = torch.cat([scores, column], dim=-1)
-        vv = torch.cat([vv, torch.zeros_like(vv[:, :1])], dim=1)
-    probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row that sees nothing: zeros
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, vv)
-    inputs = (q, k, v) if sk is None else (q, k, v, sk)
-    grads = torch.autograd.grad(out, inputs, dout.double())
-    return [out.detach(), *grads, None] if sk is None else [out.detach(), *grads]
-
-
-def _sinks(hq: int) -> torch.Tensor:
-    return torch.linspace(-1.0, 2.0, hq, dtype=torch.float64)
-
-
-def _run(
-    rank,
-    u,
-    r,
-    layout,
-    *,
-    causal,
-    softcap,
-    with_sinks,
-    hq,
-    hkv,
-    backend,
-    bounds=None,
-    window=(-1, -1),
-):
-    topo = topology(u, r, layout)
-    s = 32 if bounds is None else bounds[-1]
-    q, k, v, dout = make_qkv(seed=11, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=8)
-    cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
-    kw = dict(layout=layout, cu_seqlens=cu)
-    ql, kl, vl = (ucp.shard_sequence(t, topo, **kw).detach().requires_grad_() for t in (q, k, v))
-    sinks = _sinks(hq).requires_grad_() if with_sinks else None
-    out = ucp.attention(
-        ql,
-        kl,
-        vl,
-        topo,
-        causal=causal,
-        backend=backend,
-        softcap=softcap,
-        sinks=sinks,
-        window=window,
-        **kw,
-    )
-    out.backward(ucp.shard_sequence(dout, topo, **kw))
-    got = [ucp.gather_sequence(t, topo, **kw).detach() for t in (out, ql.grad, kl.grad, vl.grad)]
-    return [*got, None if sinks is None else sinks.grad]
-
-
-def _check(results, *, causal, softcap, with_sinks, hq, hkv, bounds=None, window=(-1, -1)):
-    s = 32 if bounds is None else bounds[-1]
-    q, k, v, dout = make_qkv(seed=11, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=8)
-    ref = reference(
-        q, k, v, dout, causal=causal, softcap=softcap,
-        sinks=_sinks(hq) if with_sinks else None, bounds=bounds, window=window,
-    )  # fmt: skip
-    for got in results:
-        for name, g, x in zip(("out", "dq", "dk", "dv"), got[:4], ref[:4]):
-            torch.testing.assert_close(g, x, **TOL64, msg=lambda m, n=name: f"{n}: {m}")
-    if with_sinks:  # each rank's share: summed over the SP ranks, the full gradient
-        torch.testing.assert_close(sum(got[4] for got in results), ref[4], **TOL64)
+CASE = dict(seed=11, hq=4, hkv=2)
 
 
 @pytest.mark.parametrize("u,r", MODES)
@@ -115,30 +27,29 @@ def _check(results, *, causal, softcap, with_sinks, hq, hkv, bounds=None, window
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("softcap,with_sinks", [(5.0, False), (0.0, True), (2.0, True)])
 def test_softcap_and_sinks_match_float64(pools, u, r, layout, causal, softcap, with_sinks):
-    kw = dict(causal=causal, softcap=softcap, with_sinks=with_sinks, hq=4, hkv=2)
-    results = pools(u * r).run(_run, u, r, layout, backend="math", **kw)
-    _check(results, **kw)
+    attend_and_check(
+        pools, u, r, layout, **CASE, backend="math", causal=causal, softcap=softcap,
+        sinks=with_sinks,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("u,r", [(4, 1), (1, 4), (2, 2)])
 def test_packed_rows_with_softcap_and_sinks(pools, u, r):
     bounds = [0, 8, 32, 40, 64]  # every document a multiple of 2P = 8
-    kw = dict(causal=True, softcap=3.0, with_sinks=True, hq=8, hkv=2)
-    results = pools(u * r).run(_run, u, r, "zigzag", backend="math", bounds=bounds, **kw)
-    _check(results, bounds=bounds, **kw)
+    attend_and_check(
+        pools, u, r, seed=11, hq=8, hkv=2, bounds=bounds, backend="math", softcap=3.0, sinks=True
+    )
 
 
 @pytest.mark.parametrize("u,r", [(1, 1), (2, 2)])
 def test_torch_backend_takes_the_exact_path(pools, u, r):
-    kw = dict(causal=True, softcap=4.0, with_sinks=True, hq=4, hkv=4)
-    results = pools(u * r).run(_run, u, r, "zigzag", backend="torch", **kw)
-    _check(results, **kw)
+    attend_and_check(pools, u, r, seed=11, hq=4, hkv=4, backend="torch", softcap=4.0, sinks=True)
 
 
 def test_sinks_and_softcap_are_off_by_default():
     q, k, v, _ = make_qkv(seed=3, b=1, s=16, hq=2, hkv=2, d=8)
     plain = ucp.local_attention(q, k, v, backend="math")
-    off = ucp.local_attention(q, k, v, backend="math", softcap=0.0, sinks=None)
+    off = ucp.local_attention(q, k, v, AttentionSpec(softcap=0.0), backend="math", sinks=None)
     assert torch.equal(plain, off)
     # a very negative sink changes nothing measurable; a large one empties the rows
     low = ucp.local_attention(q, k, v, backend="math", sinks=torch.full((2,), -80.0).double())
@@ -206,13 +117,12 @@ def test_flash_attn_takes_softcap_and_sinks(release, packed):
         q, k, v, dout = make_qkv(seed=5, b=1, s=64, hq=4, hkv=2, d=16)
         bounds = [0, 16, 40, 64] if packed else None
         cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
-        sinks = _sinks(4)
+        sinks = sinks_for(4)
         ref = reference(q, k, v, dout, causal=True, softcap=3.0, sinks=sinks, bounds=bounds)
         leaves = [t.to(torch.float16).requires_grad_() for t in (q, k, v)]
         sk = sinks.float().requires_grad_()
-        out = ucp.local_attention(
-            *leaves, backend="flash_attn", cu_seqlens=cu, softcap=3.0, sinks=sk
-        )
+        spec = AttentionSpec(softcap=3.0)
+        out = ucp.local_attention(*leaves, spec, backend="flash_attn", cu_seqlens=cu, sinks=sk)
         out.backward(dout.to(torch.float16))
         for name, got, want in zip(
             ("out", "dq", "dk", "dv", "dsinks"),
@@ -233,16 +143,12 @@ WINDOWS = [(3, -1), (9, -1), (5, 2), (0, 0), (-1, 4)]
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
 def test_sliding_window_matches_float64(pools, u, r, layout, causal, window):
-    kw = dict(causal=causal, softcap=0.0, with_sinks=False, hq=4, hkv=2, window=window)
-    results = pools(u * r).run(_run, u, r, layout, backend="math", **kw)
-    _check(results, **kw)
+    attend_and_check(pools, u, r, layout, **CASE, backend="math", causal=causal, window=window)
 
 
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)])
 def test_window_with_softcap_and_sinks(pools, u, r):
-    kw = dict(causal=True, softcap=2.5, with_sinks=True, hq=4, hkv=2, window=(6, -1))
-    results = pools(u * r).run(_run, u, r, "zigzag", backend="torch", **kw)
-    _check(results, **kw)
+    attend_and_check(pools, u, r, **CASE, backend="torch", softcap=2.5, sinks=True, window=(6, -1))
 
 
 @pytest.mark.parametrize("u,r", [(1, 1), (4, 1), (1, 2), (1, 4), (2, 2)])
@@ -253,9 +159,10 @@ def test_window_in_packed_rows_is_per_document(pools, u, r, layout, window, caus
     """Documents of 8, 24, 8 and 24 tokens (each a multiple of 2P = 8): each cut in its own
     chunks, so the window's offset in tokens differs per document group."""
     bounds = [0, 8, 32, 40, 64]
-    kw = dict(causal=causal, softcap=0.0, with_sinks=True, hq=8, hkv=2, window=window)
-    results = pools(u * r).run(_run, u, r, layout, backend=backend, bounds=bounds, **kw)
-    _check(results, bounds=bounds, **kw)
+    attend_and_check(
+        pools, u, r, layout, seed=11, hq=8, hkv=2, bounds=bounds, backend=backend, causal=causal,
+        sinks=True, window=window,
+    )  # fmt: skip
 
 
 def test_flash_window_translation_sees_the_same_keys():
@@ -293,19 +200,16 @@ def test_flash_window_translation_sees_the_same_keys():
 def test_flash_attn_takes_windows(release, offset):
     """Blocks as the ring calls them (a q chunk ``offset`` tokens after the kv chunk):
     flash-attn's window where it can express the band, the math path where not."""
-    from ulysses_cp.kernels import attn_backward, attn_forward
-
     with flash_standin(release):
         q, k, v, dout = make_qkv(seed=9, b=1, s=16, hq=4, hkv=2, d=16, dtype=torch.float16)
-        kw = dict(causal=True, softmax_scale=None, window=(10, -1), offset=offset)
-        got_out, got_lse = attn_forward(q, k, v, backend="flash_attn", **kw)
-        want_out, want_lse = attn_forward(*(t.double() for t in (q, k, v)), backend="math", **kw)
+        spec = AttentionSpec(causal=True, window=(10, -1))
+        flash, math = (KernelCall(spec, b, offset=offset) for b in ("flash_attn", "math"))
+        got_out, got_lse = attn_forward(q, k, v, flash)
+        want_out, want_lse = attn_forward(*(t.double() for t in (q, k, v)), math)
         assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse))  # the same empty rows
         assert float((got_out.double() - want_out).abs().max()) < 2e-3
-        grads = attn_backward(dout, q, k, v, got_out, got_lse, backend="flash_attn", **kw)
-        want = attn_backward(
-            *(t.double() for t in (dout, q, k, v, want_out)), want_lse, backend="math", **kw
-        )
+        grads = attn_backward(dout, q, k, v, got_out, got_lse, flash)
+        want = attn_backward(*(t.double() for t in (dout, q, k, v, want_out)), want_lse, math)
         for g, w in zip(grads, want):
             assert float((g.double() - w).abs().max()) < 5e-3 * max(1.0, float(w.abs().max()))
 
@@ -351,7 +255,7 @@ def test_the_ring_skips_blocks_outside_every_window(pools, layout):
 
 
 def _ring_split(rank, P, layout, split, window, causal):
-    from ulysses_cp.modes.ring import ring_attention
+    from ulysses_cp.modes.ring import Ring, ring_attention
 
     group = None if P == 1 else topology(1, P, layout).ring_group
     topo = topology(1, P, layout) if P > 1 else None
@@ -360,10 +264,8 @@ def _ring_split(rank, P, layout, split, window, causal):
         q, k, v, dout = (ucp.shard_sequence(t, topo) for t in (q, k, v, dout))
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     ucp.work_stats.reset()
-    out = ring_attention(
-        q, k, v, group=group, causal=causal, softmax_scale=None, backend="math",
-        layout=layout, window=window, split=split,
-    )  # fmt: skip
+    call = KernelCall(AttentionSpec(causal=causal, window=window), "math")
+    out = ring_attention(q, k, v, ring=Ring(group, layout, split=split), call=call)
     out.backward(dout)
     got = [out.detach(), q.grad, k.grad, v.grad]
     if topo is not None:
@@ -406,13 +308,13 @@ def test_window_split_picks_pieces_near_the_window():
 def test_windowed_blocks_take_the_fused_kernel_where_they_can(pools, u, r, layout, window):
     """torch backend: blocks a window leaves whole (or aligned-causal) run torch's fused
     kernel, the rest the math path; float64 either way."""
-    kw = dict(causal=window[1] < 0, softcap=0.0, with_sinks=False, hq=4, hkv=2, window=window)
-    results = pools(u * r).run(_run, u, r, layout, backend="torch", **kw)
-    _check(results, **kw)
+    attend_and_check(
+        pools, u, r, layout, **CASE, backend="torch", causal=window[1] < 0, window=window
+    )
 
 
 def test_plain_blocks():
-    from ulysses_cp.kernels.dispatch import plain_block
+    from ulysses_cp.kernels.blocks import plain_block
 
     assert plain_block((None, None), 4, 4) is False
     assert plain_block((-10, 10), 4, 4) is False  # the band covers the block
@@ -427,23 +329,18 @@ def test_flash_attn_takes_windows_in_packed_rows(chunk_offset):
     """Packed halves as the ring calls them: one window for every document (offset 0: the
     varlen call) or a per-group band (documents of other lengths sit other token offsets
     apart: one call per group, flash-attn where it can express the band)."""
-    from ulysses_cp.kernels import attn_backward, attn_forward
-
     with flash_standin("2.8.3"):
         q, k, v, dout = make_qkv(seed=8, b=1, s=24, hq=4, hkv=2, d=16, dtype=torch.float16)
         cu = torch.tensor([0, 4, 16, 20, 24], dtype=torch.int32)  # groups of 4 and 12
-        kw = dict(
-            causal=True, softmax_scale=None, window=(6, -1), cu_q=cu, cu_k=cu,
-            chunk_offset=chunk_offset,
-        )  # fmt: skip
-        out, lse = attn_forward(q, k, v, backend="flash_attn", **kw)
-        w_out, w_lse = attn_forward(*(t.double() for t in (q, k, v)), backend="math", **kw)
+        spec = AttentionSpec(causal=True, window=(6, -1))
+        where = dict(cu_q=cu, cu_k=cu, chunk_offset=chunk_offset)
+        flash, math = (KernelCall(spec, b, **where) for b in ("flash_attn", "math"))
+        out, lse = attn_forward(q, k, v, flash)
+        w_out, w_lse = attn_forward(*(t.double() for t in (q, k, v)), math)
         assert torch.equal(torch.isinf(lse), torch.isinf(w_lse))
         assert float((out.double() - w_out).abs().max()) < 2e-3
-        grads = attn_backward(dout, q, k, v, out, lse, backend="flash_attn", **kw)
-        want = attn_backward(
-            *(t.double() for t in (dout, q, k, v, w_out)), w_lse, backend="math", **kw
-        )
+        grads = attn_backward(dout, q, k, v, out, lse, flash)
+        want = attn_backward(*(t.double() for t in (dout, q, k, v, w_out)), w_lse, math)
         for g, w in zip(grads, want):
             assert float((g.double() - w).abs().max()) < 5e-3 * max(1.0, float(w.abs().max()))
 
@@ -451,13 +348,12 @@ def test_flash_attn_takes_windows_in_packed_rows(chunk_offset):
 def test_work_counts_only_the_document_groups_computed():
     """Packed halves two chunks apart, window 8: the documents of 4 tokens (chunks 8 apart)
     are within reach, those of 12 (24 apart) are not and are skipped, not counted."""
-    from ulysses_cp.kernels import attn_forward
-
     q, k, v, _ = make_qkv(seed=3, b=1, s=24, hq=2, hkv=2, d=8)
     cu = torch.tensor([0, 4, 16, 20], dtype=torch.int32)  # documents of 4, 12 and 4 tokens
-    kw = dict(causal=True, softmax_scale=None, window=(8, -1), cu_q=cu, cu_k=cu)
+    spec = AttentionSpec(causal=True, window=(8, -1))
+    call = KernelCall(spec, "math", cu_q=cu, cu_k=cu, chunk_offset=2)
     ucp.work_stats.reset()
-    out, lse = attn_forward(q[:, :20], k[:, :20], v[:, :20], backend="math", chunk_offset=2, **kw)
+    out, lse = attn_forward(q[:, :20], k[:, :20], v[:, :20], call)
     snap = ucp.work_stats.snapshot()
     assert snap["scores/forward"] == 2 * 2 * 4 * 4  # hq x two 4-token documents x 4 x 4
     assert snap["skipped/forward"] == 1  # the 12-token document

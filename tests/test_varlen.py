@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import make_qkv, reference, topology
+from tests.helpers import TOL64, make_qkv, reference, sharded_run, topology
 from ulysses_cp.core.varlen import doc_layout_indices, ulysses_permutation
+from ulysses_cp.kernels.dispatch import KernelCall
+from ulysses_cp.kernels.spec import AttentionSpec
 
-TOL64 = dict(rtol=1e-10, atol=1e-10)
 MODES = [(4, 1), (1, 4), (2, 2)]  # u4, r4, hybrid u2r2
 
 # real document lengths; every row is padded per document to the layout's multiple (8)
@@ -24,11 +25,6 @@ DOC_SETS = {
 }
 
 
-def packed_reference(q, k, v, dout, bounds, causal):
-    """float64 attention with an explicit block-diagonal (and causal) mask: (out, grads)."""
-    return reference(q, k, v, dout, causal, bounds=bounds)
-
-
 def padded_bounds(lengths, multiple):
     cu = [0]
     for n in lengths:
@@ -37,12 +33,9 @@ def padded_bounds(lengths, multiple):
 
 
 def packed_run(q, k, v, dout, topo, cu, *, causal, layout, backend):
-    """Shard document-wise, run ucp.attention + backward, gather out and grads."""
-    kw = dict(layout=layout, cu_seqlens=cu)
-    ql, kl, vl = (ucp.shard_sequence(t, topo, **kw).detach().requires_grad_() for t in (q, k, v))
-    out = ucp.attention(ql, kl, vl, topo, causal=causal, backend=backend, **kw)
-    out.backward(ucp.shard_sequence(dout, topo, **kw))
-    return [ucp.gather_sequence(t, topo, **kw).detach() for t in (out, ql.grad, kl.grad, vl.grad)]
+    """Out and gradients of a packed row through the one runner (document-wise shards)."""
+    kw = dict(causal=causal, layout=layout, backend=backend)
+    return sharded_run(q, k, v, dout, topo, cu_seqlens=cu, **kw)[:4]
 
 
 def _check(rank, u, r, lengths, causal, layout, hq, hkv, backend):
@@ -55,7 +48,7 @@ def _check(rank, u, r, lengths, causal, layout, hq, hkv, backend):
     pad[real] = False
     dout[:, pad] = 0  # as in training: padding has no target, so no gradient flows into it
     got = packed_run(q, k, v, dout, topo, cu, causal=causal, layout=layout, backend=backend)
-    ref = packed_reference(q, k, v, dout, bounds, causal)
+    ref = reference(q, k, v, dout, causal, bounds=bounds)
     errs = []
     for name, g, x in zip(("out", "dq", "dk", "dv"), got, ref):
         torch.testing.assert_close(g, x, **TOL64, msg=lambda m, n=name: f"{n}: {m}")
@@ -65,8 +58,8 @@ def _check(rank, u, r, lengths, causal, layout, hq, hkv, backend):
         # attention over the unpadded documents
         unpadded = [0, *torch.tensor(lengths).cumsum(0).tolist()]
         sub = [t[:, real] for t in (q, k, v, dout)]
-        ref_real = packed_reference(*sub, unpadded, causal)
-        for g, x in zip(got, ref_real):
+        ref_real = reference(*sub, causal, bounds=unpadded)
+        for g, x in zip(got, ref_real[:4]):
             torch.testing.assert_close(g[:, real], x, **TOL64)
     return errs
 
@@ -95,7 +88,7 @@ def _one_doc_equals_unpacked(rank, u, r):
     cu = torch.tensor([0, 64], dtype=torch.int32)
     packed = packed_run(q, k, v, dout, topo, cu, causal=True, layout="zigzag", backend="torch")
     ref = reference(q, k, v, dout, True)
-    for a, b in zip(packed, ref):
+    for a, b in zip(packed, ref[:4]):
         torch.testing.assert_close(a, b, **TOL64)
     # and the document-wise layout of one document is the unpacked layout
     assert torch.equal(ucp.shard_sequence(q, topo, cu_seqlens=cu), ucp.shard_sequence(q, topo))
@@ -197,40 +190,37 @@ def test_local_packed_kernel_gives_empty_rows_outside_documents():
     q, k, v, _ = make_qkv(seed=3, b=1, s=12, hq=2, hkv=1, d=4)
     cu_q = torch.tensor([0, 4, 8], dtype=torch.int32)  # rows 8..11 belong to no document
     cu_k = torch.tensor([0, 6, 12], dtype=torch.int32)
+    spec = AttentionSpec(causal=False)
     for backend in ("math", "torch"):
-        out, lse = ucp.attn_forward(
-            q, k, v, causal=False, softmax_scale=None, backend=backend, cu_q=cu_q, cu_k=cu_k
-        )
+        out, lse = ucp.attn_forward(q, k, v, KernelCall(spec, backend, cu_q=cu_q, cu_k=cu_k))
         assert torch.equal(out[:, 8:], torch.zeros_like(out[:, 8:]))
         assert torch.isneginf(lse[:, :, 8:]).all()
-        ref, ref_lse = ucp.attn_forward(
-            q[:, 4:8], k[:, 6:], v[:, 6:], causal=False, softmax_scale=None, backend="math"
-        )
+        ref, ref_lse = ucp.attn_forward(q[:, 4:8], k[:, 6:], v[:, 6:], KernelCall(spec, "math"))
         torch.testing.assert_close(out[:, 4:8], ref, **TOL64)
         torch.testing.assert_close(lse[:, :, 4:8], ref_lse, **TOL64)
 
 
 def _derived_counts(rank, u, r, n_layers):
     """Cache misses and hits of one packed batch's forward+backward through a decoder."""
+    from ulysses_cp.config import ModelConfig
     from ulysses_cp.core import derived
-    from ulysses_cp.models.decoder import Decoder, ModelConfig
-    from ulysses_cp.training.data import shard_batch
+    from ulysses_cp.models.decoder import Decoder
 
     topo = topology(u, r, backend="math")
     docs = [torch.arange(2, 2 + n) for n in (13, 30, 5)]
     packed = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(u * r, "zigzag"))
-    local = shard_batch(packed, topo)
+    local = ucp.shard_batch(packed, topo)
     torch.manual_seed(0)
     mc = ModelConfig(dim=16, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=32)
     model = Decoder(mc, ucp.Attention(topo))
     derived.cache.clear()
-    logits = model(local["input_ids"], local["position_ids"], local["cu_seqlens"])
+    logits = model(local["input_ids"], local["position_ids"], local["batch"])
     ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo).backward()
     counts = (derived.cache.misses, derived.cache.hits)
-    # a new batch (another cu tensor, even with equal values) and an in-place change miss
-    cu = local["cu_seqlens"].clone()
+    # a new batch (its own plan, even of equal values) plans again
+    again = ucp.shard_batch(packed, topo)
     before = derived.cache.misses
-    model(local["input_ids"], local["position_ids"], cu)
+    model(again["input_ids"], again["position_ids"], again["batch"])
     assert derived.cache.misses > before
     return counts
 

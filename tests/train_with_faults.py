@@ -7,8 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]  # the repository, for tests.faults
 
 import train  # noqa: E402
 from tests.faults import FaultHooks  # noqa: E402

@@ -1,11 +1,12 @@
 """ulysses_cp: sequence-parallel attention (Ulysses all-to-all, ring, hybrid) for
-long-context training. Public API: see README.md and docs/api.md."""
+long-context training. The public API (README.md, docs/api.md), re-exported here from the
+one module each name lives in."""
 
-from .core import comm
+from .config import RunConfig, SequenceParallelConfig
+from .core.batch import BatchPlan, shard_batch
 from .core.comm import stats as comm_stats
-from .core.options import RunOptions
+from .core.options import BACKENDS, LAYOUTS, RunOptions
 from .core.sharding import (
-    LAYOUTS,
     gather_sequence,
     layout_indices,
     layout_of,
@@ -21,15 +22,15 @@ from .integrations.torch_native import (
     context_parallel_unshard,
     set_rotate_method,
 )
-from .kernels.dispatch import BACKENDS, Kernel, attn_backward, attn_forward, local_attention
-from .kernels.dispatch import work as work_stats
+from .kernels.backends import Kernel
+from .kernels.blocks import work as work_stats
+from .kernels.dispatch import KernelCall, attn_backward, attn_forward, local_attention
+from .kernels.spec import AttentionSpec, Scores
 from .models.loss import local_loss_term, replicated_loss_term, sequence_parallel_cross_entropy
-from .modes.attention import Attention, attention, forward_comm_bytes
+from .modes.attention import Attention, attention
 from .modes.ulysses import kv_replication
-from .moved import MOVED, install
-from .training import engine
+from .plan.comm import forward_comm_bytes
 from .training.engine import (
-    SequenceParallelConfig,
     init_distributed,
     initialize,
     run_options,
@@ -38,41 +39,26 @@ from .training.engine import (
 
 __version__ = "0.1.0"
 
-
-def _keep_old_paths() -> None:
-    """``ulysses_cp.ring`` and the other pre-folder module paths: modules already imported
-    are registered under their old names now (as attributes too, as before, except
-    ``attention``, which is the function); the rest on first import (:mod:`.moved`)."""
-    import sys
-
-    install(__name__)
-    for old, new in MOVED.items():
-        module = sys.modules.get(f"{__name__}.{new}")
-        if module is not None:
-            sys.modules.setdefault(f"{__name__}.{old}", module)
-            if old not in globals():
-                globals()[old] = module
-
-
-_keep_old_paths()
-
 __all__ = [
     "BACKENDS",
     "LAYOUTS",
     "Attention",
+    "AttentionSpec",
+    "BatchPlan",
     "Kernel",
+    "KernelCall",
+    "RunConfig",
     "RunOptions",
+    "Scores",
     "SequenceParallelConfig",
     "Topology",
     "attention",
     "attn_backward",
     "attn_forward",
-    "comm",
     "comm_stats",
     "context_parallel",
     "context_parallel_unshard",
     "cu_seqlens_from_position_ids",
-    "engine",
     "forward_comm_bytes",
     "gather_sequence",
     "init_distributed",
@@ -92,6 +78,7 @@ __all__ = [
     "sequence_multiple",
     "sequence_parallel_cross_entropy",
     "set_rotate_method",
+    "shard_batch",
     "shard_sequence",
     "topology_from_config",
     "validate_degrees",

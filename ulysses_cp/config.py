@@ -1,28 +1,30 @@
-"""Every block of a run's config, declared in one place and parsed once.
+"""A run's config: the file read and checked once, every block of ours as a dataclass.
 
 A config file is a DeepSpeed JSON plus our blocks: ``"sequence_parallel"``, ``"model"``
 (the reference decoder, or a Hugging Face model when it has ``hf_config``), ``"data"``,
-``"eval"`` and ``"training"``. :func:`from_block` turns a block into its dataclass: unknown keys are
-refused with the valid ones, and every value's type is checked against the field's
-annotation (``int``, ``float``, ``bool``, ``str``, ``Literal`` choices, lists, ``X | None``)
-with a message naming the key. Each block's ``check()`` adds the rules between fields.
-:meth:`RunConfig.load` reads the file once and parses every block; the DeepSpeed part is
-handed on unchanged (``ucp.engine.deepspeed_part``).
+``"eval"`` and ``"training"``. :meth:`RunConfig.load` reads the file (:func:`read_config`:
+JSON syntax errors with the line, unknown top-level keys, relative paths resolved against
+the file's folder) and parses every block (``ulysses_cp.schema.from_block``: unknown keys
+and values of the wrong type refused naming the key; each block's ``check()`` adds the
+rules between fields). Everything after takes the parsed :class:`RunConfig`; the DeepSpeed
+part is handed on unchanged (``ulysses_cp.training.engine.deepspeed_part``). A leaf of the
+import graph but for ``core.options`` and ``schema``: the head and vocabulary counts of a
+Hugging Face config are asked from ``ulysses_cp.models.hf`` by the code that needs them.
 """
 
 from __future__ import annotations
 
-import types
-import typing
-from dataclasses import dataclass, field, fields
+import copy
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeVar, get_args, get_origin
+from typing import Literal
 
-from .core.options import KVExchange
-from .core.sharding import Layout
-from .kernels.dispatch import Backend
+from .core.options import Backend, KVExchange, Layout
+from .schema import at_least, check_top_level_keys, from_block, resolve_paths
 
 __all__ = [
+    "OUR_BLOCKS",
     "DataConfig",
     "EvalConfig",
     "HFDtype",
@@ -34,88 +36,43 @@ __all__ = [
     "Task",
     "TrainingConfig",
     "check_memory_options",
-    "from_block",
     "model_config",
+    "read_config",
 ]
 
-T = TypeVar("T")
+OUR_BLOCKS = ("sequence_parallel", "model", "data", "eval", "training")
 
 Task = Literal["kv_recall", "text", "dataset"]
 HFDtype = Literal["float32", "bfloat16", "float64"]
 OnNonfinite = Literal["skip", "stop"]
 
 
-def _describe(hint) -> str:
-    origin = get_origin(hint)
-    if hint is bool:
-        return "true or false"
-    if hint is int:
-        return "an integer"
-    if hint is float:
-        return "a number"
-    if hint is str:
-        return "a string"
-    if hint is dict:
-        return "an object"
-    if hint is type(None):
-        return "null"
-    if origin is Literal:
-        return f"one of {list(get_args(hint))}"
-    if origin is list:
-        return f"a list of {_describe(get_args(hint)[0]).removeprefix('a ').removeprefix('an ')}s"
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in get_args(hint))
-    return str(hint)
+# ---------------------------------------------------------------- the file
 
 
-def _fits(value, hint) -> bool:
-    origin = get_origin(hint)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint is dict:
-        return isinstance(value, dict)
-    if hint is type(None):
-        return value is None
-    if origin is Literal:
-        return value in get_args(hint)
-    if origin is list:
-        return isinstance(value, list) and all(_fits(v, get_args(hint)[0]) for v in value)
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, a) for a in get_args(hint))
-    return True  # an annotation this checker does not know: the block's check() decides
-
-
-def from_block(cls: type[T], block: dict | None, name: str) -> T:
-    """``cls(**block)``: ``ValueError`` naming unknown keys (and the valid ones), or a value
-    whose type does not fit its field's annotation (naming the key, the type, the value)."""
-    if block is not None and not isinstance(block, dict):
-        raise ValueError(f'the "{name}" block must be a JSON object, got {block!r}')
-    block = dict(block or {})
-    known = sorted(f.name for f in fields(cls))  # type: ignore[arg-type]
-    unknown = sorted(set(block) - set(known))
-    if unknown:
-        raise ValueError(f'unknown keys in the "{name}" block: {unknown}; valid keys: {known}')
-    hints = typing.get_type_hints(cls)
-    for key, value in block.items():
-        if not _fits(value, hints[key]):
-            raise ValueError(f"{name}.{key} must be {_describe(hints[key])}, got {value!r}")
-    value = cls(**block)
-    check = getattr(value, "check", None)
-    if check is not None:
-        check()
-    return value
-
-
-def _at_least(block: str, obj, names: tuple[str, ...], low: int) -> None:
-    for n in names:
-        if getattr(obj, n) < low:
-            raise ValueError(f"{block}.{n} must be >= {low}, got {getattr(obj, n)!r}")
+def read_config(config: str | Path | dict) -> dict:
+    """A DeepSpeed JSON config (path or dict), deep-copied and checked for unknown top-level
+    keys; a JSON syntax error names the file, line and column. From a file, relative paths
+    in our blocks resolve against the file's folder (:func:`resolve_paths`)."""
+    if isinstance(config, dict):
+        config = copy.deepcopy(config)
+        check_top_level_keys(config, OUR_BLOCKS, "the config")
+        return config
+    path = Path(config)
+    if not path.is_file():
+        raise ValueError(f"DeepSpeed config not found: {path}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{path}: a DeepSpeed config is a JSON object, got {type(config).__name__}"
+        )
+    check_top_level_keys(config, OUR_BLOCKS, str(path))
+    return resolve_paths(config, path.parent)
 
 
 # ---------------------------------------------------------------- sequence_parallel
@@ -173,7 +130,7 @@ def check_memory_options(block: ModelConfig | HFModelConfig) -> None:
 
 @dataclass
 class ModelConfig:
-    """The reference decoder (``ulysses_cp.model.Decoder``)."""
+    """The reference decoder (``ulysses_cp.models.decoder.Decoder``)."""
 
     vocab_size: int = 256
     dim: int = 128
@@ -185,7 +142,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     activation_checkpointing: bool = False
     offload_activations: bool = False  # checkpointed layer inputs wait on CPU (needs the above)
-    tiled_mlp: int = 0  # > 1: the MLP runs in this many sequence pieces (ulysses_cp.memory)
+    tiled_mlp: int = 0  # > 1: the MLP in this many sequence pieces (models/memory.py)
     tiled_loss: int = 0  # > 1: LM head + loss in this many pieces, no full logits
 
     @classmethod
@@ -194,7 +151,7 @@ class ModelConfig:
 
     def check(self) -> None:
         check_memory_options(self)
-        _at_least("model", self, ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads"), 1)
+        at_least("model", self, ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads"), 1)
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or self.head_dim % 2:
             raise ValueError(
                 f"model: dim ({self.dim}) must split into n_heads ({self.n_heads}) "
@@ -227,19 +184,6 @@ class HFModelConfig:
         if not self.hf_config:
             raise ValueError("model.hf_config must name a local config.json or hold fields")
         check_memory_options(self)
-
-    def vocab_size(self) -> int:
-        from .models.hf import load_config
-
-        return load_config(self.hf_config).vocab_size
-
-    def heads(self) -> tuple[int, int]:
-        """(query heads, kv heads) from the transformers config, for validation."""
-        from .models.hf import load_config
-
-        cfg = load_config(self.hf_config)
-        hq = cfg.num_attention_heads
-        return hq, getattr(cfg, "num_key_value_heads", None) or hq
 
 
 def model_config(block: dict | None) -> ModelConfig | HFModelConfig:
@@ -278,7 +222,7 @@ class DataConfig:
         return from_block(cls, cfg, "data")
 
     def check(self) -> None:
-        _at_least("data", self, ("seq_len",), 1)
+        at_least("data", self, ("seq_len",), 1)
         if self.task == "text" and not self.files:
             raise ValueError("data.task 'text' needs data.files: a list of .txt/.jsonl paths")
         if self.task == "dataset":
@@ -350,8 +294,8 @@ class EvalConfig:
         return self.interval > 0
 
     def check(self) -> None:
-        _at_least("eval", self, ("interval",), 0)
-        _at_least("eval", self, ("batches",), 1)
+        at_least("eval", self, ("interval",), 0)
+        at_least("eval", self, ("batches",), 1)
         if self.files and self.fraction:
             raise ValueError(
                 f"eval: give eval.files (held-out files) or eval.fraction (a share of "
@@ -412,10 +356,11 @@ class RunConfig:
     path: Path | None = None
 
     @classmethod
-    def load(cls, config: str | Path | dict) -> RunConfig:
-        from .training.engine import load_config
-
-        raw = load_config(config)
+    def load(cls, config: RunConfig | str | Path | dict) -> RunConfig:
+        """Read and parse a config file (path) or dict; a ``RunConfig`` is returned as is."""
+        if isinstance(config, RunConfig):
+            return config
+        raw = read_config(config)
         data = DataConfig.from_dict(raw.get("data"))
         ev = EvalConfig.from_dict(raw.get("eval"))
         if ev.enabled and data.task != "dataset":

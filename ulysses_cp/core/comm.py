@@ -7,6 +7,9 @@ The sequence <-> head all-to-all is DeepSpeed-Ulysses' (Jacobs et al., arXiv:230
 scatter heads, gather sequence. Its backward is the same all-to-all with the scatter and
 gather dims swapped, i.e. the other function of the pair.
 
+:class:`PendingAllToAll` is an all-to-all posted now and waited for later, :class:`RingComm`
+the point-to-point step of a ring (send to the next rank, receive from the previous one).
+
 Byte counters record what this rank *sends to other ranks* (its own chunk of an all-to-all
 stays local and is not counted), per op and per phase (``forward`` / ``backward``).
 """
@@ -27,6 +30,7 @@ __all__ = [
     "CollectiveError",
     "CommStats",
     "PendingAllToAll",
+    "RingComm",
     "collective",
     "comm_device",
     "describe_group",
@@ -251,6 +255,47 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.pending.post(ctx.unpack_inv(grad), "backward"), None, None, None
+
+
+class RingComm:
+    """Send to the next rank, receive from the previous one: ``send_recv`` posts,
+    ``wait`` returns what arrived. ``op`` names the byte counter. CUDA tensors on a group
+    whose send/recv cannot take them (gloo) travel through host copies
+    (:func:`host_staged`)."""
+
+    def __init__(self, group: Group, op: str, phase: str, tag: int = 0) -> None:
+        self.group, self.op, self.phase, self.tag = group, op, phase, tag
+        assert group is not None, "a ring needs its process group"
+        P, r = group_size(group), group_rank(group)
+        self.next = dist.get_global_rank(group, (r + 1) % P)
+        self.prev = dist.get_global_rank(group, (r - 1) % P)
+        self._reqs: list = []
+        self._recv: torch.Tensor | None = None
+        self._sent: torch.Tensor | None = None
+        self._device: torch.device | None = None  # where the result goes, when staged
+
+    def send_recv(self, x: torch.Tensor) -> None:
+        assert not self._reqs, "wait() before the next send_recv()"
+        stats.add(self.op, self.phase, x.numel() * x.element_size())
+        self._device = x.device if host_staged(self.group, x.device) else None
+        x = x.contiguous() if self._device is None else x.to("cpu")
+        self._recv = torch.empty_like(x)
+        ops = [
+            dist.P2POp(dist.isend, x, self.next, self.group, self.tag),
+            dist.P2POp(dist.irecv, self._recv, self.prev, self.group, self.tag),
+        ]
+        with collective(self.op, self.phase, self.group):
+            self._reqs = dist.batch_isend_irecv(ops)
+        self._sent = x  # keep the send buffer alive until wait()
+
+    def wait(self) -> torch.Tensor:
+        with collective(self.op, self.phase, self.group):
+            for req in self._reqs:
+                req.wait()
+        self._reqs, self._sent = [], None
+        out, self._recv = self._recv, None
+        assert out is not None, "wait() without send_recv()"
+        return out if self._device is None else out.to(self._device)
 
 
 def seq_to_head(x: torch.Tensor, group: Group) -> torch.Tensor:

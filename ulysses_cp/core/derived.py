@@ -1,13 +1,15 @@
 """Values derived from a batch's tensors, computed once per batch.
 
-A packed row's ``cu_seqlens`` is one tensor for a whole batch, but every layer's attention
-(and, in a ring, every step of it, forward and backward) needs what follows from it: the
-document bounds as a list (a device-to-host copy on GPU), their checks, the all-to-all
-permutation, each rank's document halves, the grouping of documents into kernel calls.
-:func:`once` keeps the last few results keyed by the tensors' identity and version, so
-they are computed at the first layer and reused by the rest: no recomputation, no host
-sync per layer. A tensor changed in place (its version moves) or a new batch's tensor is a
-miss; a freed tensor's entry can never match a new one (a weak reference is checked).
+A packed row's local ``cu_seqlens`` (the tensors of a batch's documents at the kernel
+level, ``varlen.Docs``) serve every layer's attention (and, in a ring, every step of it,
+forward and backward), which needs what follows from them: the grouping of documents into
+kernel calls, flash-attn's longest document (a device-to-host copy on GPU), the check
+summary of a ``cu_seqlens`` given alone. :func:`once` keeps the last few results keyed by
+the tensors' identity and version, so they are computed at the first layer and reused by
+the rest: no recomputation, no host sync per layer. A tensor changed in place (its version
+moves) or a new batch's tensor is a miss; a freed tensor's entry can never match a new one
+(a weak reference is checked). What ``shard_batch`` derives for a whole batch (bounds,
+permutation, documents, the input check) is kept in its ``core.batch.BatchPlan``.
 """
 
 from __future__ import annotations

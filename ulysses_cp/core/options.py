@@ -13,15 +13,20 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from .sharding import check_layout
-
 __all__ = [
     "BACKENDS",
     "KV_EXCHANGES",
+    "LAYOUTS",
     "Backend",
     "KVExchange",
+    "Layout",
     "RunOptions",
+    "check_layout",
 ]
+
+# How tokens are laid out across the sequence-parallel ranks (``ulysses_cp.core.sharding``).
+Layout = Literal["zigzag", "contiguous"]
+LAYOUTS: tuple[str, ...] = get_args(Layout)
 
 # How KV moves inside a ring group: point-to-point ring steps, or one all-gather (with a
 # reduce-scatter of dk/dv in the backward).
@@ -33,13 +38,18 @@ Backend = Literal["auto", "flash_attn", "torch", "math"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 
 
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """``layout``: how tokens are sharded (``"zigzag"`` or ``"contiguous"``);
     ``backend``: the local attention kernel (``ucp.BACKENDS``); ``check_inputs``: compare
     every SP rank's inputs before communicating; ``grad_scale``: multiplies the gradient of
     the SP loss (1, or the SP degree where ZeRO-3 averages gradients over SP ranks too:
-    ``ucp.engine.zero_grad_scale``); ``kv_exchange``: how KV moves inside a ring group
+    ``training.engine.zero_grad_scale``); ``kv_exchange``: how KV moves inside a ring group
     (``"ring"``: point-to-point steps overlapped with compute; ``"allgather"``: one
     all-gather, and a reduce-scatter of dk/dv in the backward); ``head_chunks``: the Ulysses
     all-to-alls go in this many chunks of heads, overlapped with the attention of the

@@ -12,22 +12,16 @@ Legend: s full sequence, P = sp_world_size, c = s / (2P) tokens per zigzag chunk
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, get_args
-
 import torch
 import torch.distributed as dist
 
-from .comm import collective, comm_device, group_rank, group_size
+from .comm import collective, comm_device, group_rank, group_size, stats
+from .options import check_layout
 from .protocols import Group
+from .topology import Topology
 from .varlen import Permute, check_cu_seqlens, doc_layout_indices, inverse_permutation
 
-if TYPE_CHECKING:  # a type only: topology imports this module's neighbours
-    from .topology import Topology
-
 __all__ = [
-    "LAYOUTS",
-    "Layout",
-    "check_layout",
     "check_same_on_every_rank",
     "check_sequence_length",
     "gather_sequence",
@@ -40,14 +34,6 @@ __all__ = [
     "sequence_multiple",
     "shard_sequence",
 ]
-
-Layout = Literal["zigzag", "contiguous"]
-LAYOUTS: tuple[str, ...] = get_args(Layout)
-
-
-def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
 
 
 def layout_of(topo: Topology | None, layout: str | None = None) -> str:
@@ -70,23 +56,34 @@ def layout_of(topo: Topology | None, layout: str | None = None) -> str:
     return layout
 
 
-def check_same_on_every_rank(x: torch.Tensor, topo: Topology, dim: int) -> None:
-    """Every SP rank must shard the SAME full tensor: a rank with other data (another seed,
-    another sample) silently gives a wrong result. One all-gather of two float64 checksums
-    (the sum, and the sum of the first half along ``dim``, which also sees a reordering);
-    ranks compare the same table, so all raise or none does."""
+def check_same_on_every_rank(
+    tensors: list[torch.Tensor], topo: Topology, dim: int, what: str = "shard_sequence"
+) -> None:
+    """Every SP rank must shard the SAME full tensors: a rank with other data (another
+    seed, another sample) silently gives a wrong result. One all-gather of two float64
+    checksums per tensor (the sum, and the sum of the first half along ``dim``, which also
+    sees a reordering); ranks compare the same table, so all raise or none does."""
     with torch.no_grad():
-        half = x.narrow(dim, 0, x.shape[dim] // 2)
-        sums = torch.stack([x.sum(dtype=torch.float64), half.sum(dtype=torch.float64)])
-    sums = sums.to(comm_device(topo.sp_group, x.device))
+        sums = torch.stack(
+            [
+                s
+                for x in tensors
+                for s in (
+                    x.sum(dtype=torch.float64),
+                    x.narrow(dim, 0, x.shape[dim] // 2).sum(dtype=torch.float64),
+                )
+            ]
+        )
+    sums = sums.to(comm_device(topo.sp_group, sums.device))
     parts = [torch.empty_like(sums) for _ in range(topo.sp_world_size)]
     with collective("all_gather", "input check", topo.sp_group):
         dist.all_gather(parts, sums, group=topo.sp_group)
+    stats.add("all_gather", "input check", sums.numel() * sums.element_size())
     rows = [[float(v).hex() for v in p.tolist()] for p in parts]  # NaN equals NaN here
     if any(row != rows[0] for row in rows):
         table = ", ".join(f"rank {r} {float.fromhex(row[0]):.6g}" for r, row in enumerate(rows))
         raise ValueError(
-            f"shard_sequence: the full tensor differs between sequence-parallel ranks "
+            f"{what}: the full tensor differs between sequence-parallel ranks "
             f"(checksums: {table}); every SP rank must hold the same full tensor (the same "
             f"data, or the same seed) and take its own tokens of it. "
             f"sequence_parallel.check_inputs: false (init_topology(check_inputs=False)) "
@@ -210,12 +207,12 @@ def shard_sequence(
     every rank), in the run's layout (``topo.layout``; see :func:`layout_of`).
 
     ``cu_seqlens``: ``x`` is a packed row; every document is split on its own
-    (document-wise layout, see :mod:`ulysses_cp.varlen`)."""
+    (document-wise layout, see :mod:`ulysses_cp.core.varlen`)."""
     layout = layout_of(topo, layout)
     P = topo.sp_world_size
     bounds = _packed(cu_seqlens, x.shape[dim], P, layout)
     if P > 1 and getattr(topo, "check_inputs", False) and topo.sp_group is not None:
-        check_same_on_every_rank(x, topo, dim)
+        check_same_on_every_rank([x], topo, dim)
     if bounds is not None:
         idx = doc_layout_indices(bounds, P, topo.sp_rank, layout).to(x.device)
         return x.index_select(dim, idx)

@@ -15,7 +15,7 @@ Example, 8 ranks, u=4, r=2: ulysses {0-3}, {4-7}; ring {0,4}, {1,5}, {2,6}, {3,7
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from typing import Any
 
@@ -135,7 +135,7 @@ class Topology:
 
     @property
     def grad_scale(self) -> float:
-        """Multiplies the SP loss gradient (see ``ulysses_cp.loss``)."""
+        """Multiplies the SP loss gradient (see ``ulysses_cp.models.loss``)."""
         return self.options.grad_scale
 
     @property
@@ -186,31 +186,25 @@ def init_topology(
     ulysses_degree: int = 1,
     ring_degree: int = 1,
     *,
-    layout: str = "zigzag",
-    backend: str = "auto",
-    check_inputs: bool = True,
-    grad_scale: float = 1.0,
-    kv_exchange: str = "ring",
-    head_chunks: int = 0,
     timeout_s: float | None = None,
+    **choices: Any,
 ) -> Topology:
     """Build the process groups (module docstring) on the default process group.
 
     Every rank must call this with the same degrees (group creation is collective).
     Without an initialised ``torch.distributed`` only ``1 x 1`` is allowed (a local topology).
-    ``layout``, ``backend``, ``check_inputs``, ``grad_scale``: the run's choices
-    (:class:`~ulysses_cp.options.RunOptions`), fixed here and read by every call that takes
-    the topology; a ``layout=`` given to such a call that disagrees is an error.
-    ``timeout_s``: collective timeout of the new groups (default: the default group's).
+    ``choices``: the run's choices, the keywords of
+    :class:`~ulysses_cp.core.options.RunOptions` (``layout="zigzag"``, ``backend="auto"``,
+    ``check_inputs=True``, ``grad_scale=1.0``, ``kv_exchange="ring"``, ``head_chunks=0``),
+    fixed here and read by every call that takes the topology; a ``layout=`` given to such
+    a call that disagrees is an error. ``timeout_s``: collective timeout of the new groups
+    (default: the default group's).
     """
-    options = RunOptions(
-        layout=layout,
-        backend=backend,
-        check_inputs=check_inputs,
-        grad_scale=grad_scale,
-        kv_exchange=kv_exchange,
-        head_chunks=head_chunks,
-    )
+    unknown = sorted(set(choices) - {f.name for f in fields(RunOptions)})
+    if unknown:
+        valid = [f.name for f in fields(RunOptions)]
+        raise ValueError(f"init_topology: unknown choices {unknown}; the choices are {valid}")
+    options = RunOptions(**choices)
     if not dist.is_available() or not dist.is_initialized():
         validate_degrees(1, ulysses_degree, ring_degree)
         return Topology(rank=0, world_size=1, ulysses_degree=1, ring_degree=1, options=options)

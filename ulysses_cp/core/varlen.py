@@ -21,6 +21,7 @@ all-to-all a fixed permutation (:func:`ulysses_permutation`) puts them in that o
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "doc_layout_indices",
     "inverse_permutation",
     "pack_documents",
+    "pack_row",
     "ulysses_permutation",
 ]
 
@@ -208,3 +210,28 @@ def pack_documents(
         "labels": torch.cat(unshifted)[None],
         "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
     }
+
+
+# one document of a row being packed: (tokens (n,), targets (n,)), targets already shifted
+Document = tuple[torch.Tensor, torch.Tensor]
+
+
+def pack_row(
+    seq_len: int,
+    multiple: int,
+    draw: Callable[[int], Document | None],
+    last: Callable[[int], Document],
+) -> dict[str, torch.Tensor]:
+    """One packed row of ``seq_len`` tokens: documents from ``draw(room)`` until it returns
+    None (nothing more fits), then ``last(room)`` fills the rest; each document padded at
+    its end to ``multiple`` (:func:`pack_documents`). Returns ``(seq_len,)`` tensors and
+    ``cu_seqlens``. The row builder of every packed task (built-in tasks, tokenized files)."""
+    tokens, labels, used = [], [], 0
+    while used < seq_len:
+        room = seq_len - used
+        doc = draw(room) or last(room)
+        tokens.append(doc[0])
+        labels.append(doc[1])
+        used += doc[0].numel() + (-doc[0].numel() % multiple)
+    row = pack_documents(tokens, labels=labels, multiple=multiple)
+    return {k: (v if k == "cu_seqlens" else v[0]) for k, v in row.items()}

@@ -1,6 +1,4 @@
-"""Local attention kernels behind one signature (``dispatch``) and their backends:
-``math_backend`` (pure PyTorch), ``torch_backend`` (torch's fused kernels) and
-``flash_backend`` (flash-attn 2.6-2.8). ``ulysses_cp.kernels`` re-exports ``dispatch``."""
-
-from .dispatch import *  # noqa: F403
-from .dispatch import __all__ as __all__
+"""Local attention kernels: the call's spec (``spec``), the backends behind one signature
+(``backends``: the choice; ``math_backend``, ``torch_backend``, ``flash_backend``), block
+planning and the work counter (``blocks``), sinks and the autograd function (``sinks``),
+and the one signature that returns ``(out, lse)`` (``dispatch``)."""

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ..core.derived import once
 from . import math_backend
+from .spec import Band, Scores
 
 __all__ = [
     "SUPPORTED",
@@ -242,7 +243,7 @@ def _pad8(x: torch.Tensor) -> torch.Tensor:
 _FULL = (-1, -1)  # flash-attn's "no window"
 
 
-def flash_window(band: tuple[int | None, int | None] | None, sq: int, sk: int):
+def flash_window(band: Band | None, sq: int, sk: int):
     """flash-attn's ``(window_left, window_right)`` for a band of visible diagonals
     (``lo <= j - i <= hi``; see ``math_backend.Band``), or None when flash-attn cannot
     express it. flash-attn aligns its window to the bottom-right corner: key j is visible
@@ -258,21 +259,15 @@ def flash_window(band: tuple[int | None, int | None] | None, sq: int, sk: int):
 
 
 def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    softcap: float = 0.0,
-    band: tuple[int | None, int | None] | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Scores
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    window = flash_window(band, q.shape[1], k.shape[1])
+    window = flash_window(how.band, q.shape[1], k.shape[1])
     if window is None:  # a band flash-attn cannot express: the exact math path
-        return math_backend.forward(q, k, v, causal, scale, softcap, band)
+        return math_backend.forward(q, k, v, how)
     fa = interface()
     b, s, h, d = q.shape
-    values = dict(q=_pad8(q), k=_pad8(k), v=_pad8(v), softmax_scale=scale, causal=causal)
-    res = _call(fa.forward, fa.version, values, window, softcap)
+    values = dict(q=_pad8(q), k=_pad8(k), v=_pad8(v), softmax_scale=how.scale, causal=how.causal)
+    res = _call(fa.forward, fa.version, values, window, how.softcap)
     lse = _lse_from(res, fa.version, fa.forward.name, (b, h, s))
     return res[0][..., :d], lse
 
@@ -284,14 +279,11 @@ def backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    causal: bool,
-    scale: float,
-    softcap: float = 0.0,
-    band: tuple[int | None, int | None] | None = None,
+    how: Scores,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    window = flash_window(band, q.shape[1], k.shape[1])
+    window = flash_window(how.band, q.shape[1], k.shape[1])
     if window is None:
-        return math_backend.backward(dout, q, k, v, out, lse, causal, scale, softcap, band)
+        return math_backend.backward(dout, q, k, v, out, lse, how)
     fa = interface()
     d = q.shape[-1]
     qp, kp, vp = _pad8(q), _pad8(k), _pad8(v)
@@ -306,20 +298,21 @@ def backward(
         dq=dq,
         dk=dk,
         dv=dv,
-        softmax_scale=scale,
-        causal=causal,
+        softmax_scale=how.scale,
+        causal=how.causal,
     )
-    _call(fa.backward, fa.version, values, window, softcap)  # writes into dq, dk, dv
+    _call(fa.backward, fa.version, values, window, how.softcap)  # writes into dq, dk, dv
     return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
 # ---------------------------------------------------------------- packed rows (varlen)
-# q (1, tq, hq, d) -> flash-attn's (tq, hq, d); lse (hq, tq) -> (1, hq, tq)
+# q (1, tq, hq, d) -> flash-attn's (tq, hq, d); lse (hq, tq) -> (1, hq, tq); cu = (cu_q, cu_k)
+Cu = tuple[torch.Tensor, torch.Tensor]
 
 
-def _cu_args(cu_q, cu_k, device: torch.device) -> dict:
+def _cu_args(cu: Cu, device: torch.device) -> dict:
     """Once per batch (``derived.once``): the longest documents are a host sync."""
-    return once((cu_q, cu_k), ("flash cu", str(device)), lambda: _cu_values(cu_q, cu_k, device))
+    return once(cu, ("flash cu", str(device)), lambda: _cu_values(*cu, device))
 
 
 def _cu_values(cu_q, cu_k, device: torch.device) -> dict:
@@ -333,29 +326,21 @@ def _cu_values(cu_q, cu_k, device: torch.device) -> dict:
 
 
 def varlen_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    causal: bool,
-    scale: float,
-    softcap: float = 0.0,
-    band: tuple[int | None, int | None] | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Cu, how: Scores
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    window = flash_window(band, 1, 1)  # documents are square: sk - sq = 0 in each
-    assert window is not None, f"band {band} needs the diagonal visible in packed rows"
+    window = flash_window(how.band, 1, 1)  # documents are square: sk - sq = 0 in each
+    assert window is not None, f"band {how.band} needs the diagonal visible in packed rows"
     fa = interface()
     tq, h, d = q.shape[1:]
     values = dict(
         q=_pad8(q[0]),
         k=_pad8(k[0]),
         v=_pad8(v[0]),
-        softmax_scale=scale,
-        causal=causal,
-        **_cu_args(cu_q, cu_k, q.device),
+        softmax_scale=how.scale,
+        causal=how.causal,
+        **_cu_args(cu, q.device),
     )
-    res = _call(fa.varlen_forward, fa.version, values, window, softcap)
+    res = _call(fa.varlen_forward, fa.version, values, window, how.softcap)
     lse = _lse_from(res, fa.version, fa.varlen_forward.name, (h, tq))
     return res[0][None, ..., :d], lse[None]
 
@@ -367,15 +352,11 @@ def varlen_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    causal: bool,
-    scale: float,
-    softcap: float = 0.0,
-    band: tuple[int | None, int | None] | None = None,
+    cu: Cu,
+    how: Scores,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    window = flash_window(band, 1, 1)
-    assert window is not None, f"band {band} needs the diagonal visible in packed rows"
+    window = flash_window(how.band, 1, 1)
+    assert window is not None, f"band {how.band} needs the diagonal visible in packed rows"
     fa = interface()
     d = q.shape[-1]
     qp, kp, vp = _pad8(q[0]), _pad8(k[0]), _pad8(v[0])
@@ -390,9 +371,9 @@ def varlen_backward(
         dq=dq,
         dk=dk,
         dv=dv,
-        softmax_scale=scale,
-        causal=causal,
-        **_cu_args(cu_q, cu_k, q.device),
+        softmax_scale=how.scale,
+        causal=how.causal,
+        **_cu_args(cu, q.device),
     )
-    _call(fa.varlen_backward, fa.version, values, window, softcap)
+    _call(fa.varlen_backward, fa.version, values, window, how.softcap)
     return dq[None, ..., :d], dk[None, ..., :d], dv[None, ..., :d]

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from .spec import Band, Scores
+
 __all__ = [
-    "Band",
     "backward",
     "band_mask",
     "expand_kv",
@@ -18,13 +19,6 @@ __all__ = [
     "lse_dtype",
     "reduce_kv",
 ]
-
-
-# Which keys each query sees, as a band of diagonals: key j is visible to query i when
-# lo <= j - i <= hi (None: unbounded). Causal aligned blocks are (None, 0); a sliding window
-# (left, right) over blocks whose first query is ``offset`` tokens after their first key is
-# (offset - left, offset + right), capped at offset when causal.
-Band = tuple[int | None, int | None]
 
 
 def band_mask(sq: int, sk: int, band: Band, device: torch.device) -> torch.Tensor:
@@ -54,21 +48,21 @@ def reduce_kv(grad: torch.Tensor, hkv: int) -> torch.Tensor:
     return grad.reshape(b, s, hkv, hq // hkv, d).sum(3)
 
 
-def _math_probs(q, k, lse, causal, scale, cdt, softcap=0.0, band=None):
+def _math_probs(q, k, lse, how: Scores, cdt):
     """Scores ``(b, hq, sq, sk)`` in the compute dtype and the probabilities given the row
-    lse (computed when None); with ``softcap`` also ``tanh(scores / softcap)`` (for the
+    lse (computed when None); with a softcap also ``tanh(scores / softcap)`` (for the
     backward), else None."""
-    s = torch.einsum("bqhd,bkhd->bhqk", q.to(cdt), expand_kv(k, q.shape[2]).to(cdt)) * scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q.to(cdt), expand_kv(k, q.shape[2]).to(cdt)) * how.scale
     t = None
-    if softcap:
-        t = torch.tanh(s / softcap)
-        s = softcap * t
-    if causal:
+    if how.softcap:
+        t = torch.tanh(s / how.softcap)
+        s = how.softcap * t
+    if how.causal:
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
-    if band is not None:
+    if how.band is not None:
         sq, sk = s.shape[-2:]
-        s = s.masked_fill(~band_mask(sq, sk, band, s.device), float("-inf"))
+        s = s.masked_fill(~band_mask(sq, sk, how.band, s.device), float("-inf"))
     if lse is None:
         lse = torch.logsumexp(s, dim=-1)  # (b, hq, sq)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # empty rows -> p = 0
@@ -76,19 +70,13 @@ def _math_probs(q, k, lse, causal, scale, cdt, softcap=0.0, band=None):
 
 
 def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    softcap: float = 0.0,
-    band: Band | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Scores
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``softcap > 0``: scores become ``softcap * tanh(scores / softcap)`` (flash-attn's
-    logit softcapping, Gemma 2) before the mask and the softmax. ``band``: only keys with
-    ``lo <= j - i <= hi`` are visible (sliding windows; see :data:`Band`)."""
+    """A softcap (> 0): scores become ``softcap * tanh(scores / softcap)`` (flash-attn's
+    logit softcapping, Gemma 2) before the mask and the softmax. A band: only keys with
+    ``lo <= j - i <= hi`` are visible (sliding windows; see ``spec.Band``)."""
     cdt = lse_dtype(q.dtype)
-    p, lse, _ = _math_probs(q, k, None, causal, scale, cdt, softcap, band)
+    p, lse, _ = _math_probs(q, k, None, how, cdt)
     out = torch.einsum("bhqk,bkhd->bqhd", p, expand_kv(v, q.shape[2]).to(cdt))
     return out.to(q.dtype), lse
 
@@ -100,19 +88,16 @@ def backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    causal: bool,
-    scale: float,
-    softcap: float = 0.0,
-    band: Band | None = None,
+    how: Scores,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cdt = lse_dtype(q.dtype)
     hq, hkv = q.shape[2], k.shape[2]
-    p, _, t = _math_probs(q, k, lse.to(cdt), causal, scale, cdt, softcap, band)  # (b,hq,sq,sk)
+    p, _, t = _math_probs(q, k, lse.to(cdt), how, cdt)  # (b, hq, sq, sk)
     do = dout.to(cdt)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, do)  # (b, sk, hq, d)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, expand_kv(v, hq).to(cdt))
     delta = (do * out.to(cdt)).sum(-1).transpose(1, 2)  # (b, hq, sq)
-    ds = p * (dp - delta.unsqueeze(-1)) * scale
+    ds = p * (dp - delta.unsqueeze(-1)) * how.scale
     if t is not None:  # d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
         ds = ds * (1 - t * t)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, expand_kv(k, hq).to(cdt))

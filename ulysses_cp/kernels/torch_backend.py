@@ -16,6 +16,7 @@ import torch
 
 from . import math_backend
 from .math_backend import expand_kv, lse_dtype, reduce_kv
+from .spec import Band, Scores
 
 __all__ = [
     "backward",
@@ -62,7 +63,8 @@ def _cuda_forward(q, k, v, causal, scale):
     return _bhsd(out)[..., :d], lse[..., :sq].float()
 
 
-def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
+def _cuda_backward(dout, q, k, v, out, lse, how: Scores):
+    causal, scale = how.causal, how.scale
     d, dev = q.shape[-1], q.device
     hq, hkv = q.shape[2], k.shape[2]
     lse = lse.float().contiguous()
@@ -87,27 +89,24 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
     return _bhsd(dq)[..., :d], dk, dv
 
 
-def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    softcap: float = 0.0,
-    band: math_backend.Band | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _math_path(how: Scores, q: torch.Tensor) -> bool:
+    """What the fused kernels cannot take: a softcap, a band on CUDA, float64 on CUDA."""
     cpu = q.device.type == "cpu"
-    if softcap or (band is not None and not cpu):  # no softcap (CUDA: no band) here: math
-        return math_backend.forward(q, k, v, causal, scale, softcap, band)
-    if q.dtype == torch.float64 and not cpu:
-        return math_backend.forward(q, k, v, causal, scale)  # no fused float64 kernel on CUDA
-    if not cpu:
-        return _cuda_forward(q, k, v, causal, scale)
+    return bool(how.softcap) or (not cpu and (how.band is not None or q.dtype == torch.float64))
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Scores
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _math_path(how, q):
+        return math_backend.forward(q, k, v, how)
+    if q.device.type != "cpu":
+        return _cuda_forward(q, k, v, how.causal, how.scale)
     # CPU flash kernel: (b, h, s, d), GQA native, lse (b, hq, sq) fp32 (fp64 for fp64); a
     # band goes in as an additive mask
-    mask, empty = _band_mask(band, q, k)
+    mask, empty = _band_mask(how.band, q, k)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, attn_mask=mask, scale=scale
+        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, how.causal, attn_mask=mask, scale=how.scale
     )
     if empty is not None:  # the kernel gives rows that see no key lse 0: make them empty
         lse = lse.masked_fill(empty, float("-inf"))
@@ -115,7 +114,7 @@ def forward(
 
 
 def _band_mask(
-    band: math_backend.Band | None, q: torch.Tensor, k: torch.Tensor
+    band: Band | None, q: torch.Tensor, k: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(additive mask (sq, sk) in q's dtype, rows that see no key (sq,))`` or Nones."""
     if band is None:
@@ -132,20 +131,14 @@ def backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    causal: bool,
-    scale: float,
-    softcap: float = 0.0,
-    band: math_backend.Band | None = None,
+    how: Scores,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = out.to(q.dtype)
-    cpu = q.device.type == "cpu"
-    if softcap or (band is not None and not cpu):
-        return math_backend.backward(dout, q, k, v, out, lse, causal, scale, softcap, band)
-    if q.dtype == torch.float64 and not cpu:
-        return math_backend.backward(dout, q, k, v, out, lse, causal, scale)
-    if not cpu:
-        return tuple(_cuda_backward(dout, q, k, v, out, lse, causal, scale))
-    mask, _ = _band_mask(band, q, k)
+    if _math_path(how, q):
+        return math_backend.backward(dout, q, k, v, out, lse, how)
+    if q.device.type != "cpu":
+        return tuple(_cuda_backward(dout, q, k, v, out, lse, how))
+    mask, _ = _band_mask(how.band, q, k)
     if mask is not None:  # rows with lse -inf see nothing anywhere: any finite lse gives p = 0
         lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -156,8 +149,8 @@ def backward(
         _bhsd(out),
         lse.to(lse_dtype(q.dtype)).contiguous(),
         0.0,
-        causal,
+        how.causal,
         attn_mask=mask,
-        scale=scale,
+        scale=how.scale,
     )
     return _bhsd(dq), _bhsd(dk), _bhsd(dv)

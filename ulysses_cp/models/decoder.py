@@ -1,9 +1,11 @@
 """A small Llama-style decoder (RMSNorm, RoPE, SwiGLU, GQA) with pluggable attention.
 
 The model holds no parallel code: attention is a callable ``attn(q, k, v) -> out`` on
-``(b, s, h, d)`` tensors (``ucp.attention`` bound to a topology, or a local kernel; packed
-rows add ``cu_seqlens=``), and RoPE is driven by the position ids it is given, which must
-be GLOBAL positions of the tokens this rank holds (``data.shard_batch`` makes them).
+``(b, s, h, d)`` tensors (``ucp.Attention(topo)``, or a local kernel), handed the batch's
+plan as ``batch=`` when the forward gets one (``ucp.shard_batch`` makes it: packed
+documents, and the checks made once per batch); RoPE is driven by the position ids it is
+given, which must be GLOBAL positions of the tokens this rank holds (``ucp.shard_batch``
+makes them).
 
 Legend: b batch, s tokens held (local under SP), D model dim, h/hkv heads, d head dim.
 """
@@ -17,15 +19,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig, check_memory_options
+from ..config import ModelConfig
+from ..core.batch import BatchPlan
 from .memory import TiledMLP, checkpointed
 
 __all__ = [
     "Block",
     "Decoder",
-    "ModelConfig",
     "SwiGLU",
-    "check_memory_options",
     "rope",
 ]
 
@@ -78,7 +79,7 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """``forward(input_ids (b, s), position_ids (b, s), cu_seqlens=None) -> logits
+    """``forward(input_ids (b, s), position_ids (b, s), batch=None) -> logits
     (b, s, vocab)``."""
 
     def __init__(self, cfg: ModelConfig, attn: Callable) -> None:
@@ -99,14 +100,15 @@ class Decoder(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
+        batch: BatchPlan | None = None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
-        """``cu_seqlens``: a packed row (b = 1); passed to ``attn`` as a keyword.
-        ``return_hidden``: the final normed hidden states ``(b, s, D)`` instead of logits
-        (for ``memory.tiled_cross_entropy`` with ``self.head``)."""
+        """``batch``: the batch's plan (``ucp.shard_batch``; a packed row's documents);
+        passed to ``attn`` as a keyword. ``return_hidden``: the final normed hidden states
+        ``(b, s, D)`` instead of logits (for ``memory.tiled_cross_entropy`` with
+        ``self.head``)."""
         x = self.embed(input_ids)  # (b, s, D)
-        attn = self.attn if cu_seqlens is None else partial(self.attn, cu_seqlens=cu_seqlens)
+        attn = self.attn if batch is None else partial(self.attn, batch=batch)
         for layer in self.layers:
             if self.cfg.activation_checkpointing and self.training:
                 run = partial(layer, position_ids=position_ids, attn=attn)

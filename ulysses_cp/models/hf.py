@@ -30,9 +30,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import HFDtype, HFModelConfig
+from ..core.batch import BatchPlan, shard_batch
 from ..core.sharding import layout_of
 from ..core.topology import Topology
-from ..training.data import shard_batch
 from .hf_attention import (
     KEY,
     calls,
@@ -46,13 +46,14 @@ from .hf_head import HeadTransform, LMHead, head_module
 from .hf_mixers import install_mixers
 from .memory import checkpointed, lm_loss, tile_mlps
 
+# shard_batch's home is ulysses_cp.core.batch, register_attention's models/hf_attention.py;
+# they are named here too because the API has Hugging Face users import them from here
 __all__ = [
     "DTYPES",
-    "KEY",
     "HFCausalLM",
-    "HFModelConfig",
     "build_model",
     "from_config",
+    "heads",
     "load_config",
     "register_attention",
     "shard_batch",
@@ -88,7 +89,7 @@ def _global_temperature(forward, module, *args, **kwargs):
 
 class HFCausalLM(nn.Module):
     """A transformers causal LM as ulysses_cp trains it: ``forward(input_ids,
-    position_ids, cu_seqlens=None, return_hidden=False)`` on this rank's shard, returning
+    position_ids, batch=None, return_hidden=False)`` on this rank's shard, returning
     the model's own logits, or the final hidden states for
     :func:`~ulysses_cp.models.memory.tiled_cross_entropy` with :attr:`head`. Global
     ``position_ids`` are required.
@@ -147,22 +148,22 @@ class HFCausalLM(nn.Module):
             self._transform = self.probed.head
         return self.probed
 
-    def extra_kwargs(self, position_ids, cu_seqlens) -> dict:
-        """What the attention calls need beyond transformers' arguments."""
+    def extra_kwargs(self, position_ids, batch: BatchPlan | None) -> dict:
+        """What the attention calls and mixers need beyond transformers' arguments."""
         kwargs: dict[str, Any] = {}
-        if cu_seqlens is not None:
-            kwargs["ucp_cu_seqlens"] = cu_seqlens
+        if batch is not None:
+            kwargs["ucp_batch"] = batch
         if self._positions:
             kwargs["ucp_positions"] = position_ids
         return kwargs
 
-    def run_base(self, input_ids, position_ids, cu_seqlens) -> torch.Tensor:
+    def run_base(self, input_ids, position_ids, batch: BatchPlan | None) -> torch.Tensor:
         """The decoder stack on these tokens: the final hidden states."""
         out = self.base(
             input_ids=input_ids,
             position_ids=position_ids,
             use_cache=False,
-            **self.extra_kwargs(position_ids, cu_seqlens),
+            **self.extra_kwargs(position_ids, batch),
         )
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         return hidden
@@ -182,7 +183,7 @@ class HFCausalLM(nn.Module):
             raise ValueError(
                 "position_ids look local (0..s_local-1) on some sequence-parallel rank: "
                 "RoPE needs the GLOBAL positions of each rank's tokens; build the shards "
-                "with ucp.models.hf.shard_batch"
+                "with ucp.shard_batch"
             )
 
     @property
@@ -197,21 +198,24 @@ class HFCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        batch: BatchPlan | None = None,
         return_hidden: bool = False,
     ):
+        """``batch``: the batch's plan (``ucp.shard_batch``), handed to every attention
+        call and mixer."""
         if position_ids is None:
             raise ValueError(
                 "position_ids are required under sequence parallelism: pass the GLOBAL "
-                "positions of this rank's tokens (ucp.models.hf.shard_batch makes them); "
-                "local 0..s_local-1 would give every rank but the first the wrong RoPE"
+                "positions of this rank's tokens (ucp.shard_batch makes them); local "
+                "0..s_local-1 would give every rank but the first the wrong RoPE"
             )
         if self._probe and self.probed is None:
             self.probe()
-        if not self._checked and cu_seqlens is None:
+        packed = batch is not None and batch.cu_seqlens is not None
+        if not self._checked and not packed:
             self._check_global_positions(position_ids)
         before = calls()
-        hidden = self.run_base(input_ids, position_ids, cu_seqlens)
+        hidden = self.run_base(input_ids, position_ids, batch)
         if not self._checked:
             if calls() == before and not self._mixers:
                 raise ValueError(
@@ -228,7 +232,7 @@ class HFCausalLM(nn.Module):
         labels: torch.Tensor,
         topo: Topology,
         *,
-        cu_seqlens: torch.Tensor | None = None,
+        batch: BatchPlan | None = None,
         tiled_loss: int = 0,
     ) -> torch.Tensor:
         """SP cross-entropy of shifted ``labels`` (tiled when ``tiled_loss > 1``)."""
@@ -239,7 +243,7 @@ class HFCausalLM(nn.Module):
             position_ids,
             labels,
             topo,
-            cu_seqlens=cu_seqlens,
+            batch=batch,
             tiled_loss=tiled_loss,
         )
 
@@ -299,33 +303,30 @@ def from_config(config: Any, *, dtype: torch.dtype = torch.float32, hf_weights=N
     return model
 
 
+def heads(config: Any) -> tuple[int, int]:
+    """(query heads, kv heads) of a transformers config (:func:`load_config`'s result)."""
+    hq = config.num_attention_heads
+    return hq, getattr(config, "num_key_value_heads", None) or hq
+
+
 def build_model(
-    topo: Topology,
-    *,
-    hf_config: str | dict,
-    hf_weights: str | None = None,
-    backend: str | None = None,
-    layout: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    tiled_mlp: int = 0,
-    activation_checkpointing: bool = False,
-    offload_activations: bool = False,
+    topo: Topology, mc: HFModelConfig, *, backend: str | None = None, layout: str | None = None
 ) -> HFCausalLM:
-    """Build (random init) or load (``hf_weights``: a local folder) a causal LM with
-    ulysses_cp attention and the chosen memory features, probed (:meth:`HFCausalLM.probe`:
-    collective over the SP group)."""
+    """Build (random init) or load (``mc.hf_weights``: a local folder) the causal LM of a
+    ``"model"`` block with ulysses_cp attention and the block's dtype and memory features,
+    probed (:meth:`HFCausalLM.probe`: collective over the SP group)."""
     _transformers()  # a clear error without transformers
     register_attention(topo, backend=backend, layout=layout)
-    config = load_config(hf_config)
-    model = from_config(config, dtype=dtype, hf_weights=hf_weights)
-    if tiled_mlp > 1:
-        tile_mlps(model, tiled_mlp)
+    config = load_config(mc.hf_config)
+    model = from_config(config, dtype=DTYPES[mc.dtype], hf_weights=mc.hf_weights)
+    if mc.tiled_mlp > 1:
+        tile_mlps(model, mc.tiled_mlp)
     wrapped = HFCausalLM(
         model,
         topo=topo,
         layout=layout,
-        activation_checkpointing=activation_checkpointing,
-        offload_activations=offload_activations,
+        activation_checkpointing=mc.activation_checkpointing,
+        offload_activations=mc.offload_activations,
     )
     wrapped.probe()  # before the engine: refused on every rank, or the head to train with
     return wrapped

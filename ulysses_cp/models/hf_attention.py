@@ -49,7 +49,7 @@ from ..modes.attention import attention
 __all__ = [
     "KEY",
     "LAYER_TYPES",
-    "attention_forward",
+    "Registered",
     "layer_type",
     "local_topology",
     "recording",
@@ -155,21 +155,46 @@ def _scale_queries(query: torch.Tensor, module, positions: torch.Tensor | None) 
     return (query * scale[:, None, :, None]).to(query.dtype)  # (b, h, s, d) * (b, 1, s, 1)
 
 
-def attention_forward(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    scaling=None,
-    dropout=0.0,
-    *,
-    topo: Topology,
-    backend,
-    layout,
-    **kwargs,
-):
-    """The attention function transformers calls (module docstring)."""
+class Registered:
+    """The function registered under :data:`KEY` for ``topo``: transformers calls it with
+    ``(module, query, key, value, attention_mask, scaling=, dropout=, **kwargs)``; the
+    batch's :class:`~ulysses_cp.core.batch.BatchPlan` comes as ``ucp_batch``."""
+
+    def __init__(self, topo: Topology, backend: str | None, layout: str) -> None:
+        self.topo, self.backend, self.layout = topo, backend, layout
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        _check_call(module, query, key, attention_mask, dropout)
+        _STATE["calls"] += 1
+        causal = kw.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+        kind, options = layer_type(module), _variants(kw, causal)
+        _check_layer(module, kind, options, causal)
+        whole = bool(_STATE["whole"])
+        topo = local_topology(self.topo) if whole else self.topo
+        positions = kw.get("ucp_positions")
+        if getattr(module, "_ucp_temperature", None) is not None and positions is not None:
+            query = _scale_queries(query, module, positions)  # transformers' own is off
+        elif temperature(module) is not None and topo.sp_world_size > 1:
+            _scale_queries(query, module, None)  # raises: the positions would be local
+        plan = None if whole else kw.get("ucp_batch")
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, h, s, d) -> (b, s, h, d)
+
+        def run(q, k, v, cu_seqlens=None, batch=None):
+            return attention(
+                q, k, v, topo, causal=causal, layout=self.layout, softmax_scale=scaling,
+                backend=self.backend, cu_seqlens=cu_seqlens, batch=batch, **options,
+            )  # fmt: skip
+
+        if kind == "chunked_attention":
+            chunk = int(module.config.attention_chunk_size)
+            out = _chunked(q, k, v, topo, self.layout, plan, chunk, run)
+        else:
+            out = run(q, k, v, batch=plan)
+        return out.contiguous(), None  # as transformers' own kernels return it
+
+
+def _check_call(module, query, key, attention_mask, dropout) -> None:
     if dropout:
         refuse(f"attention dropout {dropout}", "set config.attention_dropout = 0.0")
     if attention_mask is not None:
@@ -180,11 +205,10 @@ def attention_forward(
         )
     if query.dim() != 4 or query.shape[0] != key.shape[0]:
         raise ValueError(f"unexpected query shape {tuple(query.shape)} (want (b, h, s, d))")
-    _STATE["calls"] += 1
-    causal = kwargs.get("is_causal")
-    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
-    kind = layer_type(module)
-    options = _variants(kwargs, causal)
+
+
+def _check_layer(module, kind: str | None, options: dict, causal: bool) -> None:
+    """Record the call (for the probe); refuse a layer type this adapter cannot mask."""
     if _STATE["record"] is not None:
         _STATE["record"].append((module, dict(options, causal=causal, layer_type=kind)))
     if kind is not None and kind not in LAYER_TYPES:
@@ -197,29 +221,8 @@ def attention_forward(
             f"a sliding_attention layer ({type(module).__name__}) that passes no sliding_window",
             "this family masks its window outside the attention call; use full attention",
         )
-    positions = kwargs.get("ucp_positions")
-    if getattr(module, "_ucp_temperature", None) is not None and positions is not None:
-        query = _scale_queries(query, module, positions)  # transformers' own is switched off
-    elif temperature(module) is not None and topo.sp_world_size > 1 and not _STATE["whole"]:
-        _scale_queries(query, module, None)  # raises: the positions would be local
-    if _STATE["whole"]:
-        topo = local_topology(topo)
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, h, s, d) -> (b, s, h, d)
-
-    def run(q, k, v, cu_seqlens=None):
-        return attention(
-            q, k, v, topo, causal=causal, layout=layout, softmax_scale=scaling,
-            backend=backend, cu_seqlens=cu_seqlens, **options,
-        )  # fmt: skip
-
-    cu = kwargs.get("ucp_cu_seqlens")
-    if kind == "chunked_attention":
-        if not causal:
-            refuse("a bidirectional chunked_attention layer", "chunked layers are causal")
-        out = _chunked(q, k, v, topo, layout, cu, int(module.config.attention_chunk_size), run)
-    else:
-        out = run(q, k, v, cu_seqlens=cu)
-    return out.contiguous(), None  # as transformers' own kernels return it
+    if kind == "chunked_attention" and not causal:
+        refuse("a bidirectional chunked_attention layer", "chunked layers are causal")
 
 
 def _variants(kwargs: dict, causal: bool) -> dict:
@@ -245,11 +248,12 @@ def _variants(kwargs: dict, causal: bool) -> dict:
     return out
 
 
-def _chunked(q, k, v, topo: Topology, layout: str, cu, chunk: int, run) -> torch.Tensor:
+def _chunked(q, k, v, topo: Topology, layout: str, plan, chunk: int, run) -> torch.Tensor:
     """Causal attention inside chunks of ``chunk`` tokens of every document: the chunks are
     the documents of this call. A batch of b unpacked rows is one packed row of b
     documents (each rank's shards of the rows, concatenated, are its document-wise shard
     of that row), so batches and packed rows take the same path."""
+    cu = None if plan is None else plan.cu_seqlens
     P = topo.sp_world_size
     b, s = q.shape[:2]
     m = sequence_multiple(P, layout)
@@ -301,8 +305,9 @@ def register_attention(
     (``topo.options``: a ``layout=`` that disagrees raises; ``backend=`` overrides the run's
     backend). Returns the key."""
     transformers = transformers_module()
-    fn = partial(attention_forward, topo=topo, backend=backend, layout=layout_of(topo, layout))
-    transformers.AttentionInterface.register(KEY, fn)
+    transformers.AttentionInterface.register(
+        KEY, Registered(topo, backend, layout_of(topo, layout))
+    )
     _STATE["topo"] = topo
     return KEY
 

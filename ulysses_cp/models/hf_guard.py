@@ -53,30 +53,25 @@ import torch.nn as nn
 from ..core.sharding import gather_sequence, sequence_multiple, shard_sequence
 from ..core.topology import Topology
 from .hf_attention import recording, whole_sequence
-from .hf_head import HeadTransform, LMHead, candidates, head_module
-
-__all__ = ["PER_TOKEN", "ProbeResult", "decoder_layers", "probe", "split_test", "tolerance"]
-
-PER_TOKEN: tuple[type, ...] = (
-    nn.Linear,
-    nn.Embedding,
-    nn.LayerNorm,
-    nn.RMSNorm,
-    nn.Dropout,
-    nn.Identity,
+from .hf_checks import (
+    eager_logits,
+    failed,
+    head_transform,
+    masked_window,
+    own_positions,
+    same_as_eager,
+    temperature_findings,
 )
-# relative tolerances: rounding of one dtype, far below what a shard-border error gives
-# (float64 models still take routers, norms or kernels in float32: ~1e-7 here)
-_TOL = {torch.float64: 1e-5, torch.float32: 2e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
+from .hf_head import HeadTransform, head_module
+from .hf_split import PER_TOKEN, is_activation, seq_dim, split_test, tolerance, worst_token
+
+__all__ = ["ProbeResult", "decoder_layers", "probe"]
+
 _FIX = (
     "ulysses_cp runs attention (through transformers' attention interface) and the token "
     "mixers of docs/models.md across ranks; train this model with sequence parallelism 1 "
     "(ulysses_degree = ring_degree = 1), or use a family the table lists as exact"
 )
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    return _TOL.get(dtype, 0.25)
 
 
 @dataclass
@@ -101,106 +96,6 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     exact = [(n, m) for n, m in lists if len(m) == want]
     name, layers = min(exact or lists, key=lambda nm: (nm[0].count("."), -len(nm[1])))
     return name, layers
-
-
-def _activation(module: nn.Module) -> bool:
-    mod = type(module).__module__
-    if isinstance(module, nn.MultiheadAttention):
-        return False
-    return mod.startswith("torch.nn.modules.activation") or mod.startswith(
-        "transformers.activations"
-    )
-
-
-# ---------------------------------------------------------------- the split test
-
-
-def _seq_dim(t: Any, n: int) -> int | None:
-    """The sequence dimension of ``t``: the first of its leading three dimensions of
-    length ``n`` (``(b=1, n, ...)``, ``(n, ...)`` flattened tokens, ``(3, b, n, ...)``
-    M-RoPE positions); ``n`` equals no size of the model (:func:`_probe_length`)."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    for i, size in enumerate(t.shape[:3]):
-        if size == n:
-            return i
-    return None
-
-
-def _cut(value: Any, n: int, part: slice) -> Any:
-    """``value`` with every sequence-shaped tensor (inside tuples, lists, dicts) cut."""
-    dim = _seq_dim(value, n)
-    if dim is not None:
-        return value[(slice(None),) * dim + (part,)]
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cut(v, n, part) for v in value)
-    if isinstance(value, dict):
-        return {k: _cut(v, n, part) for k, v in value.items()}
-    return value
-
-
-def _first_seq(out: Any, n: int) -> tuple[torch.Tensor, int] | None:
-    if _seq_dim(out, n) is not None:
-        return out, int(_seq_dim(out, n))  # type: ignore[arg-type]
-    if isinstance(out, (tuple, list)):
-        for v in out:
-            found = _first_seq(v, n)
-            if found is not None:
-                return found
-    return None
-
-
-def _sees_tokens(value: Any, n: int) -> bool:
-    if _seq_dim(value, n) is not None:
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(_sees_tokens(v, n) for v in value)
-    if isinstance(value, dict):
-        return any(_sees_tokens(v, n) for v in value.values())
-    return False
-
-
-@torch.no_grad()
-def split_test(module: nn.Module, args: tuple, kwargs: dict, n: int) -> str | None:
-    """None if ``module`` is per-token on this call (the whole output equals the outputs
-    of the first ``k`` tokens and of the rest, run apart); else why not."""
-    if not _sees_tokens((args, kwargs), n):
-        return None  # sees no token: mixes none
-    k = max(1, (3 * n) // 8)
-    try:
-        whole = _first_seq(module(*args, **kwargs), n)
-        parts = [
-            _first_seq(module(*_cut(args, n, s), **_cut(kwargs, n, s)), s.stop - s.start)
-            for s in (slice(0, k), slice(k, n))
-        ]
-    except Exception as exc:  # it cannot run on part of the sequence: not per-token
-        return f"cannot run on part of the sequence ({type(exc).__name__}: {exc})"[:300]
-    if whole is None or parts[0] is None or parts[1] is None:
-        return "returns no tensor with the sequence dimension to check"
-    (w, dim), (a, _), (b, _) = whole, parts[0], parts[1]
-    try:
-        got = torch.cat([a, b], dim=dim)
-    except RuntimeError:
-        got = a.new_empty(0)  # parts whose shapes do not join along the sequence
-    if got.shape != w.shape:
-        return (
-            f"changes output shape when the sequence is cut: {tuple(got.shape)} vs {tuple(w.shape)}"
-        )
-    scale = w.abs().max().double().clamp_min(1e-30)
-    err = float((got - w).abs().max().double() / scale)
-    if err > tolerance(w.dtype):
-        where = _worst_token(got - w, dim)
-        return (
-            f"mixes tokens: run on tokens {k}..{n - 1} apart from tokens 0..{k - 1} its "
-            f"output differs by {err:.2g} (relative; first at token {where}), so on one "
-            f"rank's shard it would silently compute something else"
-        )
-    return None
-
-
-def _worst_token(diff: torch.Tensor, dim: int) -> int:
-    """The token (index along ``dim``) with the largest absolute entry of ``diff``."""
-    return int(diff.abs().movedim(dim, 0).reshape(diff.shape[dim], -1).amax(1).argmax())
 
 
 # ---------------------------------------------------------------- recording a run
@@ -292,7 +187,7 @@ def _guard(
             return
         if getattr(m, "ucp_sequence_parallel", False):
             return
-        if isinstance(m, PER_TOKEN) or _activation(m):
+        if isinstance(m, PER_TOKEN) or is_activation(m):
             return
         args, kwargs = calls.first[id(m)]
         tested += 1
@@ -303,21 +198,6 @@ def _guard(
 
     visit("", base)
     return findings, tested
-
-
-def _temperature_findings(model: nn.Module) -> list[str]:
-    """Position-dependent query scaling the short probe cannot see (Llama 4's starts at
-    ``floor_scale`` tokens): handled only where the package applies it itself."""
-    out = []
-    for name, m in model.named_modules():
-        tuned = getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", 1)
-        if tuned and getattr(m, "_ucp_temperature", None) is None:
-            out.append(
-                f"{name} ({type(m).__name__}) scales queries by position (attention "
-                f"temperature tuning) from its local arange; build the model through "
-                f"ucp.models.hf.HFCausalLM, which applies it from the global positions"
-            )
-    return out
 
 
 def _agree(findings: list[str], topo: Topology | None) -> list[str]:
@@ -374,7 +254,7 @@ def probe(wrapper: Any, topo: Topology | None, *, guard: bool | None = None) -> 
     model.eval()
     try:
         with torch.no_grad():
-            findings = _temperature_findings(model)
+            findings = temperature_findings(model)
             calls = _Calls(base)
             try:
                 with whole_sequence(), recording() as record, _layer_io(layers) as whole:
@@ -382,19 +262,19 @@ def probe(wrapper: Any, topo: Topology | None, *, guard: bool | None = None) -> 
                     logits = model(input_ids=ids, position_ids=pos, use_cache=False,
                                    **wrapper.extra_kwargs(pos, None)).logits  # fmt: skip
                     natural = model(input_ids=ids, use_cache=False).logits  # its own positions
-                    eager = _eager_logits(model, ids, pos)  # transformers' own attention
+                    eager = eager_logits(model, ids, pos)  # transformers' own attention
             except ValueError as exc:
                 if str(exc).startswith("ulysses_cp"):
                     raise  # a refusal of the attention adapter: the same on every rank
-                _refuse(model, [_failed(exc)], "its forward")
+                _refuse(model, [failed(exc)], "its forward")
             except Exception as exc:  # the family cannot run with this attention at all
-                _refuse(model, [_failed(exc)], "its forward")
+                _refuse(model, [failed(exc)], "its forward")
             finally:
                 calls.close()
             attention = {id(m) for m, _ in record}
-            findings += _masked_window(base, record)
-            findings += _own_positions(logits, natural) + _same_as_eager(logits, eager)
-            chosen = _head(model, head, hidden, logits, findings)
+            findings += masked_window(base, record)
+            findings += own_positions(logits, natural) + same_as_eager(logits, eager)
+            chosen = head_transform(model, head, hidden, logits, findings)
             if not guard:
                 _refuse(model, _agree(findings, topo), "the head")
                 return ProbeResult(chosen, n, len(attention), 0, [])
@@ -419,103 +299,6 @@ def probe(wrapper: Any, topo: Topology | None, *, guard: bool | None = None) -> 
     return ProbeResult(chosen, n, len(attention), tested, errors)
 
 
-def _failed(exc: Exception) -> str:
-    text = " ".join(str(exc).split())[:300]
-    return (
-        f"it fails to run with ulysses_cp attention on the whole sequence ({type(exc).__name__}: "
-        f"{text}): it expects an attention mask or an implementation of its own"
-    )
-
-
-def _masked_window(base: nn.Module, record: list) -> list[str]:
-    """A window the family applies through its mask (``create_sliding_window_causal_mask``
-    in its forward, no layer types) that the attention calls do not carry: a window wider
-    than the probe's sequence would not show in its logits."""
-    import inspect
-
-    config = getattr(base, "config", None)
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or getattr(config, "layer_types", None):
-        return []
-    try:
-        source = inspect.getsource(type(base).forward)
-    except (OSError, TypeError):
-        return []
-    bare = [m for m, options in record if "window" not in options]
-    if "create_sliding_window_causal_mask" not in source or not bare:
-        return []
-    return [
-        f"its forward masks a sliding window of {window} tokens, which {type(bare[0]).__name__} "
-        f"does not pass to the attention call: set config.sliding_window = None to train with "
-        f"full attention, or use a family that passes its window (Mistral, Phi-3, Gemma 2/3)"
-    ]
-
-
-def _eager_logits(model: Any, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
-    """The logits with transformers' eager attention and its own masks (None where the model
-    cannot switch its attention implementation)."""
-    key = model.config._attn_implementation
-    try:
-        model.set_attn_implementation("eager")
-        if model.config._attn_implementation != "eager":
-            return None
-        return model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    except Exception:
-        return None
-    finally:
-        model.set_attn_implementation(key)
-
-
-def _same_as_eager(logits: torch.Tensor, eager: torch.Tensor | None) -> list[str]:
-    """Our attention on the whole sequence must give transformers' eager logits: a mask the
-    family builds that the attention call does not carry (a window, chunks, a dynamic
-    pattern) shows here."""
-    if eager is None:
-        return []
-    err = float((logits.double() - eager.double()).abs().max())
-    scale = float(eager.double().abs().max().clamp_min(1e-30))
-    if err <= max(tolerance(logits.dtype), 1e-6) * scale:
-        return []
-    return [
-        f"with ulysses_cp attention its logits differ from its own eager attention by "
-        f"{err / scale:.2g} (relative) on the whole sequence: its layers attend with a mask "
-        f"the attention call does not carry"
-    ]
-
-
-def _own_positions(logits: torch.Tensor, natural: torch.Tensor) -> list[str]:
-    """The model run without ``position_ids`` must number its tokens 0..n-1, as the global
-    positions ulysses_cp passes do (RoBERTa-style models count from ``padding_idx + 1``)."""
-    err = float((logits.double() - natural.double()).abs().max())
-    if err <= tolerance(logits.dtype) * float(natural.double().abs().max().clamp_min(1e-30)):
-        return []
-    return [
-        "without position_ids its forward numbers the tokens otherwise than 0..n-1 (for "
-        "example from padding_idx + 1, RoBERTa-style), while ulysses_cp passes each token's "
-        "global position: its logits differ by "
-        f"{err:.2g}"
-    ]
-
-
-def _head(model, linear, hidden, logits, findings: list[str]) -> HeadTransform:
-    tol = tolerance(logits.dtype)
-    want = logits.double()
-    scale = want.abs().max().clamp_min(1e-30)
-    for cand in candidates(model):
-        try:
-            got = LMHead(linear, cand)(hidden).double()
-        except Exception:  # the head module does not map hidden states to logits alone
-            break
-        if got.shape == want.shape and float((got - want).abs().max() / scale) <= tol:
-            return cand
-    findings.append(
-        f"its logits are not lm_head(hidden states) up to a scale or softcap of its config "
-        f"(tried: {', '.join(c.source for c in candidates(model))}); the family "
-        f"post-processes its logits in a way ulysses_cp does not know"
-    )
-    return HeadTransform()
-
-
 def _compare_sharded(wrapper, topo: Topology, ids, pos, layers, whole) -> list[float]:
     """Run sharded; compare each layer's update with the whole run's (step 2)."""
     local_ids, local_pos = (shard_sequence(t, topo, dim=1) for t in (ids, pos))
@@ -526,7 +309,7 @@ def _compare_sharded(wrapper, topo: Topology, ids, pos, layers, whole) -> list[f
     tol = tolerance(whole[0][0].dtype) if whole and whole[0] else 1.0
     n = ids.shape[1]
     for i, (w, s) in enumerate(zip(whole, sharded)):
-        dim = _seq_dim(w[0], n) if len(w) == 2 and len(s) == 2 else None
+        dim = seq_dim(w[0], n) if len(w) == 2 and len(s) == 2 else None
         if dim is None or w[1].shape != w[0].shape:
             continue  # a layer that did not run, or hidden states of another shape
         s_in, s_out = (gather_sequence(t.contiguous(), topo, dim=dim) for t in s)
@@ -535,7 +318,7 @@ def _compare_sharded(wrapper, topo: Topology, ids, pos, layers, whole) -> list[f
         err = float((got - want).abs().max() / rms)
         errors.append(err)
         if err > tol and not findings:
-            token = _worst_token(got - want, dim)
+            token = worst_token(got - want, dim)
             findings.append(
                 f"layer {i} ({type(layers[i]).__name__}): its sharded output differs from the "
                 f"whole-sequence output by {err:.2g} (relative to its update; tolerance "

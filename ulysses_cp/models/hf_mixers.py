@@ -314,7 +314,8 @@ def _forward(adapter: Callable, module: Any, topo: Topology, hidden_states=None,
     assert hidden_states is not None, "the mixer's hidden states"
     if whole():  # the probe's whole-sequence reference
         topo = local_topology(topo)
-    ex = _exchange(topo, hidden_states.shape[1], kwargs.get("ucp_cu_seqlens"))
+    plan = None if whole() else kwargs.get("ucp_batch")
+    ex = _exchange(topo, hidden_states.shape[1], None if plan is None else plan.cu_seqlens)
     return adapter(module, ex, hidden_states)
 
 

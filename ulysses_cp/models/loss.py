@@ -1,6 +1,6 @@
 """Sequence-parallel cross-entropy: the full-sequence token mean on every SP rank.
 
-Labels are shifted on the FULL sequence before sharding (``data.shift_labels``), so the
+Labels are shifted on the FULL sequence before sharding (``ucp.shard_batch``), so the
 target of a shard's last token (the first token of the next shard) is not lost.
 
 Value: ``sum over all SP ranks of CE / number of non-ignored tokens of the whole sequence``
@@ -11,16 +11,12 @@ DeepSpeed's gradient reduction does) the shares give the single-process gradient
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..core.comm import collective, group_size
-
-if TYPE_CHECKING:  # a type only: topology imports this module's neighbours
-    from ..core.topology import Topology
+from ..core.topology import Topology
 
 __all__ = [
     "local_loss_term",

@@ -21,17 +21,15 @@ parameter gathers in step (the local length is the same on every rank).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..core.batch import BatchPlan
+from ..core.topology import Topology
 from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss_from_sums
-
-if TYPE_CHECKING:  # a type only: topology imports this module's neighbours
-    from ..core.topology import Topology
 
 __all__ = [
     "TiledMLP",
@@ -116,18 +114,17 @@ def lm_loss(
     labels: torch.Tensor,
     topo: Topology,
     *,
-    cu_seqlens: torch.Tensor | None = None,
+    batch: BatchPlan | None = None,
     tiled_loss: int = 0,
 ) -> torch.Tensor:
     """SP cross-entropy of a causal LM on this rank's shard. ``forward(input_ids,
-    position_ids, cu_seqlens, return_hidden=...)`` is the model (or its DeepSpeed engine);
-    with ``tiled_loss > 1`` it returns hidden states and ``head`` + loss run tiled."""
+    position_ids, batch, return_hidden=...)`` is the model (or its DeepSpeed engine);
+    ``batch``: the batch's plan (``ucp.shard_batch``); with ``tiled_loss > 1`` the model
+    returns hidden states and ``head`` + loss run tiled."""
     if tiled_loss > 1:
-        hidden = forward(input_ids, position_ids, cu_seqlens, return_hidden=True)
+        hidden = forward(input_ids, position_ids, batch, return_hidden=True)
         return tiled_cross_entropy(hidden, head, labels, topo, chunks=tiled_loss)
-    return sequence_parallel_cross_entropy(
-        forward(input_ids, position_ids, cu_seqlens), labels, topo
-    )
+    return sequence_parallel_cross_entropy(forward(input_ids, position_ids, batch), labels, topo)
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):

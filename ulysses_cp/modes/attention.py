@@ -1,99 +1,35 @@
-"""``ucp.attention``: validate once, then dispatch on the topology's mode."""
+"""``ucp.attention``: the call's spec and choices, the checks once, then dispatch by mode.
+
+The mode follows the topology: the Ulysses all-to-all (:mod:`.ulysses`) around the local
+kernel when ``ring_degree == 1``, around ring attention (:mod:`.ring`) over the ring group
+otherwise (ring mode is the all-to-all of degree 1 around the ring, hybrid both).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ..core.comm import collective, stats
+from ..core.batch import BatchPlan
 from ..core.derived import once
 from ..core.options import KV_EXCHANGES
-from ..core.sharding import LAYOUTS, check_layout, layout_of, sequence_multiple
+from ..core.sharding import layout_of
 from ..core.topology import Topology
-from ..core.varlen import Docs, check_cu_seqlens, inverse_permutation, ulysses_permutation
-from ..kernels.dispatch import BACKENDS, Kernel, local_attention, resolve_backend
-from .ring import ring_attention
-from .ulysses import kv_replication, resolve_head_chunks, ulysses_attention
+from ..core.varlen import Docs
+from ..kernels.backends import Kernel, resolve_backend
+from ..kernels.dispatch import KernelCall, attend_local
+from ..kernels.spec import AttentionSpec
+from .checks import Choices, check_across_ranks, check_sinks, signature, validate_qkv
+from .ring import Ring, ring_attention
+from .ulysses import resolve_head_chunks, ulysses_attention
 
 __all__ = [
     "Attention",
+    "attend",
     "attention",
-    "check_across_ranks",
-    "forward_comm_bytes",
-    "packed_plan",
-    "validate_packed",
-    "validate_qkv",
-    "validate_variants",
 ]
-
-
-def validate_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topology, layout: str
-) -> None:
-    """Local checks of shapes, dtypes and devices; raise ``ValueError`` with the numbers."""
-    check_layout(layout)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be (batch, seq, heads, head_dim), got shape {tuple(t.shape)}"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    (b, s, hq, d), (bk, sk, hkv, dk) = q.shape, k.shape
-    if (b, s, d) != (bk, sk, dk):
-        raise ValueError(
-            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in batch, seq and head_dim"
-        )
-    if hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
-    if layout == "zigzag" and topo.sp_world_size > 1 and s % 2 != 0:
-        raise ValueError(
-            f"the zigzag layout holds two equal chunks per rank, so the local "
-            f"sequence length must be even, got {s}; pad the full sequence to "
-            f"a multiple of {2 * topo.sp_world_size}"
-        )
-    kv_replication(hq, hkv, topo.ulysses_degree)
-
-
-def validate_variants(
-    q: torch.Tensor,
-    softcap: float,
-    sinks: torch.Tensor | None,
-    window: tuple[int, int] = (-1, -1),
-) -> None:
-    """``softcap`` a finite number >= 0; ``sinks`` one floating logit per query head on q's
-    device; ``window`` two integers >= -1.
-    ``ValueError`` with the values."""
-    ok = isinstance(window, (tuple, list)) and len(window) == 2
-    if not ok or not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
-        raise ValueError(
-            f"window must be (left, right), two integers (-1: unbounded); got {window!r}"
-        )
-    if min(window) < -1:
-        raise ValueError(f"window sizes must be >= 0 or -1 (unbounded), got {tuple(window)}")
-
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise ValueError(f"softcap must be a number (0 = off), got {softcap!r}")
-    if not (0.0 <= float(softcap) < float("inf")):
-        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {softcap}")
-    if sinks is None:
-        return
-    hq = q.shape[2]
-    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.numel() != hq:
-        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise ValueError(f"sinks must be a ({hq},) tensor, one logit per query head; got {shape}")
-    if not sinks.dtype.is_floating_point or sinks.device != q.device:
-        raise ValueError(
-            f"sinks must be floating point on q's device ({q.device}); got {sinks.dtype} "
-            f"on {sinks.device}"
-        )
 
 
 def attention(
@@ -112,6 +48,7 @@ def attention(
     window: tuple[int, int] = (-1, -1),
     kv_exchange: str | None = None,
     head_chunks: int | None = None,
+    batch: BatchPlan | None = None,
 ) -> torch.Tensor:
     """Sequence-parallel attention equal to full attention on the gathered sequence.
 
@@ -121,7 +58,9 @@ def attention(
 
     ``cu_seqlens``: a packed row (batch 1): int32 global document boundaries, the same on
     every rank; q/k/v sharded document-wise (``shard_sequence(..., cu_seqlens=cu)``).
-    Attention stays inside each document.
+    Attention stays inside each document. ``batch``: the :class:`BatchPlan` that
+    ``ucp.shard_batch`` made for this batch (what the models pass down): its documents
+    are planned and the call checked across the ranks once per batch, not per layer.
 
     ``backend``: the local kernel; None takes the run's (``topo.backend``).
 
@@ -136,85 +75,90 @@ def attention(
     or ``"allgather"``; None takes the run's (``topo.options.kv_exchange``).
     ``head_chunks``: the Ulysses all-to-alls in this many chunks of heads (0: automatic;
     :func:`~ulysses_cp.modes.ulysses.head_chunk_choices` lists the counts that work);
-    None takes the run's (``topo.options.head_chunks``)."""
+    None takes the run's (``topo.options.head_chunks``).
+
+    The keywords build one :class:`~ulysses_cp.kernels.spec.AttentionSpec` and one
+    :class:`~ulysses_cp.modes.checks.Choices`; :func:`attend` takes them from there."""
     layout = layout_of(topo, layout)  # the same verdict on every rank: before any collective
-    if backend is None:
-        backend = topo.backend
-    if kv_exchange is None:
-        kv_exchange = topo.options.kv_exchange
-    if head_chunks is None:
-        head_chunks = topo.options.head_chunks
+    choice = Choices.of(topo, layout, backend, kv_exchange, head_chunks)
+    window = tuple(window) if isinstance(window, list) else window
+    spec = AttentionSpec(causal, softmax_scale, softcap, window, sinks is not None)
+    if batch is None:
+        return attend(q, k, v, topo, spec, choice, cu_seqlens, sinks)
+    if cu_seqlens is not None and cu_seqlens is not batch.cu_seqlens:
+        raise ValueError("give cu_seqlens or batch (which holds the batch's cu_seqlens), not both")
+    return attend(q, k, v, topo, spec, choice, batch, sinks)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    topo: Topology,
+    spec: AttentionSpec,
+    choice: Choices,
+    batch: BatchPlan | torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`attention` from its spec and choices. ``batch``: the batch's plan, or a packed
+    row's ``cu_seqlens`` alone (planned here, checked on every call)."""
+    plan, cu = (batch, batch.cu_seqlens) if isinstance(batch, BatchPlan) else (None, batch)
     if topo.check_inputs and topo.sp_world_size > 1:
         # first, so that input that only some ranks would reject fails on every rank
-        check_across_ranks(
-            q,
-            k,
-            v,
-            topo,
-            causal=causal,
-            layout=layout,
-            backend=backend,
-            cu=cu_seqlens,
-            softcap=softcap,
-            sinks=sinks,
-            window=window,
-            kv_exchange=kv_exchange,
-            head_chunks=head_chunks,
-        )
-    validate_qkv(q, k, v, topo, layout)
-    if kv_exchange not in KV_EXCHANGES:
-        raise ValueError(f"kv_exchange {kv_exchange!r} is not one of {list(KV_EXCHANGES)}")
-    validate_variants(q, softcap, sinks, window)
-    u = topo.ulysses_degree
-    r = topo.ring_degree
-    chunks = 1 if u == 1 else resolve_head_chunks(head_chunks, q.shape[2], k.shape[2], u, r > 1)
-    backend = resolve_backend(backend, q)
-    opts: dict[str, Any] = dict(causal=causal, softmax_scale=softmax_scale, backend=backend)
-    if softcap:
-        opts.update(softcap=float(softcap))
-    if tuple(window) != (-1, -1):
-        opts.update(window=tuple(int(w) for w in window))
+        slots = signature((q, k, v), spec, choice, cu, sinks)
+        if plan is None or not plan.checked(tuple(value for _, value in slots)):
+            check_across_ranks(slots, topo, q.device if isinstance(q, torch.Tensor) else "cpu")
+    validate_qkv(q, k, v, topo, choice.layout)
+    if choice.kv_exchange not in KV_EXCHANGES:
+        raise ValueError(f"kv_exchange {choice.kv_exchange!r} is not one of {list(KV_EXCHANGES)}")
+    spec.check()
+    check_sinks(q, sinks)
+    u, r = topo.ulysses_degree, topo.ring_degree
+    chunks = (
+        1 if u == 1 else resolve_head_chunks(choice.head_chunks, q.shape[2], k.shape[2], u, r > 1)
+    )
+    call = KernelCall(spec, resolve_backend(choice.backend, q))
     perm, docs = None, None
-    if cu_seqlens is not None:  # once per batch, not per layer (derived.once)
-        key = ("packed", *q.shape[:2], u, r, topo.ring_rank, layout, str(q.device))
-        perm, docs = once((cu_seqlens,), key, partial(packed_plan, q, cu_seqlens, topo, layout))
+    if cu is not None:  # once per batch, not per layer
+        plan = plan or _plan_of(cu, q, topo, choice.layout)
+        plan.check_call(q, topo, choice.layout)
+        perm, docs = plan.documents(q.device)
     if sinks is not None and u > 1:  # the all-to-all gives this rank a contiguous head range
         sinks = sinks.unflatten(0, (u, -1))[topo.ulysses_rank]
-    if r == 1 and docs is None and "window" in opts:
-        # block-sparse: the whole sequence in window-sized pieces, pairs out of reach skipped
-        inner = partial(ring_attention, group=None, layout="contiguous", **opts)
-    elif r == 1:
-        if docs is not None:
-            opts.update(cu_seqlens=docs.cu)
-        inner = partial(local_attention, **opts)
-    else:
-        inner = partial(
-            ring_attention,
-            group=topo.ring_group,
-            layout=layout,
-            docs=docs,
-            exchange=kv_exchange,
-            **opts,
-        )
+    inner = _inner(topo, call, choice, docs)
+    order = perm if perm is not None else choice.layout
     # ulysses: a2a around the local kernel; ring: no a2a (degree 1); hybrid: a2a around ring
     return ulysses_attention(
-        q,
-        k,
-        v,
-        group=topo.ulysses_group,
-        layout=layout,
-        inner=inner,
-        perm=perm,
-        sinks=sinks,
-        head_chunks=chunks,
+        q, k, v, group=topo.ulysses_group, inner=inner, order=order, sinks=sinks, head_chunks=chunks
     )
 
 
+def _plan_of(cu: torch.Tensor, q: torch.Tensor, topo: Topology, layout: str) -> BatchPlan:
+    """The plan of a packed row given as ``cu_seqlens`` alone, once per ``cu`` tensor."""
+    P = topo.sp_world_size
+    shape = (q.shape[0], q.shape[1] * P)
+    key = ("plan", *shape, topo.ulysses_degree, topo.ring_degree, topo.sp_rank, layout)
+    return once((cu,), key, partial(BatchPlan.of, topo, layout, shape, cu, "cu_seqlens"))
+
+
+def _inner(topo: Topology, call: KernelCall, choice: Choices, docs: Docs | None) -> Callable:
+    """What runs inside the all-to-all: the local kernel, or ring attention."""
+    if topo.ring_degree == 1 and docs is None and call.spec.windowed:
+        # block-sparse: the whole sequence in window-sized pieces, pairs out of reach skipped
+        return partial(ring_attention, ring=Ring(None, "contiguous"), call=call)
+    if topo.ring_degree == 1:
+        local = call if docs is None else call.at(cu_q=docs.cu, cu_k=docs.cu)
+        return partial(attend_local, call=local)
+    ring = Ring(topo.ring_group, choice.layout, docs, choice.kv_exchange)
+    return partial(ring_attention, ring=ring, call=call)
+
+
 class Attention:
-    """:func:`attention` over one topology as a callable, ``attn(q, k, v, cu_seqlens=None)``:
+    """:func:`attention` over one topology as a callable, ``attn(q, k, v, batch=None)``:
     what the models take (``Decoder(cfg, Attention(topo))``), instead of a hand-written
-    closure. The run's layout and backend come from ``topo.options``; ``backend=`` here
-    overrides the backend for this callable only."""
+    closure; ``batch``: the batch's plan from ``ucp.shard_batch``. The run's layout and
+    backend come from ``topo.options``; ``backend=`` here overrides the backend for this
+    callable only."""
 
     def __init__(
         self,
@@ -224,225 +168,15 @@ class Attention:
         softmax_scale: float | None = None,
         backend: str | Kernel | None = None,
     ) -> None:
-        self.topo, self.causal, self.softmax_scale = topo, causal, softmax_scale
-        self.backend = backend
+        self.topo, self.backend = topo, backend
+        self.spec = AttentionSpec(causal=causal, scale=softmax_scale)
 
     def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchPlan | None = None
     ) -> torch.Tensor:
-        return attention(
-            q,
-            k,
-            v,
-            self.topo,
-            causal=self.causal,
-            softmax_scale=self.softmax_scale,
-            backend=self.backend,
-            cu_seqlens=cu_seqlens,
-        )
+        choice = Choices.of(self.topo, self.topo.layout, self.backend)
+        return attend(q, k, v, self.topo, self.spec, choice, batch)
 
     def __repr__(self) -> str:
-        return f"Attention({self.topo.mode}, causal={self.causal}, options={self.topo.options})"
-
-
-_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
-
-
-def _code(value, options) -> int:
-    return options.index(value) if value in options else -1
-
-
-def _shape(t) -> list[int]:
-    dims = list(t.shape) if isinstance(t, torch.Tensor) else []
-    return [len(dims), *(dims + [-1] * 4)[:4]]
-
-
-def _cu_summary(cu) -> list[int]:
-    if cu is None:
-        return [-1, 0]
-    if not isinstance(cu, torch.Tensor) or cu.dtype.is_floating_point:
-        return [-2, 0]
-    return once((cu,), "summary", partial(_cu_hash, cu))
-
-
-def _window_code(window) -> list[int]:
-    w = list(window) if isinstance(window, (tuple, list)) else []
-    return [int(x) if isinstance(x, int) else -2 for x in [*w, -2, -2][:2]]
-
-
-def _cu_hash(cu: torch.Tensor) -> list[int]:
-    h = 0
-    for i, b in enumerate(cu.flatten().tolist()):
-        h = (h * 1_000_003 + int(b) * (i + 1)) % (2**61 - 1)
-    return [cu.numel(), h]
-
-
-def _signature(
-    q,
-    k,
-    v,
-    *,
-    causal,
-    layout,
-    backend,
-    cu,
-    softcap=0.0,
-    sinks=None,
-    window=(-1, -1),
-    kv_exchange="ring",
-    head_chunks=0,
-) -> list[int]:
-    dtypes = [_code(t.dtype, _DTYPES) for t in (q, k, v)]
-    devices = [_code(t.device.type, ["cpu", "cuda"]) for t in (q, k, v)]
-    return [
-        *_shape(q),
-        *_shape(k),
-        *_shape(v),
-        *dtypes,
-        *devices,
-        int(bool(causal)),
-        _code(layout, list(LAYOUTS)),
-        _code(backend, list(BACKENDS)),
-        *_cu_summary(cu),
-        round(float(softcap) * 1e6) if isinstance(softcap, (int, float)) else -1,
-        sinks.numel() if isinstance(sinks, torch.Tensor) else -1,
-        *_window_code(window),
-        _code(kv_exchange, list(KV_EXCHANGES)),
-        head_chunks if isinstance(head_chunks, int) else -2,
-    ]
-
-
-_FIELDS = [
-    *(f"{n} {f}" for n in "qkv" for f in ("dims", "batch", "local seq", "heads", "head dim")),
-    *(f"{n} dtype" for n in "qkv"),
-    *(f"{n} device" for n in "qkv"),
-    "causal",
-    "layout",
-    "backend",
-    "cu_seqlens entries",
-    "cu_seqlens hash",
-    "softcap (x 1e6)",
-    "sinks entries",
-    "window left",
-    "window right",
-    "kv exchange",
-    "head chunks",
-]
-
-
-def check_across_ranks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    topo: Topology,
-    *,
-    causal: bool,
-    layout: str,
-    backend: str | Kernel,
-    cu: torch.Tensor | None,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    window: tuple[int, int] = (-1, -1),
-    kv_exchange: str = "ring",
-    head_chunks: int = 0,
-) -> None:
-    """One all-gather of a few integers over the SP group, before any other check: every
-    rank must call attention with the same shapes, dtypes, devices, options and documents,
-    or the all-to-all would hang or mix data (and a check that only some ranks fail would
-    leave the others waiting). Raises the same ``ValueError`` on every rank, naming what
-    differs; identical inputs then meet the same local checks everywhere."""
-    sig = torch.tensor(
-        _signature(
-            q,
-            k,
-            v,
-            causal=causal,
-            layout=layout,
-            backend=backend,
-            cu=cu,
-            softcap=softcap,
-            sinks=sinks,
-            window=window,
-            kv_exchange=kv_exchange,
-            head_chunks=head_chunks,
-        ),
-        dtype=torch.int64,
-        device=q.device if isinstance(q, torch.Tensor) else "cpu",
-    )
-    parts = [torch.empty_like(sig) for _ in range(topo.sp_world_size)]
-    with collective("all_gather", "input check", topo.sp_group):
-        dist.all_gather(parts, sig, group=topo.sp_group)
-    stats.add("all_gather", "input check", sig.numel() * sig.element_size())
-    rows = [p.tolist() for p in parts]
-    if all(row == rows[0] for row in rows):
-        return
-    diff = [i for i, name in enumerate(_FIELDS) if len({row[i] for row in rows}) > 1]
-    detail = "; ".join(
-        f"{_FIELDS[i]}: " + ", ".join(f"rank {r} {row[i]}" for r, row in enumerate(rows))
-        for i in diff
-    )
-    raise ValueError(
-        f"sequence-parallel ranks called ucp.attention with different inputs ({detail}); "
-        f"every SP rank must pass its shard of the same sequence (same batch, local length, "
-        f"heads, dtype, options and cu_seqlens). Shard with ucp.shard_sequence / "
-        f"data.shard_batch on every rank. (SP ranks are numbered within the SP group; the "
-        f"dtype index is into {[str(d) for d in _DTYPES]}, device into ['cpu', 'cuda'], "
-        f"layout into {list(LAYOUTS)}, backend into {list(BACKENDS)}; -1 = other.)"
-    )
-
-
-def packed_plan(
-    q: torch.Tensor, cu_seqlens: torch.Tensor, topo: Topology, layout: str
-) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, Docs]:
-    """A packed row's checked bounds turned into ``(perm, docs)``: the all-to-all output
-    permutation and its inverse (Ulysses degree > 1, else None) and this rank's documents
-    at the ring/kernel level (:class:`~ulysses_cp.varlen.Docs`)."""
-    bounds = validate_packed(q, cu_seqlens, topo, layout)
-    u, r = topo.ulysses_degree, topo.ring_degree
-    perm = None
-    if u > 1:
-        fwd = ulysses_permutation(bounds, u, r, topo.ring_rank, layout)
-        perm = (fwd.to(q.device), inverse_permutation(fwd).to(q.device))
-    return perm, Docs.from_bounds(bounds, r, q.device)
-
-
-def validate_packed(
-    q: torch.Tensor, cu_seqlens: torch.Tensor, topo: Topology, layout: str
-) -> list[int]:
-    """Check a packed row's ``cu_seqlens`` against the local q; return the boundaries."""
-    if q.shape[0] != 1:
-        raise ValueError(
-            f"cu_seqlens describes one packed row: batch must be 1, got {q.shape[0]}; "
-            f"concatenate the rows into one and join their cu_seqlens"
-        )
-    P = topo.sp_world_size
-    return check_cu_seqlens(cu_seqlens, q.shape[1] * P, sequence_multiple(P, layout))
-
-
-def forward_comm_bytes(
-    *,
-    batch: int,
-    seq_len: int,
-    hq: int,
-    hkv: int,
-    head_dim: int,
-    ulysses_degree: int,
-    ring_degree: int,
-    bytes_per_element: int,
-) -> tuple[int, int]:
-    """Bytes one rank sends in one forward call, ``(all_to_all, ring)`` (docs/design.md):
-
-    all-to-all over u ranks: b * (N/P) * (2*hq + 2*hkv_sent) * d * (u-1)/u * B;
-    kv ring over r ranks:    2 * b * (N/r) * (hkv_sent/u) * d * (r-1) * B;
-    hkv_sent = hkv times its replication for u. The tests check the counters against
-    their own copy of these formulas."""
-    u, r = ulysses_degree, ring_degree
-    b, N, d, B = batch, seq_len, head_dim, bytes_per_element
-    hkv_sent = hkv * kv_replication(hq, hkv, u)
-    a2a = b * (N // (u * r)) * (2 * hq + 2 * hkv_sent) * d * (u - 1) // u * B
-    ring = 2 * b * (N // r) * (hkv_sent // u) * d * (r - 1) * B
-    return a2a, ring
+        causal = self.spec.causal
+        return f"Attention({self.topo.mode}, causal={causal}, options={self.topo.options})"

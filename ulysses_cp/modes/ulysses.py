@@ -158,9 +158,8 @@ def ulysses_attention(
     v: torch.Tensor,
     *,
     group: Group,
-    layout: str,
     inner: Callable,
-    perm: tuple[torch.Tensor, torch.Tensor] | None = None,
+    order: str | tuple[torch.Tensor, torch.Tensor],
     sinks: torch.Tensor | None = None,
     head_chunks: int = 1,
 ) -> torch.Tensor:
@@ -173,9 +172,11 @@ def ulysses_attention(
     ``(hq/P,)`` sink logits, handed to ``inner`` per chunk. Inputs validated by the caller;
     ``head_chunks`` must be one of :func:`head_chunk_choices`.
 
-    q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` -> ``(b, s_l, hq, d)``. Packed rows:
-    ``perm = (perm, inverse)`` from :func:`~ulysses_cp.varlen.ulysses_permutation` replaces
-    the zigzag reorder (it puts every document's pieces in order)."""
+    q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` -> ``(b, s_l, hq, d)``. ``order``: how
+    the ranks' tokens are put in token order after the all-to-all: the layout
+    (``"zigzag"``, ``"contiguous"``), or for packed rows ``(perm, inverse)`` from
+    :func:`~ulysses_cp.core.varlen.ulysses_permutation` (it puts every document's pieces in
+    order)."""
     P = group_size(group)
     extra = {} if sinks is None else {"sinks": sinks}
     if P == 1:
@@ -188,7 +189,6 @@ def ulysses_attention(
     c = head_chunks
     ql, kl = hq // P, k.shape[2] // P
     ck = min(c, kl)
-    order = perm if perm is not None else layout
 
     def to_ranks(x):
         return _to_ranks(x, P, order)

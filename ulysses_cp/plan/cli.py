@@ -16,11 +16,11 @@ import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from ..config import HFModelConfig, RunConfig
+from ..config import ModelConfig, RunConfig
 from ..core.sharding import sequence_multiple
 from ..core.topology import validate_degrees
 from ..modes.ulysses import kv_replication, resolve_head_chunks
-from .search import GiB, Hardware, Run, candidates, longest, predict
+from .search import GiB, Hardware, Run, ZeroKnobs, candidates, longest, predict
 from .shapes import model_shape
 
 __all__ = ["base_run", "main", "parse_args", "plan", "plan_for_launch", "table"]
@@ -35,7 +35,7 @@ def base_run(run: RunConfig) -> Run:
     off = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
     chunks = 1  # what the run will use (0: the automatic rule)
     if sp.ulysses_degree > 1:
-        hq, hkv = mc.heads() if isinstance(mc, HFModelConfig) else (mc.n_heads, mc.n_kv_heads)
+        hq, hkv = (mc.n_heads, mc.n_kv_heads) if isinstance(mc, ModelConfig) else _hf_heads(mc)
         chunks = resolve_head_chunks(sp.head_chunks, hq, hkv, sp.ulysses_degree, sp.ring_degree > 1)
     return Run(
         ulysses=sp.ulysses_degree, ring=sp.ring_degree, layout=sp.layout,
@@ -44,6 +44,12 @@ def base_run(run: RunConfig) -> Run:
         offload_activations=mc.offload_activations, tiled_mlp=mc.tiled_mlp,
         tiled_loss=mc.tiled_loss, offload_optimizer=off, kv_exchange=sp.kv_exchange,
     )  # fmt: skip
+
+
+def _hf_heads(mc) -> tuple[int, int]:
+    from ..models import hf
+
+    return hf.heads(hf.load_config(mc.hf_config))
 
 
 def _dtype_bytes(raw: dict) -> int | None:
@@ -78,23 +84,21 @@ def plan(
         )
     batch = int(raw.get("train_micro_batch_size_per_gpu", 1))
     gas = int(raw.get("gradient_accumulation_steps", 1))
-    zero = raw.get("zero_optimization") or {}
-    knobs = dict(max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
-                 reduce_bucket_size=float(zero.get("reduce_bucket_size", 5e8)),
-                 persistence_threshold=float(
-                     zero.get("stage3_param_persistence_threshold", 1e5)))  # fmt: skip
+    knobs = ZeroKnobs.of(raw.get("zero_optimization") or {})
     budget = hw.gpu_mem_gb * GiB
 
+    def at(r: Run, n: int) -> dict:
+        return predict(shape, r, seq_len=n, batch=batch, micro_steps=gas, world=world, hw=hw,
+                       zero_knobs=knobs)  # fmt: skip
+
     def one(r: Run) -> dict:
-        pred = predict(shape, r, seq_len=N, batch=batch, micro_steps=gas, world=world, hw=hw,
-                       **knobs)  # fmt: skip
+        pred = at(r, N)
         unit = (
             sequence_multiple(r.sp, r.layout)
             * seq_step
             // _gcd(sequence_multiple(r.sp, r.layout), seq_step)
         )
-        peak = lambda n: predict(shape, r, seq_len=n, batch=batch, micro_steps=gas,  # noqa: E731
-                                 world=world, hw=hw, **knobs)["peak_bytes_per_rank"]  # fmt: skip
+        peak = lambda n: at(r, n)["peak_bytes_per_rank"]  # noqa: E731
         return {**_describe(r), "fits": pred["peak_bytes_per_rank"] <= budget,
                 "max_seq_len": longest(peak, unit, budget), **pred}  # fmt: skip
 

@@ -1,7 +1,8 @@
 """Bytes one rank sends per training step: attention (all-to-all and ring, forward and
 backward) and ZeRO's collectives, split into intra-node and inter-node bytes.
 
-Attention, per layer and micro batch (``forward_comm_bytes`` gives the forward): the
+Attention, per layer and micro batch (:func:`forward_comm_bytes` gives the forward, the
+formulas of ``docs/design.md``; the tests compare the counters with their own copy): the
 backward all-to-all moves the same bytes as the forward (the gradients of q/k/v and of the
 output go the other way); the ring's backward passes each kv block on ``r - 1`` times
 (model dtype) and each dk/dv accumulator ``r`` times in fp32 (fp64 for fp64 models), so
@@ -26,10 +27,34 @@ all its bytes count as inter-node when its group spans nodes.
 from __future__ import annotations
 
 from ..core.topology import plan_groups
-from ..modes.attention import forward_comm_bytes
+from ..modes.ulysses import kv_replication
 from .shapes import ModelShape
 
-__all__ = ["attention_bytes", "split_nodes", "zero_bytes"]
+__all__ = ["attention_bytes", "forward_comm_bytes", "split_nodes", "zero_bytes"]
+
+
+def forward_comm_bytes(
+    *,
+    batch: int,
+    seq_len: int,
+    hq: int,
+    hkv: int,
+    head_dim: int,
+    ulysses_degree: int,
+    ring_degree: int,
+    bytes_per_element: int,
+) -> tuple[int, int]:
+    """Bytes one rank sends in one forward call, ``(all_to_all, ring)``:
+
+    all-to-all over u ranks: b * (N/P) * (2*hq + 2*hkv_sent) * d * (u-1)/u * B;
+    kv ring over r ranks:    2 * b * (N/r) * (hkv_sent/u) * d * (r-1) * B;
+    hkv_sent = hkv times its replication for u."""
+    u, r = ulysses_degree, ring_degree
+    b, N, d, B = batch, seq_len, head_dim, bytes_per_element
+    hkv_sent = hkv * kv_replication(hq, hkv, u)
+    a2a = b * (N // (u * r)) * (2 * hq + 2 * hkv_sent) * d * (u - 1) // u * B
+    ring = 2 * b * (N // r) * (hkv_sent // u) * d * (r - 1) * B
+    return a2a, ring
 
 
 def attention_bytes(

@@ -26,7 +26,7 @@ from .comm import attention_bytes, split_nodes, zero_bytes
 from .memory import activation_bytes, static_bytes
 from .shapes import ModelShape
 
-__all__ = ["Hardware", "Run", "candidates", "longest", "predict"]
+__all__ = ["Hardware", "Run", "ZeroKnobs", "candidates", "longest", "predict"]
 
 GiB = 2**30
 
@@ -43,6 +43,26 @@ class Hardware:
     intra_gbs: float = 450.0  # NVLink, GB/s per GPU per direction
     inter_gbs: float = 50.0  # 400 Gb/s NIC per GPU
     pcie_gbs: float = 25.0  # host offload
+
+
+@dataclass(frozen=True)
+class ZeroKnobs:
+    """The ``zero_optimization`` settings the prediction reads (DeepSpeed's defaults):
+    ``stage3_max_live_parameters``, ``reduce_bucket_size``,
+    ``stage3_param_persistence_threshold``."""
+
+    max_live_parameters: float = 1e9
+    reduce_bucket_size: float = 5e8
+    persistence_threshold: float = 1e5
+
+    @classmethod
+    def of(cls, zero: dict) -> ZeroKnobs:
+        """From a config's ``zero_optimization`` block."""
+        return cls(
+            max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
+            reduce_bucket_size=float(zero.get("reduce_bucket_size", 5e8)),
+            persistence_threshold=float(zero.get("stage3_param_persistence_threshold", 1e5)),
+        )
 
 
 @dataclass(frozen=True)
@@ -95,14 +115,14 @@ def _flops(shape: ModelShape, run: Run, seq_len: int, batch: int) -> float:
 
 def predict(
     shape: ModelShape, run: Run, *, seq_len: int, batch: int, micro_steps: int, world: int,
-    hw: Hardware, max_live_parameters: float = 1e9, reduce_bucket_size: float = 5e8,
-    persistence_threshold: float = 1e5,
+    hw: Hardware, zero_knobs: ZeroKnobs = ZeroKnobs(),
 ) -> dict:  # fmt: skip
     """Memory, communication and step time of ``run`` for one rank."""
     sh = _shape(shape, run)
     static = static_bytes(
         sh, zero_stage=run.zero_stage, world=world, offload_optimizer=run.offload_optimizer,
-        reduce_bucket_size=reduce_bucket_size, persistence_threshold=persistence_threshold,
+        reduce_bucket_size=zero_knobs.reduce_bucket_size,
+        persistence_threshold=zero_knobs.persistence_threshold,
     )  # fmt: skip
     chunks = 1  # what the run uses: 0 is the automatic rule
     if run.ulysses > 1:
@@ -117,7 +137,7 @@ def predict(
     )  # fmt: skip
     zero = zero_bytes(
         sh, stage=run.zero_stage, world=world, micro_steps=micro_steps,
-        max_live_parameters=max_live_parameters,
+        max_live_parameters=zero_knobs.max_live_parameters,
     )  # fmt: skip
     nodes = split_nodes(
         world=world, gpus_per_node=min(hw.gpus_per_node, world), ulysses=run.ulysses,

@@ -81,11 +81,10 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
             mc.head_dim, mc.ffn_dim, dtype_bytes=dtype_bytes or 4,
             **_count(model, model.layers), **feats,
         )  # fmt: skip
-    from ..models.hf import _transformers, load_config
+    from ..models.hf import _transformers, heads, load_config
 
     cfg = load_config(mc.hf_config)
-    hq = cfg.num_attention_heads
-    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    hq, hkv = heads(cfg)
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     with torch.device("meta"):
         model = _transformers().AutoModelForCausalLM.from_config(cfg)

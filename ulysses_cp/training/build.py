@@ -8,25 +8,26 @@ launcher).
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..config import HFModelConfig
+from ..config import HFModelConfig, ModelConfig, RunConfig
 from ..core.sharding import sequence_multiple
 from ..core.topology import Topology, validate_degrees
-from ..models.decoder import Decoder, ModelConfig
+from ..models.decoder import Decoder
 from ..modes.attention import Attention
 from ..modes.ulysses import kv_replication
 from . import checkpoint
-from .data import DataConfig, data_vocab_size
-from .engine import SequenceParallelConfig
+from .data import data_vocab_size
 
 __all__ = [
     "build_model",
     "check_output_dir",
     "cpu_optimizer",
+    "model_counts",
     "validate",
 ]
 
@@ -50,13 +51,22 @@ def check_output_dir(out: Path, resume: str | None, overwrite: bool) -> bool:
     return resume is not None and has_checkpoint
 
 
-def validate(sp: SequenceParallelConfig, mc: ModelConfig | HFModelConfig, dc: DataConfig) -> None:
-    """Everything that can be checked before any collective, identically on every rank."""
-    validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
+def model_counts(mc: ModelConfig | HFModelConfig) -> tuple[int, int, int]:
+    """(query heads, kv heads, vocabulary) of the model a ``"model"`` block builds; a
+    Hugging Face model's from its transformers config (read, not built)."""
     if isinstance(mc, ModelConfig):
-        hq, hkv, vocab = mc.n_heads, mc.n_kv_heads, mc.vocab_size
-    else:
-        (hq, hkv), vocab = mc.heads(), mc.vocab_size()
+        return mc.n_heads, mc.n_kv_heads, mc.vocab_size
+    from ..models import hf
+
+    config = hf.load_config(mc.hf_config)
+    return (*hf.heads(config), config.vocab_size)
+
+
+def validate(run: RunConfig) -> None:
+    """Everything that can be checked before any collective, identically on every rank."""
+    sp, mc, dc = run.sequence_parallel, run.model, run.data
+    validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
+    hq, hkv, vocab = model_counts(mc)
     kv_replication(hq, hkv, sp.ulysses_degree)
     need, what = data_vocab_size(dc)
     if vocab < need:
@@ -85,34 +95,26 @@ def build_model(mc: ModelConfig | HFModelConfig, topo: Topology) -> torch.nn.Mod
     if not isinstance(mc, ModelConfig):
         from ..models import hf
 
-        return hf.build_model(
-            topo,
-            hf_config=mc.hf_config,
-            hf_weights=mc.hf_weights,
-            dtype=hf.DTYPES[mc.dtype],
-            tiled_mlp=mc.tiled_mlp,
-            activation_checkpointing=mc.activation_checkpointing,
-            offload_activations=mc.offload_activations,
-        )
+        return hf.build_model(topo, mc)
     return Decoder(mc, Attention(topo))
 
 
-def cpu_optimizer(config: dict, model: torch.nn.Module) -> tuple[object | None, dict]:
-    """``(optimizer, config)``: on CPU an Adam/AdamW block becomes ``torch.optim.AdamW``
-    (DeepSpeed would JIT-compile a fused CPU Adam, minutes on 2 cores), returned with a copy
-    of the config without that block; otherwise ``(None, config)`` and DeepSpeed builds the
-    optimizer from the block. The given config is never changed."""
-    block = config.get("optimizer")
+def cpu_optimizer(run: RunConfig, model: torch.nn.Module) -> tuple[object | None, RunConfig]:
+    """``(optimizer, run)``: on CPU an Adam/AdamW block becomes ``torch.optim.AdamW``
+    (DeepSpeed would JIT-compile a fused CPU Adam, minutes on 2 cores), returned with a
+    config whose DeepSpeed part has no such block; otherwise ``(None, run)`` and DeepSpeed
+    builds the optimizer from the block. The given config is never changed."""
+    block = run.raw.get("optimizer")
     if (
         torch.cuda.is_available()
         or not block
         or block.get("type", "").lower() not in ("adam", "adamw")
     ):
-        return None, config
+        return None, run
     params = dict(block.get("params", {}))
     params.pop("torch_adam", None)
     params.pop("adam_w_mode", None)
-    config = copy.deepcopy(config)
-    del config["optimizer"]
-    config["zero_allow_untested_optimizer"] = True
-    return torch.optim.AdamW(model.parameters(), **params), config
+    raw = copy.deepcopy(run.raw)
+    del raw["optimizer"]
+    raw["zero_allow_untested_optimizer"] = True
+    return torch.optim.AdamW(model.parameters(), **params), replace(run, raw=raw)

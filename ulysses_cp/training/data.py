@@ -1,4 +1,4 @@
-"""Training data: a built-in long-range task, byte-level text files, SP batch sharding.
+"""Training data: a built-in long-range task, byte-level text files, the micro batches.
 
 Every sample is a pure function of ``(seed, index)``, so data position after a resume is
 just the step number, and each data-parallel replica reads its own indices.
@@ -17,8 +17,10 @@ field of each line), concatenated; vocabulary 256.
 ``packing``: each row is several documents packed back to back (kv_recall: instances of
 random length in ``[min_doc_len, max_doc_len]``; text: consecutive files/records, the last
 one cut to fit), each padded at its end to a multiple of ``pack_multiple``, with position
-ids restarting per document, no target across a border, and ``cu_seqlens``. The rows of a
-micro batch are joined into one packed row (attention over packed rows takes batch 1).
+ids restarting per document, no target across a border, and ``cu_seqlens``
+(``core.varlen.pack_row``). The rows of a micro batch are joined into one packed row
+(attention over packed rows takes batch 1). ``ucp.shard_batch`` takes a micro batch to
+this rank's tokens.
 """
 
 from __future__ import annotations
@@ -26,29 +28,23 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
-from ..config import DataConfig
-from ..core.sharding import layout_of, sequence_multiple, shard_sequence
-from ..core.varlen import IGNORE, check_cu_seqlens, pack_documents
+from ..config import DataConfig, EvalConfig
+from ..core.varlen import IGNORE, pack_row
 
-if TYPE_CHECKING:  # a type only: topology imports this module's neighbours
-    from ..config import EvalConfig
-    from ..core.topology import Topology
+if TYPE_CHECKING:
     from .token_data import TokenDataset
 
 __all__ = [
     "ByteText",
-    "DataConfig",
     "KVRecall",
     "data_vocab_size",
     "global_batch",
     "make_dataset",
     "make_datasets",
-    "shard_batch",
-    "shift_labels",
 ]
 
 
@@ -108,24 +104,11 @@ class KVRecall:
                 return doc(room)
             return torch.randint(2, 18, (room,), generator=g), torch.full((room,), IGNORE)
 
-        return _pack_row(c, draw, last)
+        return pack_row(c.seq_len, c.pack_multiple, draw, last)
 
 
 def _padded(n: int, multiple: int) -> int:
     return n + (-n % multiple)
-
-
-def _pack_row(c: DataConfig, draw, last) -> dict[str, torch.Tensor]:
-    """Documents from ``draw(room)`` until one does not fit, then ``last(room)``."""
-    tokens, labels, used = [], [], 0
-    while used < c.seq_len:
-        room = c.seq_len - used
-        d = draw(room) or last(room)
-        tokens.append(d[0])
-        labels.append(d[1])
-        used += _padded(d[0].numel(), c.pack_multiple)
-    row = pack_documents(tokens, labels=labels, multiple=c.pack_multiple)
-    return {k: (v if k == "cu_seqlens" else v[0]) for k, v in row.items()}
 
 
 class ByteText:
@@ -175,7 +158,7 @@ class ByteText:
             tokens = self.data[start : start + n].clone()
             return tokens, torch.cat([tokens[1:], tokens.new_full((1,), IGNORE)])
 
-        return _pack_row(c, take, take)
+        return pack_row(c.seq_len, c.pack_multiple, take, take)
 
 
 if TYPE_CHECKING:
@@ -194,7 +177,6 @@ def make_datasets(cfg: DataConfig, ev: EvalConfig | None = None) -> tuple[Datase
     once (global rank 0; the other ranks wait) and reads them from a memory map."""
     if cfg.task != "dataset":
         return make_dataset(cfg), None
-    from ..config import EvalConfig
     from .token_data import make_token_datasets
 
     return make_token_datasets(cfg, ev or EvalConfig())
@@ -205,7 +187,7 @@ def data_vocab_size(cfg: DataConfig) -> tuple[int, str]:
     reads only the tokenizer."""
     if cfg.task != "dataset":
         return 256, "byte/task tokens"
-    from .corpus import load_tokenizer
+    from .tokenizer import load_tokenizer
 
     return load_tokenizer(cfg.tokenizer, cfg.eos_token).vocab_size, f"tokenizer {cfg.tokenizer}"
 
@@ -242,60 +224,3 @@ def global_batch(
         "shift_labels": torch.stack(labels),
         "position_ids": torch.arange(ids.shape[1]).expand_as(ids).clone(),
     }
-
-
-def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE) -> torch.Tensor:
-    """``(b, s)`` labels -> targets of each position (next token), ``ignore_index`` last."""
-    pad = torch.full_like(labels[:, :1], ignore_index)
-    return torch.cat([labels[:, 1:], pad], dim=1)
-
-
-def shard_batch(
-    batch: dict[str, torch.Tensor], topo: Topology, layout: str | None = None
-) -> dict[str, torch.Tensor]:
-    """This SP rank's ``input_ids``, global ``position_ids`` and ``shift_labels``, in the
-    run's layout (``topo.layout``; a ``layout=`` that disagrees raises).
-
-    ``batch`` holds full ``(b, s)`` tensors: ``input_ids`` and either ``shift_labels`` or
-    ``labels`` (shifted here, on the full sequence); ``position_ids`` default to
-    ``0..s-1``. A packed row (``cu_seqlens`` in ``batch``, b = 1) is sharded document-wise,
-    ``labels`` are shifted inside each document, and ``cu_seqlens`` is passed on."""
-    layout = layout_of(topo, layout)
-    ids = batch["input_ids"]
-    s = ids.shape[1]
-    m = sequence_multiple(topo.sp_world_size, layout)
-    cu = batch.get("cu_seqlens")
-    if cu is None and s % m:
-        raise ValueError(
-            f"sequence length {s} must be a multiple of {m} for "
-            f"{topo.sp_world_size} SP ranks in the {layout!r} layout; pad with "
-            f"ucp.pad_batch(batch, {m})"
-        )
-    if cu is not None:
-        check_cu_seqlens(cu, s, m, what="batch['cu_seqlens']")
-    if "shift_labels" in batch:
-        targets = batch["shift_labels"]
-    else:
-        labels = batch.get("labels", ids)
-        if cu is not None and torch.equal(labels, ids):
-            raise ValueError(
-                "a packed row (cu_seqlens) with labels equal to input_ids: the padding at the "
-                "end of each document cannot be told from its tokens, so the last token and "
-                "the padding would be trained to predict the pad id. Pass shift_labels (or "
-                "labels with -100 on the padding), as ucp.pack_documents returns them"
-            )
-        targets = shift_labels(labels)
-        if cu is not None:
-            targets[:, cu[1:].long() - 1] = IGNORE  # no target across a document border
-    pos = batch.get("position_ids")
-    if pos is None:
-        pos = torch.arange(s, device=ids.device).expand_as(ids)
-    kw: dict[str, Any] = dict(layout=layout, cu_seqlens=cu)
-    out = {
-        "input_ids": shard_sequence(ids, topo, **kw),
-        "position_ids": shard_sequence(pos, topo, **kw),
-        "shift_labels": shard_sequence(targets, topo, **kw),
-    }
-    if cu is not None:
-        out["cu_seqlens"] = cu
-    return out

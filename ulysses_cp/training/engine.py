@@ -1,6 +1,8 @@
-"""DeepSpeed plugin: our config block, the topology, an mpu, ``deepspeed.initialize``.
+"""DeepSpeed plugin: the topology from the run's config, an mpu, ``deepspeed.initialize``.
 
-This is the one module that imports deepspeed (lazily, inside functions).
+The module that initialises DeepSpeed (imported lazily, inside functions). Every function
+takes the parsed :class:`~ulysses_cp.config.RunConfig`; the public entries
+(:func:`topology_from_config`, :func:`initialize`) also take a path or a dict, read once.
 
 Gradient scale. Each SP rank's loss gradient is its share of the global token mean
 (``loss.py``), so the right reduction is a SUM over SP ranks and a MEAN over data-parallel
@@ -13,9 +15,8 @@ Tests compare updated parameters against a single process for every stage.
 
 from __future__ import annotations
 
-import copy
-import difflib
-import json
+import importlib
+import logging
 import os
 from dataclasses import asdict, fields
 from datetime import timedelta
@@ -25,200 +26,115 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import SequenceParallelConfig
+from ..config import OUR_BLOCKS, RunConfig
 from ..core.log import get_logger
 from ..core.options import RunOptions
 from ..core.protocols import Engine, Group
 from ..core.topology import Topology, init_topology, validate_degrees
 
 __all__ = [
-    "DEEPSPEED_KEYS",
     "NOT_FOR_DEEPSPEED",
-    "OUR_BLOCKS",
-    "PATH_FIELDS",
-    "SequenceParallelConfig",
     "SequenceParallelMPU",
-    "check_top_level_keys",
     "check_topology",
     "deepspeed_part",
     "init_distributed",
     "initialize",
-    "known_top_level_keys",
-    "load_config",
-    "resolve_paths",
     "run_options",
     "topology_from_config",
     "zero_grad_scale",
 ]
 
-OUR_BLOCKS = ("sequence_parallel", "model", "data", "eval", "training")
-# the standard "wandb" block is honoured by ulysses_cp.tracking (one run, our step numbers),
-# not by DeepSpeed's monitor, which would open a second run logging at sample counts
+# the standard "wandb" block is honoured by training/tracking.py (one run, our step
+# numbers), not by DeepSpeed's monitor, which would open a second run logging at sample counts
 NOT_FOR_DEEPSPEED = (*OUR_BLOCKS, "wandb")
 
 
-# DeepSpeed's documented top-level blocks and keys (deepspeed 0.19); the string constants of
-# deepspeed.runtime.constants are added when deepspeed imports (see known_top_level_keys)
-DEEPSPEED_KEYS = (
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "optimizer", "scheduler", "fp16", "bf16", "amp", "torch_autocast", "gradient_clipping",
-    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
-    "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-    "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown",
-    "flops_profiler", "activation_checkpointing", "sparse_attention", "data_efficiency",
-    "curriculum_learning", "tensorboard", "csv_monitor", "wandb", "comet", "comms_logger",
-    "autotuning", "elasticity", "communication_data_type", "data_types", "checkpoint", "aio",
-    "nebula", "compression_training", "pipeline", "eigenvalue", "progressive_layer_drop",
-    "quantize_training", "weight_quantization", "hybrid_engine", "compile",
-    "data_parallel_size", "sequence_parallel_size", "disable_allgather", "dataloader_drop_last",
-    "seq_parallel_communication_data_type", "gradient_allreduce_op", "mics_shard_size",
-    "mics_hierarchical_params_gather", "use_node_local_storage", "load_universal",
-    "graph_harvesting", "timers", "tensor_parallel", "vocabulary_size", "disable_python_gc",
-)  # fmt: skip
-
-
-def known_top_level_keys() -> set[str]:
-    """Top-level keys a config may hold: our blocks and DeepSpeed's."""
-    keys = {*OUR_BLOCKS, *DEEPSPEED_KEYS}
-    try:
-        import deepspeed.runtime.constants as ds_constants
-    except Exception:  # deepspeed missing or broken: the documented list alone
-        return keys
-    for name, value in vars(ds_constants).items():
-        if name.isupper() and isinstance(value, str) and value.isidentifier():
-            keys.add(value)
-    return keys
-
-
-def check_top_level_keys(config: dict, source: str = "the config") -> None:
-    """DeepSpeed ignores top-level keys it does not know, so a misspelled block (say
-    ``"sequence_paralel"``) would silently train without it: refuse unknown keys, with the
-    closest known ones. Keys starting with ``_`` are left alone (comments)."""
-    known = known_top_level_keys()
-    unknown = sorted(k for k in config if k not in known and not str(k).startswith("_"))
-    if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(str(key), sorted(known), n=2, cutoff=0.6)
-            hints.append(f"{key!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)"
-                                       if close else ""))  # fmt: skip
-        raise ValueError(
-            f"unknown top-level key(s) in {source}: {', '.join(hints)}. DeepSpeed would ignore "
-            f"them silently; fix the spelling, or start a key with '_' to keep it as a comment"
-        )
-
-
-PATH_FIELDS = (
-    ("model", "hf_config"),
-    ("model", "hf_weights"),
-    ("data", "files"),
-    ("data", "tokenizer"),
-    ("data", "cache_dir"),
-    ("eval", "files"),
-)
-
-
-def resolve_paths(config: dict, base: Path) -> dict:
-    """Relative file paths in our blocks (``model.hf_config``, ``model.hf_weights``,
-    ``data.files``, ``data.tokenizer``, ``data.cache_dir``, ``eval.files``) made relative
-    to ``base``, the config file's folder, so that a config means the same files from
-    whatever folder the run starts in."""
-    for block, key in PATH_FIELDS:
-        value = config.get(block, {}).get(key) if isinstance(config.get(block), dict) else None
-        if isinstance(value, str) and value and not Path(value).is_absolute():
-            config[block][key] = str(base / value)
-        elif isinstance(value, list):
-            config[block][key] = [
-                str(base / v) if isinstance(v, str) and not Path(v).is_absolute() else v
-                for v in value
-            ]
-    return config
-
-
-def load_config(config: str | Path | dict) -> dict:
-    """A DeepSpeed JSON config (path or dict), deep-copied and checked for unknown top-level
-    keys; a JSON syntax error names the file, line and column. From a file, relative paths
-    in our blocks resolve against the file's folder (:func:`resolve_paths`)."""
-    if isinstance(config, dict):
-        config = copy.deepcopy(config)
-        check_top_level_keys(config)
-        return config
-    path = Path(config)
-    if not path.is_file():
-        raise ValueError(f"DeepSpeed config not found: {path}")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
-        ) from None
-    if not isinstance(config, dict):
-        raise ValueError(
-            f"{path}: a DeepSpeed config is a JSON object, got {type(config).__name__}"
-        )
-    check_top_level_keys(config, str(path))
-    return resolve_paths(config, path.parent)
-
-
-def deepspeed_part(config: dict) -> dict:
+def deepspeed_part(run: RunConfig) -> dict:
     """The config without our blocks (and ``wandb``), as handed to DeepSpeed."""
-    return {k: v for k, v in config.items() if k not in NOT_FOR_DEEPSPEED}
+    return {k: v for k, v in run.raw.items() if k not in NOT_FOR_DEEPSPEED}
 
 
 def init_distributed(timeout_s: float | None = None) -> None:
     """``deepspeed.init_distributed`` with nccl on CUDA machines, gloo elsewhere;
-    ``timeout_s``: the collective timeout (DeepSpeed's default when None)."""
+    ``timeout_s``: the collective timeout (DeepSpeed's default when None). Imports
+    DeepSpeed (the first import in a run: see :func:`_quiet_cpu_deepspeed`)."""
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        # DeepSpeed's own switch, set unless the user set it: without it every rank warns
+        # at import that it "was unable to detect" a GPU and fell back to the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    if not torch.cuda.is_available():
-        # DeepSpeed's CPU shared-memory allreduce (used when the launcher sets LOCAL_SIZE)
-        # creates a 69 MB /dev/shm buffer per rank and run that is never unlinked, not even
-        # on a clean exit (deepspeed 0.19.8): a day of runs filled /dev/shm (19 GB, i.e.
-        # RAM) and the OOM killer took a test rank. gloo's allreduce does the same job.
-        os.environ.pop("LOCAL_SIZE", None)
+    if cpu:
+        _quiet_cpu_deepspeed()
     else:
         # before any CUDA work: this rank's GPU (the launcher's LOCAL_RANK), not GPU 0
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-        deepspeed.init_distributed(
-            dist_backend="nccl" if torch.cuda.is_available() else "gloo", **kwargs
-        )
+        deepspeed.init_distributed(dist_backend="nccl" if not cpu else "gloo", **kwargs)
 
 
-def run_options(config: dict) -> RunOptions:
-    """The run's choices (layout, backend, input checks, gradient scale) from a config."""
-    sp = SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
+def _quiet_cpu_deepspeed() -> None:
+    """On CPU, DeepSpeed's shared-memory collectives are not used: gloo does the job.
+
+    DeepSpeed's CPU shared-memory allreduce (used when the launcher sets LOCAL_SIZE)
+    creates a 69 MB /dev/shm buffer per rank and run that is never unlinked, not even on a
+    clean exit (deepspeed 0.19.8): a day of runs filled /dev/shm (19 GB, i.e. RAM) and the
+    OOM killer took a test rank. The op behind it serves only DeepSpeed's inference
+    all-reduce, yet every rank JIT-compiles it on the first run (a C++ compiler, and a
+    build killed halfway leaves a lock that makes every later start wait) and loads it on
+    every run, printing a line per rank: it is not built."""
+    # the module itself: the attribute ``deepspeed.comm.torch`` is torch (a star import)
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    os.environ.pop("LOCAL_SIZE", None)
+    ds_torch.build_shm_op = lambda: None  # type: ignore[attr-defined]
+
+
+class _Drop(logging.Filter):
+    """Drops DeepSpeed log records that contain ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def run_options(run: RunConfig) -> RunOptions:
+    """The run's choices (layout, backend, input checks, gradient scale...) of a config."""
+    sp = run.sequence_parallel
     return RunOptions(
         layout=sp.layout,
         backend=sp.attention_backend,
         check_inputs=sp.check_inputs,
-        grad_scale=zero_grad_scale(config, sp.ulysses_degree * sp.ring_degree),
+        grad_scale=zero_grad_scale(run),
         kv_exchange=sp.kv_exchange,
         head_chunks=sp.head_chunks,
     )
 
 
-def topology_from_config(config: str | Path | dict) -> Topology:
+def topology_from_config(config: RunConfig | str | Path | dict) -> Topology:
     """Validate the ``"sequence_parallel"`` block against the world, then build the groups
-    with the run's choices (:func:`run_options`)."""
-    config = load_config(config)
-    sp = SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
+    with the run's choices (:func:`run_options`). A path or dict is read once
+    (``RunConfig.load``)."""
+    run = RunConfig.load(config)
+    sp = run.sequence_parallel
     validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
-    options = run_options(config)
     return init_topology(
         sp.ulysses_degree,
         sp.ring_degree,
         timeout_s=sp.collective_timeout_s,
-        **asdict(options),
+        **asdict(run_options(run)),
     )
 
 
-def check_topology(topo: Topology, config: dict) -> None:
+def check_topology(topo: Topology, run: RunConfig) -> None:
     """A topology given to :func:`initialize` must be the config's: the same degrees and
     the same run choices (a ZeRO-3 config needs the gradient scale it implies)."""
-    sp = SequenceParallelConfig.from_dict(config.get("sequence_parallel"))
-    want = run_options(config)
+    sp = run.sequence_parallel
+    want = run_options(run)
     have = f"u{topo.ulysses_degree} r{topo.ring_degree}"
     config_degrees = f"u{sp.ulysses_degree} r{sp.ring_degree}"
     diffs = [] if have == config_degrees else [f"degrees {have} vs the config's {config_degrees}"]
@@ -290,15 +206,17 @@ class SequenceParallelMPU:
         return 0
 
 
-def _zero_stage(config: dict) -> int:
-    return int((config.get("zero_optimization") or {}).get("stage", 0))
+def _zero_stage(run: RunConfig) -> int:
+    return int((run.raw.get("zero_optimization") or {}).get("stage", 0))
 
 
-def zero_grad_scale(config: dict, sp_world_size: int) -> float:
-    """ZeRO-3's reduce-scatter averages over dp x sp ranks; the others over dp only."""
-    zero = config.get("zero_optimization") or {}
-    if _zero_stage(config) == 3 and zero.get("reduce_scatter", True):
-        return float(sp_world_size)
+def zero_grad_scale(run: RunConfig) -> float:
+    """ZeRO-3's reduce-scatter averages over dp x sp ranks; the others over dp only: the
+    SP degree under ZeRO-3 (with its reduce-scatter), else 1."""
+    zero = run.raw.get("zero_optimization") or {}
+    if _zero_stage(run) == 3 and zero.get("reduce_scatter", True):
+        sp = run.sequence_parallel
+        return float(sp.ulysses_degree * sp.ring_degree)
     return 1.0
 
 
@@ -332,7 +250,7 @@ def _partition_over_all_ranks(
 def initialize(
     *,
     model: torch.nn.Module,
-    config: str | Path | dict,
+    config: RunConfig | str | Path | dict,
     topo: Topology | None = None,
     optimizer: Any = None,
     model_parameters: Any = None,
@@ -340,33 +258,41 @@ def initialize(
 ) -> Engine:
     """``deepspeed.initialize`` with our mpu; returns the DeepSpeed engine.
 
+    ``config``: the run's config (a path or dict is read once, ``RunConfig.load``).
     ``engine.topology`` is the topology (built from the config's ``"sequence_parallel"``
     block unless given). Call :func:`init_distributed` first."""
     import deepspeed
 
-    config = load_config(config)
+    run = RunConfig.load(config)
     if topo is None:
-        topo = topology_from_config(config)
-    check_topology(topo, config)
+        topo = topology_from_config(run)
+    check_topology(topo, run)
     if model_parameters is None and optimizer is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     mpu = SequenceParallelMPU(topo)
-    ds_config = deepspeed_part(config)
-    if _zero_stage(config) == 3 and topo.sp_world_size > 1:
+    ds_config = deepspeed_part(run)
+    if _zero_stage(run) == 3 and topo.sp_world_size > 1:
         _partition_over_all_ranks(model, mpu, ds_config)
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler,
-        config=ds_config,
-        mpu=mpu,
-    )
-    from .checkpoint import settle_initial_state
+    # DeepSpeed's warmup schedulers ask for their learning rate in their own constructor
+    # and warn, on every rank, that they "have not started": noise at every start
+    quiet = _Drop("get learning rate from scheduler before it has started")
+    logging.getLogger("DeepSpeed").addFilter(quiet)
+    try:
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            config=ds_config,
+            mpu=mpu,
+        )
+    finally:
+        logging.getLogger("DeepSpeed").removeFilter(quiet)
+    from .portable import settle_initial_state
 
     settle_initial_state(engine)  # state an optimizer made in __init__ (Adagrad)
     get_logger(__name__).info(
-        f"DeepSpeed engine ready: ZeRO-{_zero_stage(config)}, {topo.mode} "
+        f"DeepSpeed engine ready: ZeRO-{_zero_stage(run)}, {topo.mode} "
         f"u{topo.ulysses_degree} r{topo.ring_degree} dp{topo.dp_degree}, {topo.options}"
     )
     engine.topology = topo

@@ -12,33 +12,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ..config import EvalConfig
+from ..core.batch import shard_batch
 from ..core.log import get_logger
 from ..core.topology import Topology
 from ..core.varlen import IGNORE
-from .data import global_batch, shard_batch
+from .data import global_batch
 
 if TYPE_CHECKING:
     from .data import Dataset
-    from .trainer import Trainer, TrainState
 
 __all__ = [
-    "EvalConfig",
     "Evaluator",
+    "LossFn",
     "evaluate",
 ]
+
+# the SP mean loss of one shard, ``loss_fn(local)`` (every SP rank gets the same value)
+LossFn = Callable[[dict[str, Any]], torch.Tensor]
 
 log = get_logger("train")
 
 
 def evaluate(
     dataset: Dataset,
-    loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    loss_fn: LossFn,
     topo: Topology,
     *,
     batches: int,
@@ -72,34 +75,37 @@ def evaluate(
 
 
 class Evaluator:
-    """What the trainer calls after every step (``Trainer(evaluator=...)``)."""
+    """The held-out loss of a run: ``evaluator(step, loss_fn)`` evaluates when
+    ``eval.interval`` says so (and after ``max_steps``), logs the line, and returns the
+    metrics (None when not due). ``loss_fn``: the trainer's loss of one shard, with the
+    model in eval mode (``Trainer`` sets it)."""
 
-    def __init__(self, dataset: Dataset, cfg: EvalConfig) -> None:
-        self.dataset, self.cfg = dataset, cfg
+    def __init__(
+        self,
+        dataset: Dataset,
+        cfg: EvalConfig,
+        topo: Topology,
+        *,
+        micro_batch: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.dataset, self.cfg, self.topo = dataset, cfg, topo
+        self.micro_batch, self.device = micro_batch, device
 
     def due(self, step: int, max_steps: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.interval == 0 or step == max_steps)
 
-    def __call__(self, trainer: Trainer, state: TrainState) -> dict[str, float] | None:
-        if not self.due(state.step, trainer.tc.max_steps):
-            return None
-        module = trainer.engine.module
-        module.eval()
-        try:
-            metrics = evaluate(
-                self.dataset,
-                trainer.loss,
-                trainer.topo,
-                batches=self.cfg.batches,
-                micro_batch=trainer.engine.train_micro_batch_size_per_gpu(),
-                device=trainer.device,
-            )
-        finally:
-            module.train()
-        if trainer.tracker is not None:
-            trainer.tracker.log(state.step, metrics)
+    def __call__(self, step: int, loss_fn: LossFn) -> dict[str, float]:
+        metrics = evaluate(
+            self.dataset,
+            loss_fn,
+            self.topo,
+            batches=self.cfg.batches,
+            micro_batch=self.micro_batch,
+            device=self.device,
+        )
         log.info(
-            f"step {state.step:5d}  eval_loss {metrics['eval_loss']:.4f}  "
+            f"step {step:5d}  eval_loss {metrics['eval_loss']:.4f}  "
             f"eval_ppl {metrics['eval_ppl']:.2f}  ({metrics['eval_tokens']} tokens)"
         )
         return metrics

@@ -9,7 +9,7 @@ Packed rows (``packing: true``): every document cut into pieces of at most ``seq
 tokens (only documents longer than a row are cut); the pieces, in corpus order, fill rows
 greedily, each padded to ``pack_multiple``; a piece that does not fit starts the next row
 and the rest of the row is padding without targets. Rows are laid out by
-``data._pack_row`` like the other packed tasks: ``cu_seqlens``, position ids restarting
+``core.varlen.pack_row`` like the other packed tasks: ``cu_seqlens``, position ids restarting
 per piece, no target across a border.
 
 Windows and rows are visited in a shuffled order that changes every epoch: sample ``i`` is
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from ..config import DataConfig, EvalConfig
-from ..core.varlen import IGNORE
-from .corpus import TokenizedCorpus, check_files, load_corpus, load_tokenizer
-from .data import _pack_row
+from ..core.varlen import IGNORE, pack_row
+from .corpus import TokenizedCorpus, check_files, load_corpus
+from .tokenizer import load_tokenizer
 
 __all__ = [
     "TokenDataset",
@@ -130,7 +130,7 @@ class TokenDataset:
         def fill(room: int) -> tuple[torch.Tensor, torch.Tensor]:
             return torch.full((room,), self.eos_id), torch.full((room,), IGNORE)
 
-        return _pack_row(self.cfg, draw, fill)
+        return pack_row(self.cfg.seq_len, self.cfg.pack_multiple, draw, fill)
 
 
 def make_token_datasets(dc: DataConfig, ev: EvalConfig) -> tuple[TokenDataset, TokenDataset | None]:

@@ -15,32 +15,32 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ..config import TrainingConfig
+from ..core.batch import shard_batch
 from ..core.comm import stats as comm_stats
 from ..core.log import get_logger
 from ..core.protocols import Engine
 from ..core.topology import Topology
 from ..models.memory import lm_loss
 from . import checkpoint
-from .data import global_batch, shard_batch
+from .data import global_batch
+from .evaluate import Evaluator
 from .nonfinite import any_rank, gradients_finite, skip_update
 from .tracking import Tracker
 
 if TYPE_CHECKING:
     from .data import Dataset
-    from .evaluate import Evaluator
 
 __all__ = [
     "Hooks",
     "SignalFlag",
     "TrainState",
     "Trainer",
-    "TrainingConfig",
     "TrainingStopped",
     "peak_memory_mb",
 ]
@@ -128,9 +128,12 @@ def peak_memory_mb() -> float:
 
 
 class Trainer:
-    """One run's loop. ``tc``: a ``TrainingConfig``; ``seq_len``: tokens per sample;
-    ``tiled_loss``: the LM head and loss in this many pieces (> 1); ``evaluator``: the
-    held-out loss after the steps it chooses (``evaluate.Evaluator``)."""
+    """One run's loop. ``tc``: a ``TrainingConfig``; ``tiled_loss``: the LM head and loss in
+    this many pieces (> 1); ``evaluator``: the held-out loss after the steps it chooses
+    (``evaluate.Evaluator``, given the trainer's loss). ``tracker`` (metrics.jsonl, wandb)
+    is set once the run knows its first step (after a resume)."""
+
+    tracker: Tracker | None = None
 
     def __init__(
         self,
@@ -139,23 +142,22 @@ class Trainer:
         dataset: Dataset,
         *,
         tc: TrainingConfig,
-        seq_len: int,
         out: Path,
-        tracker: Tracker | None = None,
         tiled_loss: int = 0,
         hooks: Hooks | None = None,
         evaluator: Evaluator | None = None,
     ) -> None:
         self.engine, self.topo, self.dataset, self.tc = engine, topo, dataset, tc
-        self.seq_len, self.out, self.tracker, self.tiled_loss = seq_len, out, tracker, tiled_loss
+        self.out, self.tiled_loss = out, tiled_loss
         self.hooks, self.evaluator = hooks or Hooks(), evaluator
         self.signals = SignalFlag(tc.save_on_signal)
         self.device = engine.device  # inputs and the loss accumulator live with the model
 
     # ------------------------------------------------------------------ batches and losses
 
-    def batch(self, step: int, micro_step: int) -> dict[str, torch.Tensor]:
-        """This rank's shard of micro batch ``micro_step`` of ``step``, on the device."""
+    def batch(self, step: int, micro_step: int) -> dict[str, Any]:
+        """This rank's shard of micro batch ``micro_step`` of ``step``, on the device, with
+        the batch's plan (``"batch"``)."""
         full = global_batch(
             self.dataset,
             step=step,
@@ -167,7 +169,7 @@ class Trainer:
         )
         return {k: t.to(self.device) for k, t in shard_batch(full, self.topo).items()}
 
-    def loss(self, local: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss(self, local: dict[str, Any]) -> torch.Tensor:
         """SP cross-entropy of this rank's shard; LM head + loss tiled when asked."""
         return lm_loss(
             self.engine,
@@ -176,11 +178,11 @@ class Trainer:
             local["position_ids"],
             local["shift_labels"],
             self.topo,
-            cu_seqlens=local.get("cu_seqlens"),
+            batch=local.get("batch"),
             tiled_loss=self.tiled_loss,
         )
 
-    def ignored_loss(self, local: dict[str, torch.Tensor]) -> torch.Tensor:
+    def ignored_loss(self, local: dict[str, Any]) -> torch.Tensor:
         """The loss of ``local`` with every label ignored (zero gradient), with the run's
         memory features: under ``tiled_loss`` the full logits are never materialised."""
         ignored = torch.full_like(local["shift_labels"], -100)
@@ -195,6 +197,19 @@ class Trainer:
         return checkpoint.save(
             self.engine, self.out, step, portable=self.tc.portable_checkpoint, hook=self.hooks
         )
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The evaluator's metrics after ``step``, with the model in eval mode; logged."""
+        assert self.evaluator is not None
+        module = self.engine.module
+        module.eval()
+        try:
+            metrics = self.evaluator(step, self.loss)
+        finally:
+            module.train()
+        if self.tracker is not None:
+            self.tracker.log(step, metrics)
+        return metrics
 
     # ------------------------------------------------------------------ the loop
 
@@ -211,8 +226,8 @@ class Trainer:
             state.step, state.since = n, state.since + finite
             if n % self.tc.log_interval == 0 or n == self.tc.max_steps:
                 self._log(state, acc)
-            if self.evaluator is not None and (metrics := self.evaluator(self, state)):
-                state.evals.append({"step": n, **metrics})
+            if self.evaluator is not None and self.evaluator.due(n, self.tc.max_steps):
+                state.evals.append({"step": n, **self.evaluate(n)})
             self.hooks.after_step(self, state)
             if self.signals.agreed(self.device):
                 self.save(n)
@@ -274,7 +289,7 @@ class Trainer:
             engine.train_micro_batch_size_per_gpu()
             * engine.gradient_accumulation_steps()
             * topo.dp_degree
-            * self.seq_len
+            * self.dataset.cfg.seq_len
         )
         metrics = {
             "loss": mean_loss,
