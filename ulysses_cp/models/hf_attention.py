@@ -51,6 +51,7 @@ __all__ = [
     "LAYER_TYPES",
     "Registered",
     "layer_type",
+    "layer_type_name",
     "local_topology",
     "recording",
     "register_attention",
@@ -124,13 +125,18 @@ def recording() -> Iterator[list[tuple[Any, dict]]]:
         _STATE["record"] = before
 
 
+def layer_type_name(name: str) -> str:
+    """A config's layer type in this module's terms (Falcon-H1's "hybrid" is causal)."""
+    return _ALIASES.get(str(name), str(name))
+
+
 def layer_type(module) -> str | None:
     """``config.layer_types[module.layer_idx]`` where the model declares layer types."""
     types = getattr(getattr(module, "config", None), "layer_types", None)
     idx = getattr(module, "layer_idx", None)
     if types is None or not isinstance(idx, int) or not 0 <= idx < len(types):
         return None
-    return _ALIASES.get(str(types[idx]), str(types[idx]))
+    return layer_type_name(types[idx])
 
 
 def temperature(module) -> tuple[float, float] | None:

@@ -221,6 +221,23 @@ def _refuse(model: nn.Module, findings: list[str], what: str) -> None:
         )
 
 
+def _same_weights(model: nn.Module, topo: Topology) -> None:
+    """Every SP rank must hold the same weights: each computes its tokens with its own
+    copy. One all-gather of a float64 checksum per parameter, one verdict everywhere."""
+    with torch.no_grad():
+        sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu()
+    every = [torch.empty_like(sums) for _ in range(topo.sp_world_size)]
+    dist.all_gather(every, sums, group=topo.sp_group)
+    differ = [r for r, other in enumerate(every) if not torch.equal(other, every[0])]
+    if differ:
+        raise ValueError(
+            f"{type(model).__name__}: the parameters differ across the sequence-parallel "
+            f"ranks (SP ranks {differ} against rank 0): every SP rank computes its tokens "
+            f"with its own copy of the weights. Seed every rank the same before building "
+            f"the model (torch.manual_seed), or load the same weights (model.hf_weights)"
+        )
+
+
 def _probe_length(config: Any, P: int, layout: str) -> int:
     """A multiple of the layout's multiple, >= 40, equal to none of the config's sizes and
     not a power of two (so that no weight dimension looks like the sequence)."""
@@ -242,6 +259,9 @@ def probe(wrapper: Any, topo: Topology | None, *, guard: bool | None = None) -> 
     model = wrapper.model
     P = 1 if topo is None else topo.sp_world_size
     guard = P > 1 if guard is None else guard
+    if P > 1:
+        assert topo is not None
+        _same_weights(model, topo)
     n = _probe_length(getattr(model, "config", None), P, wrapper.layout)
     out = model.get_output_embeddings()
     vocab, device = int(out.weight.shape[0]), out.weight.device

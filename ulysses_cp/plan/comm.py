@@ -1,5 +1,6 @@
 """Bytes one rank sends per training step: attention (all-to-all and ring, forward and
-backward) and ZeRO's collectives, split into intra-node and inter-node bytes.
+backward), hybrid models' token mixers (their all-to-alls, counted with the attention's)
+and ZeRO's collectives, split into intra-node and inter-node bytes.
 
 Attention, per layer and micro batch (:func:`forward_comm_bytes` gives the forward, the
 formulas of ``docs/design.md``; the tests compare the counters with their own copy): the
@@ -30,7 +31,7 @@ from ..core.topology import plan_groups
 from ..modes.ulysses import kv_replication
 from .shapes import ModelShape
 
-__all__ = ["attention_bytes", "forward_comm_bytes", "split_nodes", "zero_bytes"]
+__all__ = ["attention_bytes", "forward_comm_bytes", "mixer_bytes", "split_nodes", "zero_bytes"]
 
 
 def forward_comm_bytes(
@@ -73,14 +74,30 @@ def attention_bytes(
     acc = 8 if B == 8 else 4  # the dk/dv accumulators' dtype
     shares = ring if kv_exchange == "ring" else ring - 1  # dk/dv blocks sent in backward
     ring_bwd = ring_fwd + (ring_fwd // (ring - 1) * shares * acc // B if ring > 1 else 0)
-    n = shape.layers * micro_steps
+    n = shape.n_attention * micro_steps
     fwd = 2 if shape.activation_checkpointing else 1  # the recomputed forward
+    mixer = mixer_bytes(shape, seq_len=seq_len, batch=batch, sp=ulysses * ring) * micro_steps
     return {
-        "all_to_all": (fwd + 1) * a2a * n,
+        "all_to_all": (fwd + 1) * a2a * n + mixer,
         "ring_forward": fwd * ring_fwd * n,
         "ring_backward": ring_bwd * n,
-        "total": ((fwd + 1) * a2a + fwd * ring_fwd + ring_bwd) * n,
+        "mixers": mixer,
+        "total": ((fwd + 1) * a2a + fwd * ring_fwd + ring_bwd) * n + mixer,
     }
+
+
+def mixer_bytes(shape: ModelShape, *, seq_len: int, batch: int, sp: int) -> int:
+    """Bytes one rank sends per micro batch for the hybrid token mixers (all-to-alls over
+    the whole SP group): per mixer layer, ``b * s_local * (to + back) * (P-1)/P * B`` in
+    forward and again in backward (and in the recomputed forward with checkpointing)."""
+    if sp == 1:
+        return 0
+    runs = 3 if shape.activation_checkpointing else 2
+    t, total = batch * (seq_len // sp), 0
+    for m in shape.mixers:
+        to, back = m.channels(sp)
+        total += m.count * runs * (t * (to + back) * (sp - 1) // sp) * shape.dtype_bytes
+    return total
 
 
 def zero_bytes(
@@ -117,11 +134,13 @@ def split_nodes(
     node = [r // gpus_per_node for r in range(world)]
     mine = lambda groups: next(g for g in groups if 0 in g)  # noqa: E731
     intra = inter = 0
-    u_group = mine(plan.ulysses_groups)
-    if len(u_group) > 1:
-        off = sum(node[r] != node[0] for r in u_group)  # peers on other nodes
-        inter += attention["all_to_all"] * off // (len(u_group) - 1)
-        intra += attention["all_to_all"] - attention["all_to_all"] * off // (len(u_group) - 1)
+    mixers = attention.get("mixers", 0)  # all-to-alls over the whole SP group
+    for group, sent in ((mine(plan.ulysses_groups), attention["all_to_all"] - mixers),
+                        (mine(plan.sp_groups), mixers)):  # fmt: skip
+        if len(group) > 1:
+            off = sum(node[r] != node[0] for r in group)  # peers on other nodes
+            inter += sent * off // (len(group) - 1)
+            intra += sent - sent * off // (len(group) - 1)
     ring_bytes = attention["ring_forward"] + attention["ring_backward"]
     r_group = mine(plan.ring_groups)
     if len({node[r] for r in r_group}) > 1:

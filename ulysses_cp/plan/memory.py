@@ -16,7 +16,10 @@ tensor bytes of a training step on CPU (``scripts/plan_vs_measured.py``): the te
 decoder layer saves for backward, times the layers (checkpointing: the layer input only,
 on the host with offload), plus the final norm and loss, plus the largest transient of the
 step (the loss backward, a tiled MLP piece, a recomputed layer, attention staging).
-:func:`attention_activation` is the one place that knows the attention modes.
+:func:`attention_activation` is the one place that knows the attention modes. Hybrid
+models: every layer is counted as an attention layer saves (an approximation for the
+mixer layers), and a mixer's exchange buffers (its input channels sent, received and
+reordered) join the step's transients.
 """
 
 from __future__ import annotations
@@ -129,6 +132,9 @@ def activation_bytes(
     loss = 3 * V * FP32 * t // c_loss  # fp32 log-softmax, and two gradients of it
     c_mlp = shape.tiled_mlp if shape.tiled_mlp > 1 else 1
     mlp = (5 * F * B * t // c_mlp + 2 * D * B * t) if c_mlp > 1 else 0  # one piece again
+    for m in shape.mixers:  # the send, receive and natural-order copies of a mixer's input
+        staging = 3 * t * m.channels(P)[0] * B
+        attn = {**attn, "staging": max(attn["staging"], staging)}
     if shape.activation_checkpointing:
         kept = 0 if shape.offload_activations else D * B * t  # the layer input
         layers = shape.layers * kept

@@ -14,9 +14,28 @@ import torch
 
 from ..config import HFModelConfig, ModelConfig
 
-__all__ = ["ModelShape", "model_shape"]
+__all__ = ["MixerShape", "ModelShape", "model_shape"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class MixerShape:
+    """One kind of hybrid token-mixer layer (``ulysses_cp.models.hf_mixers``): ``count``
+    layers; per token, ``to_fixed`` channels go to the heads' ranks plus ``group_width``
+    for each B/C group a rank receives (Mamba2: every rank receives at least one, so
+    ``max(groups, P)`` in all), and ``back`` channels come back."""
+
+    count: int
+    to_fixed: int
+    back: int
+    group_width: int = 0
+    groups: int = 0
+
+    def channels(self, P: int) -> tuple[int, int]:
+        """Channels per token of the two all-to-alls at degree ``P``, summed over ranks."""
+        groups = max(self.groups, P) if self.group_width else 0
+        return self.to_fixed + self.group_width * groups, self.back
 
 
 @dataclass(frozen=True)
@@ -40,11 +59,18 @@ class ModelShape:
     tiled_mlp: int = 0
     tiled_loss: int = 0
     param_numels: tuple[int, ...] = ()  # every parameter tensor's size (ZeRO-3 persistence)
+    attention_layers: int | None = None  # layers with attention (None: every layer)
+    mixers: tuple[MixerShape, ...] = ()  # hybrid models' token-mixer layers
 
     def persistent(self, threshold: float) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (tensors of at most ``threshold``
         elements: DeepSpeed's ``stage3_param_persistence_threshold``, default 1e5)."""
         return sum(n for n in self.param_numels if n <= threshold)
+
+    @property
+    def n_attention(self) -> int:
+        """How many layers run attention."""
+        return self.layers if self.attention_layers is None else self.attention_layers
 
     @property
     def q_width(self) -> int:
@@ -92,5 +118,27 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
     return ModelShape(
         "hf", cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, hq, hkv, d,
         cfg.intermediate_size, dtype_bytes=dtype_bytes or DTYPE_BYTES[mc.dtype],
-        **_count(model, layers), **feats,
+        **_count(model, layers), **feats, **_hybrid(cfg, model),
     )  # fmt: skip
+
+
+def _hybrid(cfg: Any, model: torch.nn.Module) -> dict[str, Any]:
+    """The attention layers (from the config's layer types) and the mixer layers (the
+    modules ``models/hf_mixers.py`` adapts) of a Hugging Face model built on meta."""
+    from ..models.hf_attention import LAYER_TYPES, layer_type_name
+    from ..models.hf_mixers import ADAPTERS, mixer_channels
+
+    types = [layer_type_name(t) for t in getattr(cfg, "layer_types", None) or []]
+    attention = sum(t in LAYER_TYPES for t in types) if types else None
+    kinds: dict[tuple, int] = {}
+    mod: Any
+    for mod in model.modules():
+        m = mod
+        if type(m).__name__ in ADAPTERS:
+            to, back = mixer_channels(m, 1)
+            width = 2 * m.ssm_state_size if hasattr(m, "n_groups") else 0
+            groups = int(m.n_groups) if width else 0
+            key = (to - width * groups, back, width, groups)
+            kinds[key] = kinds.get(key, 0) + 1
+    mixers = tuple(MixerShape(n, *key) for key, n in kinds.items())
+    return {"attention_layers": attention, "mixers": mixers}

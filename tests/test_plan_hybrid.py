@@ -1,0 +1,67 @@
+"""The planner knows hybrid models: which layers attend, which mix tokens with an adapter
+(how many channels their all-to-alls carry), and the bytes of a training step, equal to
+the counters of a step measured here (tiny Qwen3-Next and Bamba, the shipped configs)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, topology
+from ulysses_cp.config import HFModelConfig
+from ulysses_cp.core.comm import stats
+from ulysses_cp.plan.comm import attention_bytes, mixer_bytes
+from ulysses_cp.plan.shapes import MixerShape, model_shape
+
+pytest.importorskip("transformers")
+CONFIGS = {
+    name: str(ROOT / "configs" / "hf" / f"tiny_{name}.json") for name in ("qwen3_next", "bamba")
+}
+
+
+def test_the_shape_of_a_hybrid_model():
+    qwen = model_shape(HFModelConfig(hf_config=CONFIGS["qwen3_next"]))
+    assert qwen.layers == 4 and qwen.n_attention == 1
+    # 4 key heads x 16, 8 value heads x 16: q, k, v and b, a per value head out, v back
+    assert qwen.mixers == (MixerShape(3, 2 * 64 + 128 + 16, 128),)
+    bamba = model_shape(HFModelConfig(hf_config=CONFIGS["bamba"]))
+    assert bamba.n_attention == 1
+    # 8 heads x 16 and dt out, B and C (2 x 16 per group, 2 groups) with them, 128 back
+    assert bamba.mixers == (MixerShape(3, 128 + 8, 128, 32, 2),)
+    assert bamba.mixers[0].channels(4) == (136 + 4 * 32, 128)  # a group goes to 2 ranks
+
+
+def test_mixer_bytes_follow_the_degree_and_checkpointing():
+    shape = model_shape(HFModelConfig(hf_config=CONFIGS["bamba"]))
+    kw = dict(seq_len=1024, batch=1)
+    assert mixer_bytes(shape, sp=1, **kw) == 0
+    two = mixer_bytes(shape, sp=2, **kw)
+    assert two == 3 * 2 * (512 * (136 + 64 + 128) // 2) * 4
+    assert mixer_bytes(replace(shape, activation_checkpointing=True), sp=2, **kw) == two * 3 // 2
+
+
+def _measured(rank, name, u, r):
+    from ulysses_cp.models import hf
+
+    topo = topology(u, r)
+    mc = HFModelConfig(hf_config=CONFIGS[name])
+    torch.manual_seed(0)  # the same weights on every rank
+    model = hf.build_model(topo, mc, backend="math")
+    ids = torch.randint(200, (1, 256), generator=torch.Generator().manual_seed(0))
+    local = hf.shard_batch({"input_ids": ids, "labels": ids}, topo)
+    stats.reset()
+    loss = model.loss(
+        local["input_ids"], local["position_ids"], local["shift_labels"], topo, batch=local["batch"]
+    )
+    loss.backward()
+    return stats.total("all_to_all") + stats.total("ring")
+
+
+@pytest.mark.parametrize("u,r", [(4, 1), (2, 2)], ids=str)
+@pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
+def test_hybrid_step_bytes_equal_the_plan(pools, name, u, r):
+    shape = model_shape(HFModelConfig(hf_config=CONFIGS[name]))
+    want = attention_bytes(shape, seq_len=256, batch=1, ulysses=u, ring=r)["total"]
+    assert set(pools(4).run(_measured, name, u, r)) == {want}
