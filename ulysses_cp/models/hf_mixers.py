@@ -55,6 +55,15 @@ def _by_document(ex: MixerExchange, run: Callable, *seq: torch.Tensor) -> Any:
     return torch.cat([run(*(t[:, a:b] for t in seq)) for a, b in docs], dim=1)
 
 
+def _conv_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(b, c, s)`` in a layout causal-conv1d takes (csrc/causal_conv1d.cpp): as it is
+    where channel-last is allowed (c and strides 0 and 2 multiples of 8; a view of the
+    exchanged channels, which the dt or gate channels follow), else channel-first."""
+    if x.shape[1] % 8 == 0 and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.stride(2) % 8 == 0:
+        return x
+    return x.contiguous()
+
+
 def _conv(module: Any, conv: nn.Conv1d, ex: MixerExchange, x, mine, activation):
     """Depthwise causal conv of channels ``mine`` (``x`` ``(b, s, c)`` natural order)."""
     fn = _kernel(module, "causal_conv1d_fn")
@@ -63,7 +72,7 @@ def _conv(module: Any, conv: nn.Conv1d, ex: MixerExchange, x, mine, activation):
 
     def run(piece):  # (b, s_doc, c) -> (b, c, s_doc) -> (b, s_doc, c)
         kw = {} if activation is None else {"activation": activation}
-        return fn(piece.transpose(1, 2), weight, bias, **kw).transpose(1, 2)
+        return fn(_conv_layout(piece.transpose(1, 2)), weight, bias, **kw).transpose(1, 2)
 
     return _by_document(ex, run, x)
 

@@ -1,0 +1,147 @@
+"""flash-linear-attention 0.5.2's ``chunk_gated_delta_rule`` (fla/ops/gated_delta_rule/chunk.py
+at tag v0.5.2): its parameters (``**kwargs`` included: ``chunk_size``, ``use_gate_in_kernel``,
+``A_log``, ``dt_bias``, the deprecated ``transpose_state_layout`` and ``head_first``), its
+checks and messages, and its return ``(o in q's dtype, final_state float32 or None)``, over
+the float64 recurrence of ``tests.mixer_standin.kernels``.
+
+Layout: ``[B, T, H, K]`` (``head_first`` is gone: passing it raises); value heads may be a
+multiple of the key heads (grouped value attention, new in 0.5.0; earlier releases need
+equal heads). The release makes every tensor argument contiguous itself (``input_guard``),
+so strides are no contract. Checks the release leaves to its Triton kernels (which index
+with the shapes of the docstring) are asserted here, marked "stand-in". Not modelled:
+``cp_context`` and ``use_gate_in_kernel`` (NotImplementedError), the ``dispatch`` and
+``torch.compiler.disable`` wrappers (``inspect.signature`` sees through both to these
+parameters), the device.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from tests.mixer_standin import kernels
+
+
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, options):
+        tensors = tuple(t.contiguous() if t is not None else None  # input_guard
+                        for t in (q, k, v, g, beta, initial_state))  # fmt: skip
+        ctx.options = {"scale": scale, **options}
+        o, final = _rule(*map(kernels.as64, tensors), **ctx.options)
+        ctx.save_for_backward(*tensors)
+        return o.to(q.dtype), final.float() if output_final_state else None
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        kernels.CALLS["chunk_gated_delta_rule.backward"] += 1
+        tensors = ctx.saved_tensors
+        needs = (*ctx.needs_input_grad[:5], ctx.needs_input_grad[6])
+
+        def run(*tensors):
+            return _rule(*tensors, **ctx.options)
+
+        grads = kernels.recompute_grads(run, tensors, needs, (do.contiguous(), dht))
+        return (*grads[:5], None, grads[5], None, None)
+
+
+def _rule(q, k, v, g, beta, initial, *, scale, l2norm, beta_sigmoid, state_v_first, bounds):
+    if beta_sigmoid:
+        beta = beta.sigmoid() * beta_sigmoid
+    if initial is not None and state_v_first:
+        initial = initial.transpose(-1, -2)
+    o, final = kernels.gated_delta(q, k, v, g, beta, scale, initial, l2norm, bounds)
+    return o, final.transpose(-1, -2) if state_v_first else final
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    cp_context: FLACPContext | None = None,  # noqa: F821 - the release's hint
+    **kwargs,
+):
+    """q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g (log decay) and beta ``[B, T, HV]``:
+    ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)``."""
+    kernels.CALLS["chunk_gated_delta_rule"] += 1
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError(
+                "Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`."
+            )
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        state_v_first = kwargs.pop("transpose_state_layout")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q and k must have the same number of heads, "
+            f"but got q.shape[2]={q.shape[2]} and k.shape[2]={k.shape[2]}"
+        )
+    H, HV = q.shape[2], v.shape[2]
+    if HV % H != 0:
+        raise ValueError(
+            f"For GVA, num_v_heads (HV={HV}) must be evenly divisible by "
+            f"num_heads (H={H}), but got HV % H = {HV % H}"
+        )
+    if "head_first" in kwargs:
+        raise DeprecationWarning(
+            "head_first has been removed. Inputs must be in `[B, T, H, ...]` format.",
+        )
+    chunk_size = kwargs.pop("chunk_size", 64)
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(
+            f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}."
+        )
+    if cp_context is not None:
+        raise NotImplementedError("stand-in: cp_context is not modelled")
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(
+                f"The batch size is expected to be 1 rather than {q.shape[0]} when using "
+                f"`cu_seqlens`.Please flatten variable-length inputs before processing.",
+            )
+        if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
+            raise ValueError(
+                f"The number of initial states is expected to be equal to the number of input "
+                f"sequences, i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}.",
+            )
+    use_gate_in_kernel = kwargs.get("use_gate_in_kernel", False)
+    if use_gate_in_kernel:
+        assert kwargs.get("A_log") is not None, (
+            "A_log must be provided when use_gate_in_kernel=True."
+        )
+        raise NotImplementedError("stand-in: use_gate_in_kernel is not modelled")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
+    B, T, _, K = k.shape  # the kernels' indexing (chunk_delta_h.py, chunk_fwd.py)
+    assert q.shape == k.shape, f"stand-in: q {tuple(q.shape)} and k {tuple(k.shape)} differ"
+    assert v.shape[:2] == (B, T), f"stand-in: v {tuple(v.shape)} is not [B, T, HV, V]"
+    for name, t in (("g", g), ("beta", beta)):
+        assert t.shape == (B, T, HV), f"stand-in: {name} {tuple(t.shape)} is not [B, T, HV]"
+    assert K <= 256, "current kernel does not support head dimension larger than 256."
+    options = {
+        "l2norm": use_qk_l2norm_in_kernel,
+        "beta_sigmoid": (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else 0,
+        "state_v_first": state_v_first,
+        "bounds": None if cu_seqlens is None else [int(b) for b in cu_seqlens.tolist()],
+    }
+    return ChunkGatedDeltaRuleFunction.apply(
+        q, k, v, g, beta, scale, initial_state, output_final_state, options
+    )
+
+
+chunk_gdn = chunk_gated_delta_rule
