@@ -28,7 +28,7 @@ from tests.test_hf_mixers import bamba, lfm2, qwen3_next
 transformers = pytest.importorskip("transformers")
 from ulysses_cp.models import hf  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # its own 4-rank pool
 FAMILIES = {"lfm2": lfm2, "qwen3_next": qwen3_next, "bamba": bamba}
 # the family's kernel functions (transformers' wrappers; ``__wrapped__``: its torch path)
 WRAPPERS = ("causal_conv1d_fn", "mamba2_chunk_scan", "torch_chunk_gated_delta_rule")
