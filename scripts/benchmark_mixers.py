@@ -7,7 +7,8 @@ layer (the family's module, its sequence-parallel forward) runs forward + backwa
 split their heads over all 4). Per-rank peak: the live bytes of every tensor the step
 creates (``scripts/profiling.py``, ``scratch=False``; CUDA: ``max_memory_allocated``);
 the step time (median of ``--repeats``) goes to the JSON only: 4 ranks on a 2-core machine
-do not measure speed. Prints a table and writes JSON (``--json``).
+do not measure speed. Prints a table and writes JSON (``--json``, default
+``bench_results/benchmark_mixers.json``).
 
     python scripts/benchmark_mixers.py --quick     # ~1 min on 2 cores
     python scripts/benchmark_mixers.py             # the docs/benchmarks.md table
@@ -126,7 +127,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="2048 tokens, 2 repeats")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=Path("bench_results/benchmark_mixers.json"))
     args = ap.parse_args()
     if args.quick:
         args.seq, args.repeats = 2048, 2
@@ -143,8 +144,9 @@ def main() -> None:
         print(f"{name:30s} {a['peak_bytes'] / 2**20:15.1f} {b['peak_bytes'] / 2**20:17.1f} "
               f"{ratio:6.2f} {b['bytes_sent'] / 2**20:12.2f} "
               f"{b['bytes_formula'] / 2**20:10.2f}")  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=2))
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

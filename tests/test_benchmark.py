@@ -33,6 +33,20 @@ def test_benchmark_window_quick(tmp_path):
     assert rows[("ulysses", "window N/8")]["work_to_full"] == pytest.approx(15 / 64)
 
 
+def test_benchmark_mixers_small(tmp_path):
+    """One mixer layer of each kind at P = 4 against one rank: its per-rank peak near 1/P
+    (the weights' gradients, full on every rank, keep it a little above at 1024 tokens),
+    and the bytes sent equal the formula."""
+    out = tmp_path / "mixers.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_mixers.py"), "--seq", "1024"]
+    run([*cmd, "--repeats", "1", "--json", str(out)], timeout=600)
+    rows = json.loads(out.read_text())
+    assert len(rows) == 3
+    for row in rows:
+        assert row["peak_ratio"] < 0.3, row["mixer"]
+        assert row["four"]["bytes_sent"] == row["four"]["bytes_formula"] > 0
+
+
 @pytest.mark.slow
 def test_benchmark_quick(tmp_path):
     cmd = [
