@@ -129,7 +129,7 @@ def peak_memory_mb() -> float:
 
 class Trainer:
     """One run's loop. ``tc``: a ``TrainingConfig``; ``tiled_loss``: the LM head and loss in
-    this many pieces (> 1); ``evaluator``: the held-out loss after the steps it chooses
+    this many pieces (> 1; ``"auto"``: sized by bytes, ``core.tiles``); ``evaluator``: the held-out loss after the steps it chooses
     (``evaluate.Evaluator``, given the trainer's loss). ``tracker`` (metrics.jsonl, wandb)
     is set once the run knows its first step (after a resume)."""
 
@@ -143,7 +143,7 @@ class Trainer:
         *,
         tc: TrainingConfig,
         out: Path,
-        tiled_loss: int = 0,
+        tiled_loss: int | str = 0,
         hooks: Hooks | None = None,
         evaluator: Evaluator | None = None,
     ) -> None:
