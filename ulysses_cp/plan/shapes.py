@@ -56,8 +56,8 @@ class ModelShape:
     dtype_bytes: int  # parameters and activations
     activation_checkpointing: bool = False
     offload_activations: bool = False
-    tiled_mlp: int = 0
-    tiled_loss: int = 0
+    tiled_mlp: int | str = 0  # a count, or "auto" (resolved per length: plan.memory.tile_counts)
+    tiled_loss: int | str = 0
     param_numels: tuple[int, ...] = ()  # every parameter tensor's size (ZeRO-3 persistence)
     attention_layers: int | None = None  # layers with attention (None: every layer)
     mixers: tuple[MixerShape, ...] = ()  # hybrid models' token-mixer layers
