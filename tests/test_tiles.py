@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
+from tests.helpers import ROOT
 from ulysses_cp.config import ModelConfig
 from ulysses_cp.core import tiles
 from ulysses_cp.core.tiles import resolve_tiles
 from ulysses_cp.models.decoder import Decoder
 from ulysses_cp.models.memory import TiledMLP, lm_loss, loss_tiles
 from ulysses_cp.plan.memory import activation_bytes
-from ulysses_cp.plan.search import Run, predict
+from ulysses_cp.plan.search import Hardware, Run, predict
 from ulysses_cp.plan.shapes import ModelShape
 
 
@@ -59,8 +60,7 @@ def test_the_planner_resolves_auto_by_the_same_rule():
     assert auto == activation_bytes(_shape(tiled_mlp=mlp, tiled_loss=loss), **kw)
     assert auto != activation_bytes(_shape(tiled_mlp=8, tiled_loss=8), **kw)
     run = Run(8, 1, "zigzag", 3, 1, True, True, "auto", "auto")
-    got = predict(_shape(), run, seq_len=N, batch=1, micro_steps=1, world=8,
-                  hw=__import__("ulysses_cp.plan.search").plan.search.Hardware())  # fmt: skip
+    got = predict(_shape(), run, seq_len=N, batch=1, micro_steps=1, world=8, hw=Hardware())
     assert got["tiles"] == {"mlp": mlp, "loss": loss}
     assert got["activation_bytes_per_rank"] == auto["total"]
 
@@ -130,3 +130,38 @@ def test_auto_tiles_on_a_hugging_face_model(monkeypatch):
         results.append([loss.detach(), *(p.grad.clone() for p in model.parameters())])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_table_says_every_number_is_a_prediction():
+    from ulysses_cp.config import RunConfig
+    from ulysses_cp.plan.cli import plan, table
+
+    run = RunConfig.load(ROOT / "configs" / "tiny_cpu_zero2_u2r2.json")
+    result = plan(run, world=4, hw=Hardware(gpu_mem_gb=0.02, gpus_per_node=2), seq_step=16)
+    lines = table(result).splitlines()
+    assert lines[0].startswith("PREDICTED, not measured.")
+    assert lines[-1].endswith("is a prediction of the planner's cost model (docs/planner.md), "
+                              "not a measurement")  # fmt: skip
+    n = result["config"]["max_seq_len"]
+    assert any(f"predicted peak of the config as written at its longest sequence, {n}" in x
+               for x in lines)  # fmt: skip
+    at = result["config_at_max_seq_len"]
+    assert at["seq_len"] == n and at["peak_bytes_per_rank"] <= 0.02 * 2**30
+
+
+@pytest.mark.parametrize("gib, goal", [(80, 5_000_000), (141, 9_000_000)])
+def test_the_8b_config_is_predicted_to_reach_the_goals(gib, goal):
+    """The shipped Llama-3-8B config (auto tiles) on 8 GPUs: the planner's longest
+    sequence for the config as written (its own search, no candidates)."""
+    pytest.importorskip("transformers")
+    from ulysses_cp.config import RunConfig
+    from ulysses_cp.plan.cli import base_run
+    from ulysses_cp.plan.search import GiB, longest
+    from ulysses_cp.plan.shapes import model_shape
+
+    run = RunConfig.load(ROOT / "configs" / "llama3_8b_8gpu_zero3_u8r1.json")
+    assert run.model.tiled_mlp == run.model.tiled_loss == "auto"
+    shape, base = model_shape(run.model, dtype_bytes=2), base_run(run)
+    peak = lambda n: predict(shape, base, seq_len=n, batch=1, micro_steps=1, world=8,  # noqa: E731
+                             hw=Hardware())["peak_bytes_per_rank"]  # fmt: skip
+    assert longest(peak, 16 * 1024, gib * GiB) >= goal

@@ -48,7 +48,7 @@ def check_tiles(setting: object, name: str) -> None:
         return
     raise ValueError(
         f'{name} must be "auto" (tiles sized by bytes) or a number of tiles >= 0 '
-        f"(0 or 1: untiled), got {setting!r}; for example {name.split('.')[-1]}: \"auto\""
+        f'(0 or 1: untiled), got {setting!r}; for example {name.split(".")[-1]}: "auto"'
     )
 
 

@@ -135,10 +135,9 @@ def _row(c: dict, unit: int) -> str:
     mem = (
         "ckpt+off" if c["offload_activations"] else "ckpt" if c["activation_checkpointing"] else "-"
     )
-    tiled = "-"
-    if c["tiles"]["mlp"] > 1 or c["tiles"]["loss"] > 1 or "auto" in (c["tiled_mlp"], c["tiled_loss"]):
-        tiled = f"{c['tiles']['mlp']}/{c['tiles']['loss']}"
-        tiled = f"a{tiled}" if "auto" in (c["tiled_mlp"], c["tiled_loss"]) else tiled
+    auto = "auto" in (c["tiled_mlp"], c["tiled_loss"])  # "a": counts resolved at seq_len
+    tiled = f"{c['tiles']['mlp']}/{c['tiles']['loss']}"
+    tiled = f"a{tiled}" if auto else tiled if max(c["tiles"].values()) > 1 else "-"
     return (
         f"u{c['ulysses_degree']:<3}r{c['ring_degree']:<3} {c['layout']:<10} z{c['zero_stage']} "
         f"c{c['head_chunks']:<2} {mem:<8} {tiled:<9} {_gib(c['static_bytes_per_rank']):>8} "
@@ -164,7 +163,8 @@ def table(result: dict, top: int = 10) -> str:
             seen.add(key)
             fit.append(c)
     lines = [
-        f"PREDICTED, not measured. plan: {i['deepspeed_config']}  world {i['world']} ({hw['gpus_per_node']} per node), "
+        f"PREDICTED, not measured. plan: {i['deepspeed_config']}  world {i['world']} "
+        f"({hw['gpus_per_node']} per node), "
         f"seq_len {i['seq_len']}, {i['model_params'] / 1e9:.3g}B params, "
         f"{hw['gpu_mem_gb']:g} GiB per GPU; memory in {name} per rank, GB per step per rank",
         head,
