@@ -104,7 +104,10 @@ def plan(
 
     written = one(base)
     longest_n = written["max_seq_len"]
-    at_longest = {"seq_len": longest_n, **at(base, longest_n)} if longest_n else None
+    at_longest = None
+    if longest_n:
+        at_longest = {"seq_len": longest_n, "tokens_per_rank": batch * longest_n // base.sp,
+                      **at(base, longest_n)}  # fmt: skip
     cands = [one(r) for r in candidates(shape, base, world=world, seq_len=N)]
     cands.sort(key=lambda c: (not c["fits"], c["predicted_step_s"], -c["max_seq_len"]))
     if max_candidates is not None:
@@ -176,7 +179,7 @@ def table(result: dict, top: int = 10) -> str:
     if result["chosen"] is None:
         lines.append("nothing fits: more GPUs, a shorter --seq-len or more --gpu-mem-gb")
     if result.get("config_at_max_seq_len"):
-        lines += breakdown(result["config_at_max_seq_len"], i["world"])
+        lines += breakdown(result["config_at_max_seq_len"])
     lines.append(
         "every number above is a prediction of the planner's cost model (docs/planner.md), "
         "not a measurement"
@@ -184,22 +187,22 @@ def table(result: dict, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def breakdown(p: dict, world: int) -> list[str]:
+def breakdown(p: dict) -> list[str]:
     """What the predicted peak of the config as written holds at its longest sequence."""
     g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
     st, act, tp = p["static_parts"], p["activation_parts"], p["activation_parts"]["transient_parts"]
-    t = p["seq_len"] // world if world else p["seq_len"]
+    t = p["tokens_per_rank"]
     return [
         f"predicted peak of the config as written at its longest sequence, {p['seq_len']} "
         f"tokens (tiles mlp/loss {p['tiles']['mlp']}/{p['tiles']['loss']}): "
-        f"{g(p['peak_bytes_per_rank'])} GiB per rank",
+        f"{g(p['peak_bytes_per_rank'])} GiB per rank, parts in GiB:",
         f"  static {g(p['static_bytes_per_rank'])}: "
         + ", ".join(f"{k} {g(v)}" for k, v in st.items()),
         f"  activation {g(act['total'])}: kept by the layers {g(act['layers'])}, final norm "
         f"{g(act['top'])}, largest transient {g(act['transient'])} of "
         + ", ".join(f"{k} {g(v)}" for k, v in tp.items()),
-        f"  ({t} tokens per rank if every rank holds a share: "
-        f"{act['total'] / max(t, 1) / 1024:.1f} KiB of activation per token)",
+        f"  ({t} tokens per rank: {act['total'] / max(t, 1) / 1024:.1f} KiB of activation "
+        "per token)",
     ]
 
 
