@@ -21,6 +21,7 @@ parameter gathers in step (the local length is the same on every rank).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -92,9 +93,9 @@ def tile_mlps(
 def vocab_size(head: nn.Module) -> int:
     """The output width of an LM head (an ``nn.Linear``, or a module holding one as
     ``linear``); ZeRO-3's partitioned weight keeps its full shape in ``ds_shape``."""
-    inner = getattr(head, "linear", head)
+    inner: Any = getattr(head, "linear", head)
     if isinstance(getattr(inner, "out_features", None), int):
-        return inner.out_features
+        return int(inner.out_features)
     weight = inner.weight
     return int(getattr(weight, "ds_shape", weight.shape)[0])
 

@@ -25,6 +25,7 @@ reordered) join the step's transients.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..core.tiles import resolve_tiles
 from ..modes.ulysses import kv_replication
@@ -129,7 +130,7 @@ def _layer_saved(shape: ModelShape, t: int, mlp_tiles: int) -> int:
 def activation_bytes(
     shape: ModelShape, *, seq_len: int, batch: int, ulysses: int, ring: int,
     head_chunks: int = 1, kv_exchange: str = "ring",
-) -> dict[str, int]:  # fmt: skip
+) -> dict[str, Any]:  # fmt: skip
     """The activation peak of one training step on one rank, and its parts (bytes):
     ``layers`` (what every layer keeps), ``top`` (final norm), ``transient`` (the largest
     of ``transient_parts``: the loss of one tile, and the recomputed layer with its
