@@ -32,6 +32,7 @@ from ulysses_cp.training.data import make_datasets
 from ulysses_cp.training.evaluate import Evaluator
 from ulysses_cp.training.tracking import Tracker
 from ulysses_cp.training.trainer import Hooks, Trainer, TrainingStopped
+from ulysses_cp.training.zero_comm import zero_wire_bytes
 
 log = get_logger("train")
 log_all = get_logger("train.ranks", all_ranks=True)
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
 
     torch.manual_seed(tc.seed)
     model = build_model(mc, topo)
+    # every parameter once (ZeRO-3 keeps a partitioned one's full size in ds_numel)
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     optimizer, ds_run = cpu_optimizer(run, model)
     engine = ucp.initialize(model=model, config=ds_run, topo=topo, optimizer=optimizer)
     info = {"world_size": topo.world_size, "dp": topo.dp_degree, "ulysses": topo.ulysses_degree,
@@ -108,6 +111,11 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         evaluator = Evaluator(held_out, run.eval, topo, micro_batch=micro, device=engine.device)
     trainer = Trainer(engine, topo, dataset, tc=tc, out=out, tiled_loss=mc.tiled_loss,
                       hooks=hooks, evaluator=evaluator)  # fmt: skip
+    trainer.zero_bytes_per_step = zero_wire_bytes(
+        ds_run.raw, params=n_params, world=topo.world_size,
+        element_bytes=next(engine.module.parameters()).element_size(),
+        micro_steps=engine.gradient_accumulation_steps(),
+    )  # fmt: skip
     start = 0
     if resuming:
         tag = checkpoint.latest_tag(out)
@@ -120,7 +128,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         resume=resuming, start_step=start,
     )  # fmt: skip
     log.info(
-        f"training {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+        f"training {n_params / 1e6:.2f}M params, "
         f"{info}, seq_len {dc.seq_len}, steps {start}..{tc.max_steps}, output {out}"
     )
     try:

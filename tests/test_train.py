@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import LAUNCH, ROOT, launch, metrics, run_config, write_config
+from ulysses_cp.config import RunConfig
+from ulysses_cp.plan.cli import plan
+from ulysses_cp.plan.search import Hardware
 
 pytestmark = pytest.mark.launcher
 
@@ -37,8 +40,17 @@ def test_train_metrics_wandb_checkpoint_and_resume(tmp_path):
             "tokens_per_s",
             "peak_mem_mb",
             "comm_bytes_per_step",
+            "attention_comm_bytes_per_step",
         }
-        assert r["comm_bytes_per_step"] > 0
+    # one name per quantity: the logged bytes are the plan's, attention measured (the
+    # all-to-all counters) and ZeRO-2's all-reduce + all-gather of 2 ranks by formula,
+    # micro batches (2) included
+    got = plan(RunConfig.load(cfg), world=2, hw=Hardware())["config"]
+    zero = sum(got["zero_comm_bytes_per_step"].values())
+    assert got["attention_comm_bytes_per_step"] > 0 and zero > 0
+    for r in rows:
+        assert r["attention_comm_bytes_per_step"] == got["attention_comm_bytes_per_step"]
+        assert r["comm_bytes_per_step"] == got["comm_bytes_per_step_per_rank"]
     assert "step     4  loss" in res  # the progress line
     assert (full / "latest").read_text().strip() == "step4"
     assert (full / "step2").is_dir() and (full / "step4").is_dir()

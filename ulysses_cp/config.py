@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from .core.options import Backend, KVExchange, Layout
+from .core.tiles import check_tiles
 from .schema import at_least, check_top_level_keys, from_block, resolve_paths
 
 __all__ = [
@@ -117,10 +118,7 @@ class SequenceParallelConfig:
 def check_memory_options(block: ModelConfig | HFModelConfig) -> None:
     """The ALST switches shared by the reference decoder and Hugging Face models."""
     for n in ("tiled_mlp", "tiled_loss"):
-        if getattr(block, n) < 0:
-            raise ValueError(
-                f"model.{n} must be a number of pieces >= 0, got {getattr(block, n)!r}"
-            )
+        check_tiles(getattr(block, n), f"model.{n}")
     if block.offload_activations and not block.activation_checkpointing:
         raise ValueError(
             "model.offload_activations moves the checkpointed layer inputs to CPU: it needs "
@@ -142,8 +140,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     activation_checkpointing: bool = False
     offload_activations: bool = False  # checkpointed layer inputs wait on CPU (needs the above)
-    tiled_mlp: int = 0  # > 1: the MLP in this many sequence pieces (models/memory.py)
-    tiled_loss: int = 0  # > 1: LM head + loss in this many pieces, no full logits
+    # > 1: the MLP in this many sequence pieces (models/memory.py); "auto": sized by bytes
+    # (core/tiles.py)
+    tiled_mlp: int | Literal["auto"] = 0
+    tiled_loss: int | Literal["auto"] = 0  # LM head + loss in pieces, no full logits
 
     @classmethod
     def from_dict(cls, cfg: dict | None) -> ModelConfig:
@@ -173,8 +173,8 @@ class HFModelConfig:
     dtype: HFDtype = "float32"
     activation_checkpointing: bool = False
     offload_activations: bool = False
-    tiled_mlp: int = 0
-    tiled_loss: int = 0
+    tiled_mlp: int | Literal["auto"] = 0
+    tiled_loss: int | Literal["auto"] = 0
 
     @classmethod
     def from_dict(cls, block: dict | None) -> HFModelConfig:

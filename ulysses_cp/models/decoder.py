@@ -64,7 +64,8 @@ class Block(nn.Module):
         self.proj = nn.Linear(h * d, cfg.dim, bias=False)
         self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
-        self.mlp = TiledMLP(mlp, cfg.tiled_mlp) if cfg.tiled_mlp > 1 else mlp
+        tiled = cfg.tiled_mlp == "auto" or int(cfg.tiled_mlp) > 1
+        self.mlp = TiledMLP(mlp, cfg.tiled_mlp, cfg.ffn_dim) if tiled else mlp
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attn: Callable) -> torch.Tensor:
         cfg = self.cfg

@@ -52,6 +52,7 @@ __all__ = [
     "DTYPES",
     "HFCausalLM",
     "build_model",
+    "ffn_width",
     "from_config",
     "heads",
     "load_config",
@@ -233,9 +234,10 @@ class HFCausalLM(nn.Module):
         topo: Topology,
         *,
         batch: BatchPlan | None = None,
-        tiled_loss: int = 0,
+        tiled_loss: int | str = 0,
     ) -> torch.Tensor:
-        """SP cross-entropy of shifted ``labels`` (tiled when ``tiled_loss > 1``)."""
+        """SP cross-entropy of shifted ``labels`` (tiled when ``tiled_loss`` is > 1 or
+        ``"auto"`` resolves to more than one tile)."""
         return lm_loss(
             self,
             self.head,
@@ -303,6 +305,12 @@ def from_config(config: Any, *, dtype: torch.dtype = torch.float32, hf_weights=N
     return model
 
 
+def ffn_width(config: Any) -> int:
+    """The MLP's intermediate width of a transformers config (``intermediate_size``, else
+    4 x hidden): what ``"tiled_mlp": "auto"`` and the planner size MLP tiles by."""
+    return getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+
+
 def heads(config: Any) -> tuple[int, int]:
     """(query heads, kv heads) of a transformers config (:func:`load_config`'s result)."""
     hq = config.num_attention_heads
@@ -319,8 +327,8 @@ def build_model(
     register_attention(topo, backend=backend, layout=layout)
     config = load_config(mc.hf_config)
     model = from_config(config, dtype=DTYPES[mc.dtype], hf_weights=mc.hf_weights)
-    if mc.tiled_mlp > 1:
-        tile_mlps(model, mc.tiled_mlp)
+    # "auto" sizes the tiles from the MLP's intermediate width (core/tiles.py)
+    tile_mlps(model, mc.tiled_mlp, width=ffn_width(config))
     wrapped = HFCausalLM(
         model,
         topo=topo,

@@ -21,6 +21,7 @@ parameter gathers in step (the local length is the same on every rank).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..core.batch import BatchPlan
+from ..core.tiles import TileSetting, check_tiles, resolve_tiles
 from ..core.topology import Topology
 from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss_from_sums
 
@@ -35,37 +37,81 @@ __all__ = [
     "TiledMLP",
     "checkpointed",
     "lm_loss",
+    "loss_tiles",
     "tile_mlps",
     "tiled_cross_entropy",
+    "vocab_size",
 ]
 
 
 class TiledMLP(nn.Module):
     """Wrap a per-token module (``(b, s, D) -> (b, s, D)``) to run in ``chunks`` pieces of
-    the sequence (dim 1). ``chunks <= 1`` runs it whole."""
+    the sequence (dim 1). ``chunks <= 1`` runs it whole; ``"auto"`` sizes the pieces by
+    bytes from the input's shape and ``width`` (the MLP's intermediate width), by
+    ``core.tiles.resolve_tiles``."""
 
-    def __init__(self, mlp: nn.Module, chunks: int) -> None:
+    def __init__(self, mlp: nn.Module, chunks: TileSetting, width: int | None = None) -> None:
         super().__init__()
-        self.mlp, self.chunks = mlp, int(chunks)
+        check_tiles(chunks, "model.tiled_mlp")
+        if chunks == "auto" and not width:
+            raise ValueError('TiledMLP(chunks="auto") needs width: the MLP\'s intermediate width')
+        self.mlp, self.chunks, self.width = mlp, chunks, width
+
+    def pieces(self, x: torch.Tensor) -> int:
+        """How many pieces ``x`` ``(b, s, D)`` runs in."""
+        n = resolve_tiles(
+            self.chunks, "mlp", tokens=x.shape[0] * x.shape[1], width=self.width or 0,
+            element_bytes=x.element_size(),
+        )  # fmt: skip
+        return min(n, x.shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.chunks <= 1 or not torch.is_grad_enabled():
+        n = self.pieces(x) if torch.is_grad_enabled() else 1
+        if n <= 1:
             return self.mlp(x)
-        pieces = x.chunk(min(self.chunks, x.shape[1]), dim=1)
+        pieces = x.chunk(n, dim=1)
         return torch.cat([checkpoint(self.mlp, p, use_reentrant=False) for p in pieces], dim=1)
 
 
-def tile_mlps(model: nn.Module, chunks: int, attr: str = "mlp") -> int:
-    """Wrap every submodule attribute named ``attr`` in :class:`TiledMLP`; returns how many."""
-    if chunks <= 1:
+def tile_mlps(
+    model: nn.Module, chunks: TileSetting, attr: str = "mlp", *, width: int | None = None
+) -> int:
+    """Wrap every submodule attribute named ``attr`` in :class:`TiledMLP` (``width``: the
+    MLP's intermediate width, needed by ``"auto"``); returns how many. 0 or 1: none."""
+    check_tiles(chunks, "model.tiled_mlp")
+    if chunks != "auto" and int(chunks) <= 1:
         return 0
     n = 0
     for module in list(model.modules()):
         inner = getattr(module, attr, None)
         if isinstance(inner, nn.Module) and not isinstance(inner, TiledMLP):
-            setattr(module, attr, TiledMLP(inner, chunks))
+            setattr(module, attr, TiledMLP(inner, chunks, width))
             n += 1
     return n
+
+
+def vocab_size(head: nn.Module) -> int:
+    """The output width of an LM head (an ``nn.Linear``, or a module holding one as
+    ``linear``); ZeRO-3's partitioned weight keeps its full shape in ``ds_shape``."""
+    inner: Any = getattr(head, "linear", head)
+    if isinstance(getattr(inner, "out_features", None), int):
+        return int(inner.out_features)
+    weight = inner.weight
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
+
+
+def loss_tiles(setting: TileSetting, head: nn.Module, input_ids: torch.Tensor) -> int:
+    """How many pieces the loss of ``input_ids`` ``(b, s_local)`` runs in (1: untiled);
+    ``"auto"`` reads the vocabulary and dtype from ``head``."""
+    check_tiles(setting, "model.tiled_loss")
+    width = element_bytes = 0
+    if setting == "auto":
+        width = vocab_size(head)
+        element_bytes = next(head.parameters()).element_size()
+    n = resolve_tiles(
+        setting, "loss", tokens=input_ids.numel(), width=width, element_bytes=element_bytes
+    )
+    return min(n, input_ids.shape[-1])
 
 
 def _ce_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int):
@@ -115,15 +161,17 @@ def lm_loss(
     topo: Topology,
     *,
     batch: BatchPlan | None = None,
-    tiled_loss: int = 0,
+    tiled_loss: TileSetting = 0,
 ) -> torch.Tensor:
     """SP cross-entropy of a causal LM on this rank's shard. ``forward(input_ids,
     position_ids, batch, return_hidden=...)`` is the model (or its DeepSpeed engine);
-    ``batch``: the batch's plan (``ucp.shard_batch``); with ``tiled_loss > 1`` the model
+    ``batch``: the batch's plan (``ucp.shard_batch``); when ``tiled_loss`` resolves to more
+    than one piece (an integer > 1, or ``"auto"`` by bytes: :func:`loss_tiles`) the model
     returns hidden states and ``head`` + loss run tiled."""
-    if tiled_loss > 1:
+    chunks = loss_tiles(tiled_loss, head, input_ids)
+    if chunks > 1:
         hidden = forward(input_ids, position_ids, batch, return_hidden=True)
-        return tiled_cross_entropy(hidden, head, labels, topo, chunks=tiled_loss)
+        return tiled_cross_entropy(hidden, head, labels, topo, chunks=chunks)
     return sequence_parallel_cross_entropy(forward(input_ids, position_ids, batch), labels, topo)
 
 

@@ -23,7 +23,7 @@ from ..modes.ulysses import kv_replication, resolve_head_chunks
 from .search import GiB, Hardware, Run, ZeroKnobs, candidates, longest, predict
 from .shapes import model_shape
 
-__all__ = ["base_run", "main", "parse_args", "plan", "plan_for_launch", "table"]
+__all__ = ["base_run", "breakdown", "main", "parse_args", "plan", "plan_for_launch", "table"]
 
 KEYS = ("peak_bytes_per_rank", "static_bytes_per_rank", "activation_bytes_per_rank",
         "comm_bytes_per_step_per_rank")  # fmt: skip
@@ -103,6 +103,11 @@ def plan(
                 "max_seq_len": longest(peak, unit, budget), **pred}  # fmt: skip
 
     written = one(base)
+    longest_n = written["max_seq_len"]
+    at_longest = None
+    if longest_n:
+        at_longest = {"seq_len": longest_n, "tokens_per_rank": batch * longest_n // base.sp,
+                      **at(base, longest_n)}  # fmt: skip
     cands = [one(r) for r in candidates(shape, base, world=world, seq_len=N)]
     cands.sort(key=lambda c: (not c["fits"], c["predicted_step_s"], -c["max_seq_len"]))
     if max_candidates is not None:
@@ -114,6 +119,7 @@ def plan(
                    "model_params": shape.params, "dtype_bytes": shape.dtype_bytes},
         "hardware": asdict(hw),
         "config": written,
+        "config_at_max_seq_len": at_longest,
         "candidates": cands,
         "chosen": chosen,
     }  # fmt: skip
@@ -132,12 +138,12 @@ def _row(c: dict, unit: int) -> str:
     mem = (
         "ckpt+off" if c["offload_activations"] else "ckpt" if c["activation_checkpointing"] else "-"
     )
-    tiled = (
-        f"{c['tiled_mlp']}/{c['tiled_loss']}" if c["tiled_mlp"] > 1 or c["tiled_loss"] > 1 else "-"
-    )
+    auto = "auto" in (c["tiled_mlp"], c["tiled_loss"])  # "a": counts resolved at seq_len
+    tiled = f"{c['tiles']['mlp']}/{c['tiles']['loss']}"
+    tiled = f"a{tiled}" if auto else tiled if max(c["tiles"].values()) > 1 else "-"
     return (
         f"u{c['ulysses_degree']:<3}r{c['ring_degree']:<3} {c['layout']:<10} z{c['zero_stage']} "
-        f"c{c['head_chunks']:<2} {mem:<8} {tiled:<5} {_gib(c['static_bytes_per_rank']):>8} "
+        f"c{c['head_chunks']:<2} {mem:<8} {tiled:<9} {_gib(c['static_bytes_per_rank']):>8} "
         f"{_gib(c['activation_bytes_per_rank']):>8} {_gib(c['peak_bytes_per_rank']):>8} "
         f"{c['intra_node_bytes'] / 1e9:>8.3g} {c['inter_node_bytes'] / 1e9:>8.3g} "
         f"{c['predicted_step_s']:>8.3g} {'yes' if c['fits'] else 'no':>4} {c['max_seq_len']:>9}"
@@ -149,7 +155,7 @@ def table(result: dict, top: int = 10) -> str:
     i, hw = result["inputs"], result["hardware"]
     unit, name = (GiB, "GiB") if result["config"]["peak_bytes_per_rank"] >= GiB else (2**20, "MiB")
     head = (
-        f"{'split':<9} {'layout':<10} {'zero':<4} {'chk':<3} {'act mem':<8} {'tiled':<5} "
+        f"{'split':<9} {'layout':<10} {'zero':<4} {'chk':<3} {'act mem':<8} {'tiles m/l':<9} "
         f"{'static':>8} {'activ.':>8} {'peak':>8} {'intra GB':>8} {'inter GB':>8} "
         f"{'step s':>8} {'fits':>4} {'max seq':>9}"
     )
@@ -160,7 +166,8 @@ def table(result: dict, top: int = 10) -> str:
             seen.add(key)
             fit.append(c)
     lines = [
-        f"plan: {i['deepspeed_config']}  world {i['world']} ({hw['gpus_per_node']} per node), "
+        f"PREDICTED, not measured. plan: {i['deepspeed_config']}  world {i['world']} "
+        f"({hw['gpus_per_node']} per node), "
         f"seq_len {i['seq_len']}, {i['model_params'] / 1e9:.3g}B params, "
         f"{hw['gpu_mem_gb']:g} GiB per GPU; memory in {name} per rank, GB per step per rank",
         head,
@@ -171,7 +178,32 @@ def table(result: dict, top: int = 10) -> str:
     ]
     if result["chosen"] is None:
         lines.append("nothing fits: more GPUs, a shorter --seq-len or more --gpu-mem-gb")
+    if result.get("config_at_max_seq_len"):
+        lines += breakdown(result["config_at_max_seq_len"])
+    lines.append(
+        "every number above is a prediction of the planner's cost model (docs/planner.md), "
+        "not a measurement"
+    )
     return "\n".join(lines)
+
+
+def breakdown(p: dict) -> list[str]:
+    """What the predicted peak of the config as written holds at its longest sequence."""
+    g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
+    st, act, tp = p["static_parts"], p["activation_parts"], p["activation_parts"]["transient_parts"]
+    t = p["tokens_per_rank"]
+    return [
+        f"predicted peak of the config as written at its longest sequence, {p['seq_len']} "
+        f"tokens (tiles mlp/loss {p['tiles']['mlp']}/{p['tiles']['loss']}): "
+        f"{g(p['peak_bytes_per_rank'])} GiB per rank, parts in GiB:",
+        f"  static {g(p['static_bytes_per_rank'])}: "
+        + ", ".join(f"{k} {g(v)}" for k, v in st.items()),
+        f"  activation {g(act['total'])}: kept by the layers {g(act['layers'])}, final norm "
+        f"{g(act['top'])}, largest transient {g(act['transient'])} of "
+        + ", ".join(f"{k} {g(v)}" for k, v in tp.items()),
+        f"  ({t} tokens per rank: {act['total'] / max(t, 1) / 1024:.1f} KiB of activation "
+        "per token)",
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

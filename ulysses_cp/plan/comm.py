@@ -9,10 +9,12 @@ output go the other way); the ring's backward passes each kv block on ``r - 1`` 
 (model dtype) and each dk/dv accumulator ``r`` times in fp32 (fp64 for fp64 models), so
 ``ring_bwd = ring_fwd * (1 + r/(r-1) * acc/B)``; with ``kv_exchange="allgather"`` the
 backward gathers the kv again and sends ``r - 1`` dk/dv shares, ``ring_fwd * (1 + acc/B)``.
-These are the counters of
-``ulysses_cp.core.comm.stats`` that ``metrics.jsonl``'s ``comm_bytes_per_step`` sums.
+These are the counters of ``ulysses_cp.core.comm.stats`` that ``metrics.jsonl``'s
+``attention_comm_bytes_per_step`` sums (its ``comm_bytes_per_step`` adds ZeRO's bytes
+below, as the plan's ``comm_bytes_per_step_per_rank`` does).
 
-ZeRO, as DeepSpeed issues it (message bytes as its comms logger records them): ZeRO-1/2
+ZeRO (the formula's home is ``ulysses_cp.training.zero_comm``, which the run logs with),
+as DeepSpeed issues it (message bytes as its comms logger records them): ZeRO-1/2
 all-reduce the gradients (``psi * B``; ZeRO-1 once per step, ZeRO-2 every micro batch) and
 all-gather the updated parameter partitions after the step (``psi * B / n`` per rank);
 ZeRO-3 all-gathers the parameters for the forward (and again for the backward when the
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from ..core.topology import plan_groups
 from ..modes.ulysses import kv_replication
+from ..training.zero_comm import zero_collectives
 from .shapes import ModelShape
 
 __all__ = ["attention_bytes", "forward_comm_bytes", "mixer_bytes", "split_nodes", "zero_bytes"]
@@ -105,23 +108,12 @@ def zero_bytes(
     max_live_parameters: float = 1e9,
 ) -> dict[str, dict[str, int]]:  # fmt: skip
     """ZeRO's collectives per step: ``{op: {"logged": message bytes, "wire": bytes this
-    rank sends}}`` (empty with one rank: nothing to reduce)."""
-    n, S = world, shape.params * shape.dtype_bytes
-    if n == 1:
-        return {}
-    part = -(-shape.params // n) * shape.dtype_bytes
-    if stage == 3:
-        gathers = 2 if shape.params > max_live_parameters else 1
-        return {
-            "all_gather": {"logged": gathers * part * micro_steps,
-                           "wire": gathers * (n - 1) * part * micro_steps},
-            "reduce_scatter": {"logged": S * micro_steps, "wire": (n - 1) * S // n * micro_steps},
-        }  # fmt: skip
-    reduces = micro_steps if stage == 2 else 1
-    return {
-        "all_reduce": {"logged": S * reduces, "wire": 2 * (n - 1) * S // n * reduces},
-        "all_gather": {"logged": part if stage else 0, "wire": (n - 1) * part if stage else 0},
-    }
+    rank sends}}`` (empty with one rank: nothing to reduce), by the rule the run logs
+    (``training.zero_comm``)."""
+    return zero_collectives(
+        params=shape.params, element_bytes=shape.dtype_bytes, stage=stage, world=world,
+        micro_steps=micro_steps, max_live_parameters=max_live_parameters,
+    )  # fmt: skip
 
 
 def split_nodes(

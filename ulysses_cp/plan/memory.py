@@ -25,11 +25,13 @@ reordered) join the step's transients.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from ..core.tiles import resolve_tiles
 from ..modes.ulysses import kv_replication
 from .shapes import ModelShape
 
-__all__ = ["Memory", "activation_bytes", "attention_activation", "static_bytes"]
+__all__ = ["Memory", "activation_bytes", "attention_activation", "static_bytes", "tile_counts"]
 
 FP32 = 4
 
@@ -103,21 +105,36 @@ def attention_activation(
     return {"saved": saved, "staging": staging}
 
 
-def _layer_saved(shape: ModelShape, t: int) -> int:
+def tile_counts(shape: ModelShape, t: int) -> dict[str, int]:
+    """The MLP and loss tiles the run uses for ``t`` tokens on a rank (``"auto"`` by the
+    run's own rule, ``core.tiles.resolve_tiles``; 1: untiled)."""
+    B = shape.dtype_bytes
+    return {
+        "mlp": resolve_tiles(shape.tiled_mlp, "mlp", tokens=t, width=shape.ffn, element_bytes=B),
+        "loss": resolve_tiles(
+            shape.tiled_loss, "loss", tokens=t, width=shape.vocab, element_bytes=B
+        ),
+    }
+
+
+def _layer_saved(shape: ModelShape, t: int, mlp_tiles: int) -> int:
     """Bytes one decoder layer saves for backward, local attention (measured: the
     reference decoder keeps the fused qkv output, the roped q/k and a contiguous copy of
     the attention output; the Hugging Face Llama the roped q/k, v and the output)."""
     B, D, Q, K, F = shape.dtype_bytes, shape.dim, shape.q_width, shape.kv_width, shape.ffn
     q_coef, k_coef, rope = (3, 3, 4 * shape.head_dim) if shape.family == "reference" else (2, 2, 0)
-    mlp = 0 if shape.tiled_mlp > 1 else 4 * F
+    mlp = 0 if mlp_tiles > 1 else 4 * F
     return t * (B * (6 * D + q_coef * Q + k_coef * K + mlp) + FP32 * (rope + shape.hq + 2))
 
 
 def activation_bytes(
     shape: ModelShape, *, seq_len: int, batch: int, ulysses: int, ring: int,
     head_chunks: int = 1, kv_exchange: str = "ring",
-) -> dict[str, int]:  # fmt: skip
-    """The activation peak of one training step on one rank, and its parts (bytes)."""
+) -> dict[str, Any]:  # fmt: skip
+    """The activation peak of one training step on one rank, and its parts (bytes):
+    ``layers`` (what every layer keeps), ``top`` (final norm), ``transient`` (the largest
+    of ``transient_parts``: the loss of one tile, and the recomputed layer with its
+    backward under checkpointing, else a tiled MLP piece or the attention staging)."""
     P = ulysses * ring
     t = batch * (seq_len // P)
     B, D, V, F = shape.dtype_bytes, shape.dim, shape.vocab, shape.ffn
@@ -125,12 +142,13 @@ def activation_bytes(
         shape, s_local=seq_len // P, batch=batch, ulysses=ulysses, ring=ring,
         head_chunks=head_chunks, kv_exchange=kv_exchange,
     )  # fmt: skip
-    layer = _layer_saved(shape, t) + attn["saved"]
+    tiles = tile_counts(shape, t)
+    layer = _layer_saved(shape, t, tiles["mlp"]) + attn["saved"]
     rope_top = 2 * shape.head_dim * FP32 * t if shape.family == "hf" else 0
     top = t * (3 * D * B + FP32) + rope_top  # final norm: input, normalised, output
-    c_loss = shape.tiled_loss if shape.tiled_loss > 1 else 1
+    c_loss = tiles["loss"]
     loss = 3 * V * FP32 * t // c_loss  # fp32 log-softmax, and two gradients of it
-    c_mlp = shape.tiled_mlp if shape.tiled_mlp > 1 else 1
+    c_mlp = tiles["mlp"]
     mlp = (5 * F * B * t // c_mlp + 2 * D * B * t) if c_mlp > 1 else 0  # one piece again
     for m in shape.mixers:  # the send, receive and natural-order copies of a mixer's input
         staging = 3 * t * m.channels(P)[0] * B
@@ -140,9 +158,12 @@ def activation_bytes(
         layers = shape.layers * kept
         # the loss backward, or the last layer recomputed and its attention backward
         grads = (2 * shape.q_width + shape.kv_width) * B * t
+        parts = {"loss": loss, "recomputed_layer": layer,
+                 "layer_backward": max(grads, attn["staging"])}  # fmt: skip
         transient = max(loss, layer + max(grads, attn["staging"]))
     else:
         layers = shape.layers * layer
+        parts = {"loss": loss, "mlp_tile": mlp, "attention_staging": attn["staging"]}
         transient = max(loss, mlp, attn["staging"])
     return {"layers": layers, "top": top, "transient": transient,
-            "total": layers + top + transient}  # fmt: skip
+            "total": layers + top + transient, "transient_parts": parts}  # fmt: skip

@@ -23,7 +23,7 @@ from ..core.sharding import sequence_multiple
 from ..core.topology import validate_degrees
 from ..modes.ulysses import head_chunk_choices, kv_replication, resolve_head_chunks
 from .comm import attention_bytes, split_nodes, zero_bytes
-from .memory import activation_bytes, static_bytes
+from .memory import activation_bytes, static_bytes, tile_counts
 from .shapes import ModelShape
 
 __all__ = ["Hardware", "Run", "ZeroKnobs", "candidates", "longest", "predict"]
@@ -76,8 +76,8 @@ class Run:
     head_chunks: int = 1
     activation_checkpointing: bool = False
     offload_activations: bool = False
-    tiled_mlp: int = 0  # > 1: the MLP in this many pieces
-    tiled_loss: int = 0  # > 1: LM head + loss in this many pieces
+    tiled_mlp: int | str = 0  # > 1: the MLP in this many pieces; "auto": by bytes
+    tiled_loss: int | str = 0  # > 1: LM head + loss in this many pieces; "auto": by bytes
     offload_optimizer: bool = False
     kv_exchange: str = "ring"
     extra: dict = field(default_factory=dict, compare=False)
@@ -106,9 +106,10 @@ def _flops(shape: ModelShape, run: Run, seq_len: int, batch: int) -> float:
     total = dense + attn
     if run.activation_checkpointing:
         total *= 4 / 3
-    if run.tiled_mlp > 1:  # the pieces' forward again in backward
+    tiles = tile_counts(shape, batch * seq_len // run.sp)
+    if tiles["mlp"] > 1:  # the pieces' forward again in backward
         total += 2 * t * 3 * shape.dim * shape.ffn * shape.layers
-    if run.tiled_loss > 1:
+    if tiles["loss"] > 1:
         total += 2 * t * shape.vocab * shape.dim
     return total
 
@@ -169,6 +170,7 @@ def predict(
         "inter_node_bytes": nodes["inter"],
         "static_parts": static,
         "activation_parts": act,
+        "tiles": tile_counts(sh, t),
         "flops_per_step": flops,
         "predicted_step_s": step_s,
     }
@@ -193,9 +195,13 @@ def candidates(shape: ModelShape, base: Run, *, world: int, seq_len: int) -> lis
     """``base`` (the config as written) and every valid alternative: every (ulysses, ring)
     whose product divides ``world`` and whose Ulysses degree splits the heads, both layouts
     when there is a ring, ZeRO 1/2/3, head chunks that divide the local heads, no
-    checkpointing / checkpointing / checkpointing + offload, untiled / tiled."""
+    checkpointing / checkpointing / checkpointing + offload, untiled / tiles by bytes
+    (``"auto"``) / the config's own tile counts."""
     out = [base]
-    tiles = sorted({0, max(base.tiled_mlp, base.tiled_loss, 4)})
+    tiles: list[int | str] = [0, "auto"]
+    for own in (base.tiled_mlp, base.tiled_loss):
+        if own != "auto" and int(own) > 1 and own not in tiles:
+            tiles.append(own)
     for sp in (d for d in range(1, world + 1) if world % d == 0):
         for u in (d for d in range(1, sp + 1) if sp % d == 0):
             r = sp // u

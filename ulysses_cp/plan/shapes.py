@@ -56,8 +56,8 @@ class ModelShape:
     dtype_bytes: int  # parameters and activations
     activation_checkpointing: bool = False
     offload_activations: bool = False
-    tiled_mlp: int = 0
-    tiled_loss: int = 0
+    tiled_mlp: int | str = 0  # a count, or "auto" (resolved per length: plan.memory.tile_counts)
+    tiled_loss: int | str = 0
     param_numels: tuple[int, ...] = ()  # every parameter tensor's size (ZeRO-3 persistence)
     attention_layers: int | None = None  # layers with attention (None: every layer)
     mixers: tuple[MixerShape, ...] = ()  # hybrid models' token-mixer layers
@@ -107,7 +107,7 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
             mc.head_dim, mc.ffn_dim, dtype_bytes=dtype_bytes or 4,
             **_count(model, model.layers), **feats,
         )  # fmt: skip
-    from ..models.hf import _transformers, heads, load_config
+    from ..models.hf import _transformers, ffn_width, heads, load_config
 
     cfg = load_config(mc.hf_config)
     hq, hkv = heads(cfg)
@@ -117,7 +117,7 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     return ModelShape(
         "hf", cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, hq, hkv, d,
-        cfg.intermediate_size, dtype_bytes=dtype_bytes or DTYPE_BYTES[mc.dtype],
+        ffn_width(cfg), dtype_bytes=dtype_bytes or DTYPE_BYTES[mc.dtype],
         **_count(model, layers), **feats, **_hybrid(cfg, model),
     )  # fmt: skip
 

@@ -129,11 +129,16 @@ def peak_memory_mb() -> float:
 
 class Trainer:
     """One run's loop. ``tc``: a ``TrainingConfig``; ``tiled_loss``: the LM head and loss in
-    this many pieces (> 1); ``evaluator``: the held-out loss after the steps it chooses
+    this many pieces (> 1; ``"auto"``: sized by bytes, ``core.tiles``); ``evaluator``: the
+    held-out loss after the steps it chooses
     (``evaluate.Evaluator``, given the trainer's loss). ``tracker`` (metrics.jsonl, wandb)
-    is set once the run knows its first step (after a resume)."""
+    is set once the run knows its first step (after a resume), and ``zero_bytes_per_step``
+    by the launcher script."""
 
     tracker: Tracker | None = None
+    # ZeRO's collective bytes this rank sends per step (``zero_comm.zero_wire_bytes``: the
+    # planner's formula for the run's stage; DeepSpeed's comm is not counted live)
+    zero_bytes_per_step: int = 0
 
     def __init__(
         self,
@@ -143,7 +148,7 @@ class Trainer:
         *,
         tc: TrainingConfig,
         out: Path,
-        tiled_loss: int = 0,
+        tiled_loss: int | str = 0,
         hooks: Hooks | None = None,
         evaluator: Evaluator | None = None,
     ) -> None:
@@ -291,12 +296,16 @@ class Trainer:
             * topo.dp_degree
             * self.dataset.cfg.seq_len
         )
+        attention = attention_bytes()
         metrics = {
             "loss": mean_loss,
             "lr": engine.get_lr()[0],
             "tokens_per_s": tokens_per_step * max(since, 1) / (time.perf_counter() - state.started),
             "peak_mem_mb": peak_memory_mb(),
-            "comm_bytes_per_step": attention_bytes() / max(since, 1),
+            # what this rank sends per step: attention (counted) and ZeRO (by formula),
+            # the plan's comm_bytes_per_step_per_rank; the attention part apart
+            "comm_bytes_per_step": attention / max(since, 1) + self.zero_bytes_per_step,
+            "attention_comm_bytes_per_step": attention / max(since, 1),
             "skipped_steps": state.skipped,
         }
         if self.tracker is not None:

@@ -1,0 +1,59 @@
+"""ZeRO's collective bytes per optimizer step, by formula: the one home of the rule that the
+planner (``plan.comm.zero_bytes``) predicts with and that ``metrics.jsonl`` logs.
+
+DeepSpeed's own communication is not counted live (its comms logger slows every collective
+and records message sizes, not what a rank sends); the formula below was checked against
+that logger's message bytes on CPU (``scripts/plan_vs_measured.py``, ``tests/test_plan.py``).
+
+As DeepSpeed issues the collectives with this package's mpu (ZeRO partitions over all
+``n`` ranks, data x sequence parallel): ZeRO-1/2 all-reduce the gradients (``S = psi *
+B`` bytes; ZeRO-1 once per step, ZeRO-2 every micro batch) and all-gather the updated
+parameter partitions after the step (``psi * B / n`` per rank); ZeRO-3 all-gathers the
+parameters for the forward (and again for the backward when the model has more than
+``stage3_max_live_parameters``) and reduce-scatters the gradients every micro batch.
+Bytes on the wire per rank (ring algorithms): all-reduce ``2 (n-1)/n S``, all-gather
+``(n-1) p``, reduce-scatter ``(n-1)/n S``. ZeRO 0 (plain data parallel) is counted as
+ZeRO-1's all-reduce.
+"""
+
+from __future__ import annotations
+
+__all__ = ["zero_collectives", "zero_wire_bytes"]
+
+
+def zero_collectives(
+    *, params: int, element_bytes: int, stage: int, world: int, micro_steps: int = 1,
+    max_live_parameters: float = 1e9,
+) -> dict[str, dict[str, int]]:  # fmt: skip
+    """``{op: {"logged": message bytes, "wire": bytes this rank sends}}`` per step (empty
+    with one rank: nothing to reduce)."""
+    n, S = world, params * element_bytes
+    if n == 1:
+        return {}
+    part = -(-params // n) * element_bytes
+    if stage == 3:
+        gathers = 2 if params > max_live_parameters else 1
+        return {
+            "all_gather": {"logged": gathers * part * micro_steps,
+                           "wire": gathers * (n - 1) * part * micro_steps},
+            "reduce_scatter": {"logged": S * micro_steps, "wire": (n - 1) * S // n * micro_steps},
+        }  # fmt: skip
+    reduces = micro_steps if stage == 2 else 1
+    return {
+        "all_reduce": {"logged": S * reduces, "wire": 2 * (n - 1) * S // n * reduces},
+        "all_gather": {"logged": part if stage else 0, "wire": (n - 1) * part if stage else 0},
+    }
+
+
+def zero_wire_bytes(
+    raw: dict, *, params: int, element_bytes: int, world: int, micro_steps: int
+) -> int:
+    """Bytes this rank sends per step in ZeRO's collectives for a DeepSpeed config ``raw``
+    (its ``zero_optimization`` stage and ``stage3_max_live_parameters``)."""
+    zero = raw.get("zero_optimization") or {}
+    ops = zero_collectives(
+        params=params, element_bytes=element_bytes, stage=int(zero.get("stage", 0)),
+        world=world, micro_steps=micro_steps,
+        max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
+    )  # fmt: skip
+    return sum(v["wire"] for v in ops.values())
