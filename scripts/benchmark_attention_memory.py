@@ -99,7 +99,8 @@ def worker(rank, world, args, device):
     for mode, (u, r) in (("ulysses 4", (4, 1)), ("hybrid 2x2", (2, 2))):
         base = ucp.init_topology(u, r, backend="torch")
         for name, options in VARIANTS.items():
-            row = {"mode": mode, "variant": name, **measure(base.with_options(**options), args, device)}
+            topo = base.with_options(**options)
+            row = {"mode": mode, "variant": name, **measure(topo, args, device)}
             rows.append(row)
             if rank == 0:
                 print(f"{mode:<11} {name:<8} {row['peak_mb']:7.1f} MB  max_len {row['max_len']}")

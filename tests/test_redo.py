@@ -42,9 +42,7 @@ def test_redo_matches_float64(pools, u, r, hq, hkv, c, layout):
 
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)])
 def test_redo_non_causal_packed_rows_sinks_and_windows(pools, u, r):
-    attend_and_check(
-        pools, u, r, seed=3, hq=8, hkv=4, backend="math", causal=False, options=REDO
-    )
+    attend_and_check(pools, u, r, seed=3, hq=8, hkv=4, backend="math", causal=False, options=REDO)
     bounds = [0, 8, 32, 40, 64]
     for extra in (dict(sinks=True), dict(window=(5, -1))):
         case = dict(seed=5, hq=8, hkv=4, bounds=bounds, backend="torch", head_chunks=2)

@@ -86,10 +86,11 @@ class _Redo(torch.autograd.Function):
         b, s_l, _, d = q.shape
         out = q.new_empty(b, s_l, P, c, ql // c, d)
         lses, kv = [], None
+        a2a = "all_to_all"
         for i in range(c):
             if i % per_kv == 0:
-                kv = None  # the previous kv chunk first, then the next one
-                kv = tuple(plan.heads(t, i // per_kv, ck, "forward", "all_to_all") for t in (kr, vr))
+                kv = None  # the previous kv chunk released first, then the next one fetched
+                kv = tuple(plan.heads(t, i // per_kv, ck, "forward", a2a) for t in (kr, vr))
             assert kv is not None
             qh = plan.heads(q, i, c, "forward", "all_to_all")
             o, lse = plan.fwd(qh, *kv)
@@ -129,7 +130,7 @@ class _Redo(torch.autograd.Function):
             oh = plan.heads(out, i, c, "backward", redo)
             gh = plan.heads(dout, i, c, "backward", "all_to_all")
             dq_h, dk_h, dv_h = plan.bwd(gh, qh, *kv, oh, lses[i])
-            if sinks is not None:
+            if sinks is not None and dsinks is not None:
                 part = slice(i * qc, (i + 1) * qc)
                 dsinks[part] = sinks_grad(gh, oh, lses[i], sinks[part])
             del qh, oh, gh
