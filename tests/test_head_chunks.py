@@ -31,7 +31,7 @@ def test_choices_follow_the_heads_per_rank():
 
 
 def test_automatic_rule_and_errors():
-    assert resolve_head_chunks(0, 8, 4, 4) == 1  # automatic: the fastest measured on CPU
+    assert resolve_head_chunks(0, 8, 4, 4) == 1  # automatic, size unknown: one chunk
     assert resolve_head_chunks(2, 8, 4, 4) == 2
     assert resolve_head_chunks(3, 12, 6, 2) == 3
     with pytest.raises(ValueError, match=r"head_chunks=4 .*use one of \[1, 2\]"):

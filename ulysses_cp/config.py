@@ -88,6 +88,7 @@ class SequenceParallelConfig:
     check_inputs: bool = True  # compare input shapes across SP ranks before communicating
     kv_exchange: KVExchange = "ring"  # KV inside a ring group: p2p ring steps or all-gather
     head_chunks: int = 0  # Ulysses all-to-all in this many head chunks; 0: the documented rule
+    redo_all_to_all: bool = False  # no head-sharded copies kept: all-to-alls redone in backward
     collective_timeout_s: float = 1800.0  # a dead or hung peer ends the run after this
 
     @classmethod
@@ -104,6 +105,11 @@ class SequenceParallelConfig:
             raise ValueError(
                 f"sequence_parallel.head_chunks must be an integer >= 0 (0: automatic), got "
                 f"{self.head_chunks!r}"
+            )
+        if not isinstance(self.redo_all_to_all, bool):
+            raise ValueError(
+                f"sequence_parallel.redo_all_to_all must be true or false, got "
+                f"{self.redo_all_to_all!r}"
             )
         if self.collective_timeout_s <= 0:
             raise ValueError(

@@ -53,7 +53,10 @@ class RunOptions:
     (``"ring"``: point-to-point steps overlapped with compute; ``"allgather"``: one
     all-gather, and a reduce-scatter of dk/dv in the backward); ``head_chunks``: the Ulysses
     all-to-alls go in this many chunks of heads, overlapped with the attention of the
-    previous chunk (0: automatic, see ``ulysses_cp.modes.ulysses.resolve_head_chunks``)."""
+    previous chunk (0: automatic, see ``ulysses_cp.modes.ulysses.resolve_head_chunks``);
+    ``redo_all_to_all``: keep no head-sharded copies of q, k, v and the output for the
+    backward and redo their all-to-alls there instead (less memory, 1.5x the all-to-all
+    bytes; ``ulysses_cp.modes.redo``)."""
 
     layout: str = "zigzag"
     backend: str = "auto"
@@ -61,6 +64,7 @@ class RunOptions:
     grad_scale: float = 1.0
     kv_exchange: str = "ring"
     head_chunks: int = 0
+    redo_all_to_all: bool = False
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
@@ -77,3 +81,8 @@ class RunOptions:
         c = self.head_chunks
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
             raise ValueError(f"head_chunks must be an integer >= 0 (0: automatic), got {c!r}")
+        if not isinstance(self.redo_all_to_all, bool):
+            raise ValueError(
+                f"redo_all_to_all must be true or false, got {self.redo_all_to_all!r}: true "
+                f"redoes the Ulysses all-to-alls in the backward (less memory, more traffic)"
+            )

@@ -7,8 +7,8 @@ otherwise (ring mode is the all-to-all of degree 1 around the ring, hybrid both)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -19,10 +19,11 @@ from ..core.sharding import layout_of
 from ..core.topology import Topology
 from ..core.varlen import Docs
 from ..kernels.backends import Kernel, resolve_backend
-from ..kernels.dispatch import KernelCall, attend_local
+from ..kernels.dispatch import KernelCall, attend_local, attn_backward, attn_forward
 from ..kernels.spec import AttentionSpec
 from .checks import Choices, check_across_ranks, check_sinks, signature, validate_qkv
-from .ring import Ring, ring_attention
+from .redo import redo_attention
+from .ring import Ring, ring_attention, ring_functions
 from .ulysses import resolve_head_chunks, ulysses_attention
 
 __all__ = [
@@ -114,9 +115,10 @@ def attend(
     spec.check()
     check_sinks(q, sinks)
     u, r = topo.ulysses_degree, topo.ring_degree
-    chunks = (
-        1 if u == 1 else resolve_head_chunks(choice.head_chunks, q.shape[2], k.shape[2], u, r > 1)
-    )
+    # one head-sharded query head: (b, s_local * u, 1, d)
+    head_bytes = q.shape[0] * q.shape[1] * u * q.shape[3] * q.element_size()
+    hq, hkv = q.shape[2], k.shape[2]
+    chunks = 1 if u == 1 else resolve_head_chunks(choice.head_chunks, hq, hkv, u, r > 1, head_bytes)
     call = KernelCall(spec, resolve_backend(choice.backend, q))
     perm, docs = None, None
     if cu is not None:  # once per batch, not per layer
@@ -125,8 +127,14 @@ def attend(
         perm, docs = plan.documents(q.device)
     if sinks is not None and u > 1:  # the all-to-all gives this rank a contiguous head range
         sinks = sinks.unflatten(0, (u, -1))[topo.ulysses_rank]
-    inner = _inner(topo, call, choice, docs)
     order = perm if perm is not None else choice.layout
+    if choice.redo_all_to_all and u > 1:  # nothing head-sharded kept: a2a redone in backward
+        pair = _inner(topo, call, choice, docs, q.shape[1] * u)
+        return redo_attention(
+            q, k, v, group=topo.ulysses_group, inner=pair, order=order, sinks=sinks,
+            head_chunks=chunks,
+        )  # fmt: skip
+    inner = _inner(topo, call, choice, docs)
     # ulysses: a2a around the local kernel; ring: no a2a (degree 1); hybrid: a2a around ring
     return ulysses_attention(
         q, k, v, group=topo.ulysses_group, inner=inner, order=order, sinks=sinks, head_chunks=chunks
@@ -141,15 +149,24 @@ def _plan_of(cu: torch.Tensor, q: torch.Tensor, topo: Topology, layout: str) -> 
     return once((cu,), key, partial(BatchPlan.of, topo, layout, shape, cu, "cu_seqlens"))
 
 
-def _inner(topo: Topology, call: KernelCall, choice: Choices, docs: Docs | None) -> Callable:
-    """What runs inside the all-to-all: the local kernel, or ring attention."""
+def _inner(
+    topo: Topology, call: KernelCall, choice: Choices, docs: Docs | None, split: int = 0
+) -> Any:
+    """What runs inside the all-to-all: the local kernel, or ring attention. ``split``: the
+    head-sharded tokens per rank, for :mod:`.redo`: then the pair ``(fwd, bwd)`` of
+    not-differentiable functions instead of one differentiable call."""
     if topo.ring_degree == 1 and docs is None and call.spec.windowed:
         # block-sparse: the whole sequence in window-sized pieces, pairs out of reach skipped
-        return partial(ring_attention, ring=Ring(None, "contiguous"), call=call)
-    if topo.ring_degree == 1:
+        ring = Ring(None, "contiguous")
+    elif topo.ring_degree == 1:
         local = call if docs is None else call.at(cu_q=docs.cu, cu_k=docs.cu)
+        if split:
+            return partial(attn_forward, call=local), partial(attn_backward, call=local)
         return partial(attend_local, call=local)
-    ring = Ring(topo.ring_group, choice.layout, docs, choice.kv_exchange)
+    else:
+        ring = Ring(topo.ring_group, choice.layout, docs, choice.kv_exchange)
+    if split:
+        return ring_functions(ring, call, split)
     return partial(ring_attention, ring=ring, call=call)
 
 

@@ -44,6 +44,7 @@ class Choices:
     backend: str | Kernel
     kv_exchange: str
     head_chunks: int
+    redo_all_to_all: bool = False
 
     @classmethod
     def of(cls, topo: Topology, layout: str, backend=None, kv_exchange=None, head_chunks=None):
@@ -54,6 +55,7 @@ class Choices:
             run.backend if backend is None else backend,
             run.kv_exchange if kv_exchange is None else kv_exchange,
             run.head_chunks if head_chunks is None else head_chunks,
+            run.redo_all_to_all,
         )
 
 
@@ -173,6 +175,7 @@ def signature(
         ("window right", right),
         ("kv exchange", _code(choice.kv_exchange, list(KV_EXCHANGES))),
         ("head chunks", chunks if isinstance(chunks, int) else -2),
+        ("redo all-to-all", int(choice.redo_all_to_all is True)),
     ]
 
 

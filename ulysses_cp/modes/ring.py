@@ -42,6 +42,7 @@ __all__ = [
     "ring_attention",
     "ring_backward",
     "ring_forward",
+    "ring_functions",
 ]
 
 
@@ -216,10 +217,17 @@ def ring_attention(
     over global positions, chunk pair by chunk pair, pairs out of every query's reach
     skipped). ``sinks`` ``(hq,)``: attention-sink logits, applied once to the merged result
     (:func:`~ulysses_cp.kernels.sinks.add_sinks`)."""
+    fwd, bwd = ring_functions(ring, call, q.shape[1])
+    return SavedAttention.apply(q, k, v, sinks, fwd, bwd)
+
+
+def ring_functions(ring: Ring, call: KernelCall, s_l: int) -> tuple[partial, partial]:
+    """``(fwd(q, k, v) -> (out, lse), bwd(dout, q, k, v, out, lse) -> (dq, dk, dv))`` of
+    ring attention over ``s_l`` local tokens, not differentiable themselves (the pieces
+    :func:`ring_attention` puts in one autograd function, and
+    :mod:`.redo` calls itself)."""
     if ring.split is None and call.spec.windowed:
         parts = 1 if ring.layout == "contiguous" else 2
         window = (int(call.spec.window[0]), int(call.spec.window[1]))
-        ring = replace(ring, split=window_split(q.shape[1], window, parts))
-    fwd = partial(ring_forward, ring=ring, call=call)
-    bwd = partial(ring_backward, ring=ring, call=call)
-    return SavedAttention.apply(q, k, v, sinks, fwd, bwd)
+        ring = replace(ring, split=window_split(s_l, window, parts))
+    return partial(ring_forward, ring=ring, call=call), partial(ring_backward, ring=ring, call=call)

@@ -31,6 +31,7 @@ from ..core.comm import PendingAllToAll, group_size
 from ..core.protocols import Group
 
 __all__ = [
+    "MIN_CHUNK_BYTES",
     "head_chunk_choices",
     "kv_replication",
     "resolve_head_chunks",
@@ -74,15 +75,35 @@ def head_chunk_choices(hq: int, hkv: int, ulysses_degree: int, ring: bool = Fals
     return [c for c in _divisors(ql) if kl % c == 0 or (c % kl == 0 and not ring)]
 
 
+# The automatic rule's smallest chunk: one chunk's head-sharded q, in bytes.
+MIN_CHUNK_BYTES = 1 << 20
+
+
 def resolve_head_chunks(
-    requested: int, hq: int, hkv: int, ulysses_degree: int, ring: bool = False
+    requested: int,
+    hq: int,
+    hkv: int,
+    ulysses_degree: int,
+    ring: bool = False,
+    head_bytes: int = 0,
 ) -> int:
     """``requested`` checked against :func:`head_chunk_choices`; ``ValueError`` naming the
-    counts that work. 0 (automatic) is 1: the fastest measured on CPU (docs/benchmarks.md:
-    2 chunks took 0.98-1.04x the time of 1 at P = 4); more chunks are for memory."""
+    counts that work.
+
+    0 (automatic) weighs memory against time: the most chunks (of the counts that work)
+    whose head-sharded q stays at least :data:`MIN_CHUNK_BYTES` (1 MiB) per chunk.
+    ``head_bytes``: the bytes of one head-sharded query head on this rank, ``b * (N / r)
+    * d * B`` (0: unknown, one chunk). Memory: the all-to-all staging and the inner
+    attention's working set (the ring's blocks and fp32 accumulators too) shrink with the
+    chunk count. Time: chunks cost nothing in bytes moved, but below about 1 MiB per
+    chunk the per-call and per-message overheads stop being small (measured on CPU:
+    2 chunks of 2 MiB took 0.98-1.04x the time of one, docs/benchmarks.md), and short
+    sequences, whose staging is small anyway, keep one chunk."""
     choices = head_chunk_choices(hq, hkv, ulysses_degree, ring)
     if requested == 0:
-        return 1
+        per_rank = hq // ulysses_degree
+        fits = [c for c in choices if head_bytes and per_rank // c * head_bytes >= MIN_CHUNK_BYTES]
+        return max(fits, default=1)
     if isinstance(requested, bool) or not isinstance(requested, int) or requested not in choices:
         where = " with a ring inside (hybrid: kv heads per rank a multiple of it)" if ring else ""
         raise ValueError(

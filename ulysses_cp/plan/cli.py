@@ -33,10 +33,11 @@ def base_run(run: RunConfig) -> Run:
     """The config as written, as a :class:`Run`."""
     sp, mc, zero = run.sequence_parallel, run.model, run.raw.get("zero_optimization") or {}
     off = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
-    chunks = 1  # what the run will use (0: the automatic rule)
+    chunks = 1  # what the run asks for (0: the automatic rule, resolved per sequence length)
     if sp.ulysses_degree > 1:
         hq, hkv = (mc.n_heads, mc.n_kv_heads) if isinstance(mc, ModelConfig) else _hf_heads(mc)
-        chunks = resolve_head_chunks(sp.head_chunks, hq, hkv, sp.ulysses_degree, sp.ring_degree > 1)
+        resolve_head_chunks(sp.head_chunks, hq, hkv, sp.ulysses_degree, sp.ring_degree > 1)
+        chunks = sp.head_chunks
     return Run(
         ulysses=sp.ulysses_degree, ring=sp.ring_degree, layout=sp.layout,
         zero_stage=int(zero.get("stage", 0)), head_chunks=chunks,

@@ -85,7 +85,9 @@ def attention_activation(
 
     Ulysses stages about twice the local q/k/v/out (the packed send buffer, the received
     one, the reordered copy); with ``head_chunks`` c the all-to-all runs a head chunk at a
-    time and the staging shrinks by c, the saved tensors do not. Replicated kv heads
+    time and the staging shrinks by c, the saved tensors do not; so does the ring's inside
+    (hybrid mode: its kv blocks and fp32 accumulators, a chunk of heads at a time).
+    Replicated kv heads
     (fewer kv heads than the degree) are saved head-sharded at their replicated width."""
     B, t = shape.dtype_bytes, batch * s_local
     Q, K, d = shape.q_width, shape.kv_width, shape.head_dim
@@ -101,7 +103,10 @@ def attention_activation(
         kv_block = 2 * K * t * B  # (2, b, s_l * u, hk / u, d)
         blocks = r if kv_exchange == "allgather" else 2  # the one in flight and ours
         accum = (Q + 2 * K) * t * FP32 + shape.hq * t * FP32  # dq, dk, dv (or out, lse)
-        staging = max(staging, blocks * kv_block + accum + 2 * K * t * FP32)
+        # with head chunks the ring runs a chunk of heads at a time: its blocks and
+        # accumulators shrink with them (hybrid counts are multiples of the kv chunks)
+        ring_staging = (blocks * kv_block + accum + 2 * K * t * FP32) // max(1, head_chunks)
+        staging = max(staging, ring_staging)
     return {"saved": saved, "staging": staging}
 
 

@@ -127,7 +127,10 @@ def predict(
     )  # fmt: skip
     chunks = 1  # what the run uses: 0 is the automatic rule
     if run.ulysses > 1:
-        chunks = resolve_head_chunks(run.head_chunks, sh.hq, sh.hkv, run.ulysses, run.ring > 1)
+        head = batch * (seq_len // run.ring) * sh.head_dim * sh.dtype_bytes  # one q head, sharded
+        chunks = resolve_head_chunks(
+            run.head_chunks, sh.hq, sh.hkv, run.ulysses, run.ring > 1, head
+        )  # fmt: skip
     act = activation_bytes(
         sh, seq_len=seq_len, batch=batch, ulysses=run.ulysses, ring=run.ring,
         head_chunks=chunks, kv_exchange=run.kv_exchange,

@@ -112,6 +112,7 @@ def run_options(run: RunConfig) -> RunOptions:
         grad_scale=zero_grad_scale(run),
         kv_exchange=sp.kv_exchange,
         head_chunks=sp.head_chunks,
+        redo_all_to_all=sp.redo_all_to_all,
     )
 
 

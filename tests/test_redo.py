@@ -1,0 +1,134 @@
+"""``redo_all_to_all``: Ulysses and hybrid attention that redo the all-to-alls in the
+backward instead of keeping head-sharded copies. Exact against float64 in every mode,
+layout, chunk count and GQA shape; 1.5x the all-to-all bytes; no head-sharded copies
+kept (less memory at the peak); the option checked where it is set and across ranks. And
+the automatic head-chunk rule.
+
+Reference: float64 attention on the full tensors (``tests.helpers.reference``)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import ulysses_cp as ucp
+from tests.distributed import WorkerError
+from tests.helpers import ROOT, attend_and_check, topology
+from ulysses_cp.modes.ulysses import MIN_CHUNK_BYTES, resolve_head_chunks
+
+REDO = {"redo_all_to_all": True}
+
+# (u, r, hq, hkv, c): GQA one kv chunk for two query chunks, kv replication (hkv < u),
+# MHA in 4 chunks, hybrid in 1 and 2 chunks
+CASES = [
+    (4, 1, 8, 4, 2),
+    (4, 1, 8, 2, 1),
+    (2, 1, 8, 8, 4),
+    (2, 2, 8, 4, 1),
+    (2, 2, 8, 4, 2),
+]
+
+
+@pytest.mark.parametrize("u,r,hq,hkv,c", CASES)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_redo_matches_float64(pools, u, r, hq, hkv, c, layout):
+    attend_and_check(
+        pools, u, r, layout, seed=7, hq=hq, hkv=hkv, backend="math", head_chunks=c,
+        options=REDO,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("u,r", [(4, 1), (2, 2)])
+def test_redo_non_causal_packed_rows_sinks_and_windows(pools, u, r):
+    attend_and_check(pools, u, r, seed=3, hq=8, hkv=4, backend="math", causal=False, options=REDO)
+    bounds = [0, 8, 32, 40, 64]
+    for extra in (dict(sinks=True), dict(window=(5, -1))):
+        case = dict(seed=5, hq=8, hkv=4, bounds=bounds, backend="torch", head_chunks=2)
+        attend_and_check(pools, u, r, **case, options=REDO, **extra)
+
+
+def _bytes(rank, u, r, redo):
+    topo = topology(u, r, "zigzag", check_inputs=False, redo_all_to_all=redo)
+    g = torch.Generator().manual_seed(rank)
+    q, dout = (torch.randn(1, 16, 8, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 16, 4, 8, generator=g, requires_grad=True) for _ in range(2))
+    q.requires_grad_()
+    ucp.comm_stats.reset()
+    ucp.attention(q, k, v, topo, backend="math", head_chunks=2).backward(dout)
+    return ucp.comm_stats.snapshot()
+
+
+@pytest.mark.parametrize("u,r", [(4, 1), (2, 2)])
+def test_redo_moves_the_forward_all_to_alls_once_more(pools, u, r):
+    keep, redo = (pools(u * r).run(_bytes, u, r, flag) for flag in (False, True))
+    for k, x in zip(keep, redo):
+        # the forward and the backward's own bytes as without the option; the ring as well
+        assert {n: b for n, b in x.items() if n != "all_to_all_redo/backward"} == k
+        # the backward moves q, k, v and the output again: the forward's bytes
+        assert x["all_to_all_redo/backward"] == k["all_to_all/forward"] > 0
+
+
+def _peak(rank, redo):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from profiling import peak_memory
+
+    topo = topology(4, 1, "contiguous", redo_all_to_all=redo)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 256, 16, 32, generator=g, requires_grad=True)
+    k = torch.randn(1, 256, 8, 32, generator=g, requires_grad=True)
+    v = torch.randn(1, 256, 8, 32, generator=g, requires_grad=True)
+    dout = torch.randn(1, 256, 16, 32, generator=g)
+
+    def step():
+        ucp.attention(q, k, v, topo, backend="torch", head_chunks=4).backward(dout)
+
+    return peak_memory(step, scratch=False)
+
+
+def test_redo_keeps_no_head_sharded_copies(pools):
+    keep, redo = (max(pools(4).run(_peak, flag)) for flag in (False, True))
+    local = 256 * 16 * 32 * 4  # one local (b, s_l, hq, d) float32 tensor
+    # kept without the option: head-sharded q, k, v and output, 3 local q-sized tensors,
+    # alive at the backward's peak; with it the backward holds one chunk's (a quarter)
+    # of them and of its gradients, plus the gradients already sent back: measured 0.74
+    # local tensors less at this size
+    assert redo <= keep - local // 2, (keep, redo)
+
+
+def test_the_option_is_checked_where_it_is_set():
+    with pytest.raises(ValueError, match=r"redo_all_to_all must be true or false, got 'yes'"):
+        ucp.RunOptions(redo_all_to_all="yes")
+    with pytest.raises(ValueError, match=r"redo_all_to_all must be true or false, got 1"):
+        ucp.init_topology(1, 1, redo_all_to_all=1)
+    cfg = {"sequence_parallel": {"ulysses_degree": 1, "redo_all_to_all": True}}
+    assert ucp.run_options(ucp.RunConfig.load(cfg)).redo_all_to_all is True
+    with pytest.raises(ValueError, match=r"sequence_parallel.redo_all_to_all must be true or"):
+        ucp.RunConfig.load({"sequence_parallel": {"redo_all_to_all": "no"}})
+
+
+def _mismatch(rank):
+    topo = topology(2, 1, "zigzag", redo_all_to_all=rank == 1)
+    q = torch.randn(1, 8, 4, 8)
+    ucp.attention(q, q, q, topo)
+
+
+def test_a_choice_that_differs_across_ranks_is_refused_on_every_rank(pools):
+    with pytest.raises(WorkerError) as err:
+        pools(2).run(_mismatch)
+    assert str(err.value).count("redo all-to-all: rank 0 0, rank 1 1") == 2
+
+
+def test_automatic_chunks_weigh_bytes():
+    head = MIN_CHUNK_BYTES // 2  # one head-sharded query head: half the smallest chunk
+    # 8 q / 4 kv heads at P = 4: 2 q heads per rank; a chunk of 1 head is too small
+    assert resolve_head_chunks(0, 8, 4, 4, head_bytes=head) == 1
+    assert resolve_head_chunks(0, 8, 4, 4, head_bytes=2 * head) == 2
+    # 32 q / 8 kv heads: 8 per rank; the most chunks that keep 2 heads per chunk
+    assert resolve_head_chunks(0, 32, 8, 4, head_bytes=head) == 4
+    assert resolve_head_chunks(0, 32, 8, 4, head_bytes=64 * head) == 8
+    # hybrid: only counts that give every chunk its own kv heads (2 kv heads per rank)
+    assert resolve_head_chunks(0, 16, 4, 2, ring=True, head_bytes=64 * head) == 2
+    assert resolve_head_chunks(0, 8, 4, 4) == 1  # size unknown: one chunk
+    assert resolve_head_chunks(1, 8, 4, 4, head_bytes=64 * head) == 1  # asked for: kept
