@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         log.warning(warning)
 
     torch.manual_seed(tc.seed)
-    model = build_model(mc, topo)
+    model = build_model(mc, topo, run)
     optimizer, ds_run = cpu_optimizer(run, model)
     engine = ucp.initialize(model=model, config=ds_run, topo=topo, optimizer=optimizer)
     info = {"world_size": topo.world_size, "dp": topo.dp_degree, "ulysses": topo.ulysses_degree,
