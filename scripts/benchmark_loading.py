@@ -165,6 +165,7 @@ def main() -> None:
     p.add_argument("--shard-mb", type=int, default=100)
     p.add_argument("--random", action="store_true", help="also build from a seed both ways")
     p.add_argument("--quick", action="store_true", help="a tiny model (smoke test)")
+    p.add_argument("--loads", default="whole,partitioned", help="which loads to measure")
     p.add_argument("--ckpt", default=None, help="checkpoint folder (default OUT/loading_ckpt)")
     p.add_argument("--out", default=str(ROOT / "bench_results"))
     args = p.parse_args()
@@ -178,6 +179,7 @@ def main() -> None:
     cases = [("hf_weights", "whole", ckpt["folder"]), ("hf_weights", "partitioned", ckpt["folder"])]
     if args.random:
         cases += [("random init", "whole", None), ("random init", "partitioned", None)]
+    cases = [c for c in cases if c[1] in args.loads.split(",")]
     rows = []
     for source, how, weights in cases:
         gc.collect()

@@ -135,3 +135,28 @@ def test_partitioned_build_only_under_zero3(tmp_path):
         cfg = run_config(1, 2, stage, model={"hf_config": str(tmp_path / "config.json")})
         assert loading.partitioned_build(RunConfig.load(cfg)) is want
     assert not loading.partitioned_build(RunConfig.load(run_config(1, 2, 3)))  # the decoder
+
+
+@pytest.mark.launcher
+def test_train_py_loads_partitioned_trains_saves_and_resumes(tmp_path):
+    """train.py under ZeRO-3 from a safetensors checkpoint: the first loss of a ZeRO-2
+    run (whole load), a checkpoint with its portable state, and a resume."""
+    from tests.helpers import LAUNCH, ROOT, launch, metrics, write_config
+
+    fields = json.loads((ROOT / "configs" / "hf" / "tiny_llama.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    torch.manual_seed(5)
+    saved = transformers.AutoModelForCausalLM.from_config(hf.load_config(dict(fields)))
+    saved.save_pretrained(tmp_path / "weights", max_shard_size="100KB")
+    model = {"hf_config": str(tmp_path / "config.json"), "hf_weights": str(tmp_path / "weights")}
+    short = dict(training={"max_steps": 2, "log_interval": 1})
+    losses = {}
+    for stage in (2, 3):
+        cfg = run_config(2, 1, stage, **{**LAUNCH, "model": model}, **short)
+        path = write_config(tmp_path, cfg, f"zero{stage}")
+        launch(path, tmp_path / f"run{stage}")
+        losses[stage] = [r["loss"] for r in metrics(tmp_path / f"run{stage}")]
+    assert losses[3][0] == pytest.approx(losses[2][0], rel=1e-6, abs=1e-6)
+    assert (tmp_path / "run3" / "step2" / "portable.pt").is_file()
+    launch(tmp_path / "zero3.json", tmp_path / "run3", "--max_steps", "3", "--resume")
+    assert [r["step"] for r in metrics(tmp_path / "run3")] == [1, 2, 3]

@@ -36,6 +36,8 @@ then partitioned), with a warning that says why.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,6 +94,23 @@ def _train_dtype(ds_config: dict, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def _release_freed() -> None:
+    """Hand freed heap pages back to the system (glibc ``malloc_trim``; a no-op
+    elsewhere). A module's whole parameters are freed once partitioned, but the
+    allocator keeps such holes between the partitions that follow: measured here, a
+    350M-parameter random init peaked at 654 MiB per rank without this and about half
+    that with it, at 4 ranks."""
+    global _trim
+    if _trim is None:
+        libc = ctypes.util.find_library("c")
+        _trim = getattr(ctypes.CDLL(libc), "malloc_trim", False) if libc else False
+    if _trim:
+        _trim(0)
+
+
+_trim: Any = None
+
+
 def _zero_init(run: RunConfig, topo: Topology, dtype: torch.dtype):
     """``deepspeed.zero.Init`` over every rank, creating tensors in the model's dtype."""
     import deepspeed
@@ -102,12 +121,20 @@ def _zero_init(run: RunConfig, topo: Topology, dtype: torch.dtype):
     ds_config = deepspeed_part(run)
     ds_config["bf16"] = {**(ds_config.get("bf16") or {}), "enabled": dtype == torch.bfloat16}
     ds_config["fp16"] = {**(ds_config.get("fp16") or {}), "enabled": dtype == torch.float16}
-    return deepspeed.zero.Init(
+    init = deepspeed.zero.Init(
         data_parallel_group=mpu.get_sequence_data_parallel_group(),
         config_dict_or_path=ds_config,
         mpu=mpu,
         mem_efficient_linear=False,  # F.linear stays torch's: the numbers of a ZeRO 0-2 run
     )
+    partition = init._post_init_method  # run after each module's __init__
+
+    def partition_and_release(module: torch.nn.Module) -> None:
+        partition(module)
+        _release_freed()
+
+    init._post_init_method = partition_and_release  # type: ignore[method-assign]
+    return init
 
 
 def _gathered_apply(module: torch.nn.Module, fn, custom: bool) -> None:
@@ -131,6 +158,7 @@ def _gathered_apply(module: torch.nn.Module, fn, custom: bool) -> None:
             params += list(child.parameters(recurse=False))
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
         fn(module, custom)
+    _release_freed()
 
 
 @contextlib.contextmanager
@@ -250,6 +278,7 @@ def stream_weights(model: torch.nn.Module, folder: str | Path) -> int:
                 for key, target in entries:
                     _fill(reader, key, target)
                     read += 1
+            _release_freed()
     return read
 
 
