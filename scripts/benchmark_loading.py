@@ -87,7 +87,7 @@ def _numel(path: Path) -> int:
 
     with safe_open(path, framework="pt") as f:
         total = 0
-        for key in f.keys():
+        for key in f.keys():  # noqa: SIM118 (a safetensors reader, not a dict)
             n = 1
             for d in f.get_slice(key).get_shape():
                 n *= d
@@ -113,7 +113,7 @@ def _warm_up() -> None:
     import deepspeed.runtime.zero.partition_parameters  # noqa: F401
     import safetensors.torch  # noqa: F401
     import transformers
-    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.llama.modeling_llama
 
     transformers.AutoModelForCausalLM  # noqa: B018  (the lazy module resolves here)
 
@@ -196,8 +196,8 @@ def table(result: dict) -> str:
     ck = result["checkpoint"]
     lines = [
         f"model: {ck['parameters'] / 1e6:.0f}M parameters, {ck['model_bytes'] / MIB:.0f} MiB in "
-        f"{result['dtype']}, {ck['shards']} shard files (largest {ck['largest_shard_bytes'] / MIB:.0f}"
-        f" MiB); {result['world']} ranks, ZeRO-3, CPU",
+        f"{result['dtype']}, {ck['shards']} shard files (largest "
+        f"{ck['largest_shard_bytes'] / MIB:.0f} MiB); {result['world']} ranks, ZeRO-3, CPU",
         f"budget per rank (1/world of the model + one shard file): "
         f"{result['budget_bytes'] / MIB:.0f} MiB",
         "",

@@ -133,7 +133,7 @@ def _zero_init(run: RunConfig, topo: Topology, dtype: torch.dtype):
         partition(module)
         _release_freed()
 
-    init._post_init_method = partition_and_release  # type: ignore[method-assign]
+    init._post_init_method = partition_and_release
     return init
 
 
