@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         log.warning(warning)
 
     torch.manual_seed(tc.seed)
-    model = build_model(mc, topo)
+    model = build_model(mc, topo, run)
     # every parameter once (ZeRO-3 keeps a partitioned one's full size in ds_numel)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     optimizer, ds_run = cpu_optimizer(run, model)

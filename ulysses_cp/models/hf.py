@@ -58,6 +58,7 @@ __all__ = [
     "load_config",
     "register_attention",
     "shard_batch",
+    "wrap",
 ]
 
 # the names model.dtype accepts (config.HFDtype), as torch dtypes
@@ -139,6 +140,11 @@ class HFCausalLM(nn.Module):
 
     def decoder_layers(self) -> list[nn.Module]:
         return list(decoder_layers(self.model)[1])
+
+    @property
+    def needs_probe(self) -> bool:
+        """True until :meth:`probe` has run (and the wrapper was built to probe)."""
+        return self._probe and self.probed is None
 
     def probe(self) -> ProbeResult:
         """The guard, the probe and the head check (:func:`.hf_guard.probe`), once;
@@ -327,14 +333,20 @@ def build_model(
     register_attention(topo, backend=backend, layout=layout)
     config = load_config(mc.hf_config)
     model = from_config(config, dtype=DTYPES[mc.dtype], hf_weights=mc.hf_weights)
+    wrapped = wrap(model, topo, mc, layout=layout)
+    wrapped.probe()  # before the engine: refused on every rank, or the head to train with
+    return wrapped
+
+
+def wrap(model: Any, topo: Topology, mc: HFModelConfig, *, layout: str | None = None) -> HFCausalLM:
+    """A built transformers model with the ``"model"`` block's memory features, as
+    :class:`HFCausalLM` (not probed yet)."""
     # "auto" sizes the tiles from the MLP's intermediate width (core/tiles.py)
-    tile_mlps(model, mc.tiled_mlp, width=ffn_width(config))
-    wrapped = HFCausalLM(
+    tile_mlps(model, mc.tiled_mlp, width=ffn_width(model.config))
+    return HFCausalLM(
         model,
         topo=topo,
         layout=layout,
         activation_checkpointing=mc.activation_checkpointing,
         offload_activations=mc.offload_activations,
     )
-    wrapped.probe()  # before the engine: refused on every rank, or the head to train with
-    return wrapped

@@ -238,6 +238,12 @@ def _same_weights(model: nn.Module, topo: Topology) -> None:
         )
 
 
+def _partitioned(model: nn.Module) -> bool:
+    """ZeRO-3 parameters (``ds_id``): one copy, partitioned over the ranks, so every SP
+    rank gathers the same weights by construction (and holds none whole to compare)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def _probe_length(config: Any, P: int, layout: str) -> int:
     """A multiple of the layout's multiple, >= 40, equal to none of the config's sizes and
     not a power of two (so that no weight dimension looks like the sequence)."""
@@ -259,12 +265,14 @@ def probe(wrapper: Any, topo: Topology | None, *, guard: bool | None = None) -> 
     model = wrapper.model
     P = 1 if topo is None else topo.sp_world_size
     guard = P > 1 if guard is None else guard
-    if P > 1:
+    if P > 1 and not _partitioned(model):
         assert topo is not None
         _same_weights(model, topo)
     n = _probe_length(getattr(model, "config", None), P, wrapper.layout)
     out = model.get_output_embeddings()
-    vocab, device = int(out.weight.shape[0]), out.weight.device
+    # a ZeRO-3 partitioned weight is empty here; DeepSpeed keeps its shape as ds_shape
+    vocab = int(getattr(out.weight, "ds_shape", out.weight.shape)[0])
+    device = out.weight.device
     head = head_module(model)
     ids = torch.randint(vocab, (1, n), generator=torch.Generator().manual_seed(1234)).to(device)
     pos = torch.arange(n, device=device)[None]

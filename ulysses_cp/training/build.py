@@ -89,10 +89,17 @@ def validate(run: RunConfig) -> None:
         )
 
 
-def build_model(mc: ModelConfig | HFModelConfig, topo: Topology) -> torch.nn.Module:
+def build_model(
+    mc: ModelConfig | HFModelConfig, topo: Topology, run: RunConfig | None = None
+) -> torch.nn.Module:
     """The reference decoder (``ModelConfig``) or a Hugging Face model (``HFModelConfig``),
-    with the run's attention (``topo.options``)."""
+    with the run's attention (``topo.options``). With ``run`` under ZeRO-3 a Hugging Face
+    model is built partitioned, never whole on a rank (``training/loading.py``)."""
     if not isinstance(mc, ModelConfig):
+        from . import loading
+
+        if run is not None and loading.partitioned_build(run):
+            return loading.build_partitioned(run, topo)
         from ..models import hf
 
         return hf.build_model(topo, mc)

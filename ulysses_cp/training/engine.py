@@ -292,6 +292,11 @@ def initialize(
     from .portable import settle_initial_state
 
     settle_initial_state(engine)  # state an optimizer made in __init__ (Adagrad)
+    probe = getattr(model, "probe", None)
+    if getattr(model, "needs_probe", False) and callable(probe):
+        # a Hugging Face model built partitioned (training/loading.py): its guard and probe
+        # run now, before any step, with ZeRO-3 fetching each module's weights as it runs
+        probe()
     get_logger(__name__).info(
         f"DeepSpeed engine ready: ZeRO-{_zero_stage(run)}, {topo.mode} "
         f"u{topo.ulysses_degree} r{topo.ring_degree} dp{topo.dp_degree}, {topo.options}"

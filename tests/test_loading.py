@@ -1,0 +1,162 @@
+"""A Hugging Face model built partitioned under ZeRO-3 (``training/loading.py``) equals the
+whole-model build: the same parameters (gathered) and the same first step, from a sharded
+safetensors checkpoint and from a seed, and the same generator state after the build."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import ulysses_cp as ucp
+from tests.helpers import run_config, topology_for
+from ulysses_cp.config import DataConfig, RunConfig
+from ulysses_cp.training.data import KVRecall, global_batch
+
+transformers = pytest.importorskip("transformers")
+from ulysses_cp.models import hf  # noqa: E402
+from ulysses_cp.training import loading  # noqa: E402
+
+# odd sizes: an MLP bias of 33 elements is padded in the partition of 2 ranks, and the
+# 33 x 18 projections' partitions start in the middle of a row
+CONFIG = dict(
+    model_type="llama", vocab_size=97, hidden_size=18, intermediate_size=33,
+    num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1, head_dim=6,
+    mlp_bias=True, attention_bias=True, max_position_embeddings=512, attention_dropout=0.0,
+    tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def _config(tmp, weights=None) -> dict:
+    model = {"hf_config": str(tmp / "config.json"), "hf_weights": weights}
+    # ring 2: three query heads need not split
+    return run_config(1, 2, 3, model=model)
+
+
+def _step(rank, cfg: dict, partitioned: bool, seed: int):
+    """Build (seeded), ``ucp.initialize`` under ZeRO-3, one SGD step. Returns the gathered
+    parameters after the build, the loss, the gathered parameters after the step and the
+    generator's state after the build."""
+    import deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    run = RunConfig.load(cfg)
+    topo = topology_for(cfg)
+    torch.manual_seed(seed)
+    if partitioned:
+        model = loading.build_partitioned(run, topo, backend="torch")
+        assert all(hasattr(p, "ds_id") for p in model.parameters())  # never whole
+    else:
+        model = hf.build_model(topo, run.model, backend="torch")
+    rng = torch.get_rng_state()
+    engine = ucp.initialize(
+        model=model, config=cfg, topo=topo, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)
+    )
+    assert engine.module.probed is not None  # the guard and probe ran
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        built = [p.detach().clone() for p in params]
+    data = KVRecall(DataConfig(seq_len=64, n_queries=8, n_keys=4, n_values=8))
+    full = global_batch(
+        data, step=0, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1
+    )
+    local = ucp.shard_batch(full, topo)
+    logits = engine(local["input_ids"], local["position_ids"], local["batch"])
+    loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
+    engine.backward(loss)
+    engine.step()
+    with deepspeed.zero.GatheredParameters(params):
+        stepped = [p.detach().clone() for p in params]
+    return built, loss.item(), stepped, rng
+
+
+def _same(whole, part):
+    for (b_w, loss_w, s_w, rng_w), (b_p, loss_p, s_p, rng_p) in zip(whole, part):
+        assert len(b_w) == len(b_p)
+        for i, (a, b) in enumerate(zip(b_w, b_p)):
+            assert torch.equal(a, b), f"parameter {i} differs after the build"
+        assert loss_w == loss_p, (loss_w, loss_p)
+        for i, (a, b) in enumerate(zip(s_w, s_p)):
+            assert torch.equal(a, b), f"parameter {i} differs after the first step"
+        assert torch.equal(rng_w, rng_p), "the generator is not where the whole build left it"
+
+
+def _save_checkpoint(tmp):
+    config = hf.load_config(dict(CONFIG))
+    (tmp / "config.json").write_text(json.dumps(CONFIG))
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp / "weights", max_shard_size="8KB")
+    return tmp / "weights"
+
+
+def test_streamed_safetensors_equal_the_whole_load(pools, tmp_path):
+    weights = _save_checkpoint(tmp_path)
+    shards = sorted(p.name for p in weights.glob("*.safetensors"))
+    assert len(shards) >= 3 and (weights / loading.INDEX).is_file()
+    cfg = _config(tmp_path, str(weights))
+    whole = pools(2).run(_step, cfg, False, 0)
+    part = pools(2).run(_step, cfg, True, 0)
+    _same(whole, part)
+    # the weights are the checkpoint's (not a seed's)
+    saved = transformers.AutoModelForCausalLM.from_pretrained(weights)
+    assert torch.equal(part[0][0][0], next(saved.parameters()).detach())
+
+
+def test_random_init_equals_the_whole_init_of_the_same_seed(pools, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    cfg = _config(tmp_path)
+    whole = pools(2).run(_step, cfg, False, 3)
+    part = pools(2).run(_step, cfg, True, 3)
+    _same(whole, part)
+    assert not torch.equal(whole[0][0][1], whole[1][0][0][1] * 0)  # not all zeros
+
+
+def test_a_checkpoint_with_other_names_is_not_streamed(tmp_path):
+    weights = _save_checkpoint(tmp_path)
+    index = json.loads((weights / loading.INDEX).read_text())
+    index["weight_map"] = {f"renamed.{k}": v for k, v in index["weight_map"].items()}
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / loading.INDEX).write_text(json.dumps(index))
+    names = {n for n, _ in transformers.AutoModelForCausalLM.from_config(
+        hf.load_config(dict(CONFIG))).named_parameters()}  # fmt: skip
+    run = RunConfig.load(_config(tmp_path, str(weights)))
+    why = loading._streamable(other, names, run)
+    assert why is not None and "tensor names differ" in why and "missing" in why
+    assert loading._streamable(weights, names, run) is None
+
+
+def test_partitioned_build_only_under_zero3(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    for stage, want in ((0, False), (2, False), (3, True)):
+        cfg = run_config(1, 2, stage, model={"hf_config": str(tmp_path / "config.json")})
+        assert loading.partitioned_build(RunConfig.load(cfg)) is want
+    assert not loading.partitioned_build(RunConfig.load(run_config(1, 2, 3)))  # the decoder
+
+
+@pytest.mark.launcher
+def test_train_py_loads_partitioned_trains_saves_and_resumes(tmp_path):
+    """train.py under ZeRO-3 from a safetensors checkpoint: the first loss of a ZeRO-2
+    run (whole load), a checkpoint with its portable state, and a resume."""
+    from tests.helpers import LAUNCH, ROOT, launch, metrics, write_config
+
+    fields = json.loads((ROOT / "configs" / "hf" / "tiny_llama.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    torch.manual_seed(5)
+    saved = transformers.AutoModelForCausalLM.from_config(hf.load_config(dict(fields)))
+    saved.save_pretrained(tmp_path / "weights", max_shard_size="100KB")
+    model = {"hf_config": str(tmp_path / "config.json"), "hf_weights": str(tmp_path / "weights")}
+    short = dict(training={"max_steps": 2, "log_interval": 1})
+    losses = {}
+    for stage in (2, 3):
+        cfg = run_config(2, 1, stage, **{**LAUNCH, "model": model}, **short)
+        path = write_config(tmp_path, cfg, f"zero{stage}")
+        launch(path, tmp_path / f"run{stage}")
+        losses[stage] = [r["loss"] for r in metrics(tmp_path / f"run{stage}")]
+    assert losses[3][0] == pytest.approx(losses[2][0], rel=1e-6, abs=1e-6)
+    assert (tmp_path / "run3" / "step2" / "portable.pt").is_file()
+    launch(tmp_path / "zero3.json", tmp_path / "run3", "--max_steps", "3", "--resume")
+    assert [r["step"] for r in metrics(tmp_path / "run3")] == [1, 2, 3]
