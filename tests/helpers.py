@@ -361,14 +361,33 @@ def hf_loss_and_grads(sp, ref, topo, ids: torch.Tensor, dtype=torch.float64):
     """The SP model's loss of ``ids`` (sharded by ``ucp.shard_batch``) and the reference's
     (one process, the whole rows), both backward: ``(loss, ref_loss, grads)`` with
     ``grads[name] = (SP gradient summed over the SP ranks, reference gradient)``."""
+    logits = ref(input_ids=ids).logits.to(dtype)  # transformers' own loss casts to float32
+    ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    ref_loss.backward()
+    return _sp_loss_and_grads(sp, ref, topo, {"input_ids": ids, "labels": ids}, ref_loss)
+
+
+def hf_packed_loss_and_grads(sp, ref, topo, docs: list[torch.Tensor]):
+    """As :func:`hf_loss_and_grads` for ``docs`` packed in one row (zigzag multiple) under
+    SP, against each document run alone by the reference (the mean over all targets)."""
+    row = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(topo.sp_world_size, "zigzag"))
+    total = sum(
+        torch.nn.functional.cross_entropy(
+            ref(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum"
+        )
+        for d in docs
+    )
+    ref_loss = total / sum(len(d) - 1 for d in docs)
+    ref_loss.backward()
+    return _sp_loss_and_grads(sp, ref, topo, row, ref_loss)
+
+
+def _sp_loss_and_grads(sp, ref, topo, batch: dict, ref_loss: torch.Tensor):
     import torch.distributed as dist
 
     from ulysses_cp.models import hf
 
-    logits = ref(input_ids=ids).logits.to(dtype)  # transformers' own loss casts to float32
-    ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    ref_loss.backward()
-    local = ucp.shard_batch({"input_ids": ids, "labels": ids}, topo)
+    local = ucp.shard_batch(batch, topo)
     loss = hf.HFCausalLM(sp).loss(
         local["input_ids"], local["position_ids"], local["shift_labels"], topo, batch=local["batch"]
     )

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.helpers import HF_TINY, hf_loss_and_grads, hf_pair, topology
+from tests.helpers import HF_TINY, hf_loss_and_grads, hf_packed_loss_and_grads, hf_pair, topology
 
 transformers = pytest.importorskip("transformers")
 from ulysses_cp.config import HFModelConfig  # noqa: E402
@@ -120,31 +119,14 @@ def test_hf_config_block_and_local_configs(tmp_path):
 
 def _packed(rank):
     """Packed documents under hybrid SP equal the documents run one by one with sdpa."""
-    import ulysses_cp as ucp
-
     topo = topology(2, 2)
     sp, ref = models("llama", topo)
     g = torch.Generator().manual_seed(2)
     docs = [torch.randint(96, (n,), generator=g) for n in (5, 9, 3, 20)]
-    row = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(4, "zigzag"))
-    local = shard_batch(row, topo, "zigzag")
-    loss = hf.HFCausalLM(sp).loss(
-        local["input_ids"], local["position_ids"], local["shift_labels"], topo, batch=local["batch"]
-    )
-    loss.backward()
-    total = sum(
-        torch.nn.functional.cross_entropy(
-            ref(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum"
-        )
-        for d in docs
-    )
-    ref_loss = total / sum(len(d) - 1 for d in docs)
-    ref_loss.backward()
+    loss, ref_loss, grads = hf_packed_loss_and_grads(sp, ref, topo, docs)
     torch.testing.assert_close(loss, ref_loss, **TOL)
-    for p, q in zip(sp.parameters(), ref.parameters()):
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=topo.sp_group)
-        torch.testing.assert_close(grad, q.grad, **TOL)
+    for grad, want in grads.values():
+        torch.testing.assert_close(grad, want, **TOL)
 
 
 def test_hf_packed_documents_under_hybrid_sp(pools):

@@ -8,10 +8,8 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
-import ulysses_cp as ucp
-from tests.helpers import HF_TINY, topology
+from tests.helpers import HF_TINY, hf_loss_and_grads, hf_packed_loss_and_grads, hf_pair, topology
 from ulysses_cp.core.relayout import Relayout, chunk_bounds
 from ulysses_cp.core.varlen import doc_layout_indices
 
@@ -57,44 +55,18 @@ def test_the_config_exercises_chunks_and_temperature():
         assert (changed(input_ids=ids).logits - base).abs().max() > 1e-3, attr
 
 
-def _grads_summed(model, topo):
-    out = []
-    for p in model.parameters():
-        g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        dist.all_reduce(g, group=topo.sp_group)
-        out.append(g)
-    return out
-
-
 def _models(topo, **extra):
-    hf.register_attention(topo, backend="math")
-    cfg = llama4_config(**extra)
-    torch.manual_seed(0)
-    sp = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="ulysses_cp", dtype=torch.float64
-    )
-    ref = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="eager", dtype=torch.float64
-    )
-    ref.load_state_dict(sp.state_dict())
-    return sp, ref
+    return hf_pair(llama4_config(**extra), topo, reference_attention="eager")
 
 
 def _rows(rank, u, r, layout):
     topo = topology(u, r, layout)
     sp, ref = _models(topo)
     ids = torch.randint(96, (2, 64), generator=torch.Generator().manual_seed(1))
-    logits = ref(input_ids=ids).logits
-    ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    ref_loss.backward()
-    local = hf.shard_batch({"input_ids": ids, "labels": ids}, topo)
-    loss = hf.HFCausalLM(sp).loss(
-        local["input_ids"], local["position_ids"], local["shift_labels"], topo, batch=local["batch"]
-    )
-    loss.backward()
+    loss, ref_loss, grads = hf_loss_and_grads(sp, ref, topo, ids)
     torch.testing.assert_close(loss, ref_loss, **TOL)
-    for g, q in zip(_grads_summed(sp, topo), ref.parameters()):
-        torch.testing.assert_close(g, q.grad, **TOL)
+    for g, want in grads.values():
+        torch.testing.assert_close(g, want, **TOL)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -111,27 +83,10 @@ def _packed(rank, u, r):
     sp, ref = _models(topo)
     g = torch.Generator().manual_seed(2)
     docs = [torch.randint(96, (n,), generator=g) for n in (24, 40)]
-    row = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(u * r, "zigzag"))
-    local = hf.shard_batch(row, topo)
-    loss = hf.HFCausalLM(sp).loss(
-        local["input_ids"],
-        local["position_ids"],
-        local["shift_labels"],
-        topo,
-        batch=local["batch"],
-    )
-    loss.backward()
-    total = sum(
-        torch.nn.functional.cross_entropy(
-            ref(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum"
-        )
-        for d in docs
-    )
-    ref_loss = total / sum(len(d) - 1 for d in docs)
-    ref_loss.backward()
+    loss, ref_loss, grads = hf_packed_loss_and_grads(sp, ref, topo, docs)
     torch.testing.assert_close(loss, ref_loss, **TOL)
-    for grad, q in zip(_grads_summed(sp, topo), ref.parameters()):
-        torch.testing.assert_close(grad, q.grad, **TOL)
+    for grad, want in grads.values():
+        torch.testing.assert_close(grad, want, **TOL)
 
 
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)], ids=str)

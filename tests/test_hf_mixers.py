@@ -3,15 +3,12 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 
-import ulysses_cp as ucp
-from tests.helpers import HF_TINY, topology
+from tests.helpers import HF_TINY, hf_packed_loss_and_grads, hf_pair, topology
 from ulysses_cp.core.comm import stats
 from ulysses_cp.core.varlen import doc_layout_indices
 from ulysses_cp.modes.mixer import MixerExchange, split_channels
@@ -83,53 +80,19 @@ def test_the_exchange_moves_channels_and_back(pools, layout, packed):
     pools(4).run(_exchange, layout, packed)
 
 
-def _models(topo, cfg):
-    """(SP model, one-process reference with sdpa attention: float64 softmax, where eager
-    would take it in float32)."""
-    hf.register_attention(topo, backend="math")
-    torch.manual_seed(0)
-    sp = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="ulysses_cp", dtype=torch.float64
-    )
-    ref = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float64
-    )
-    ref.load_state_dict(sp.state_dict())
-    return sp, ref
-
-
 def _packed(rank, u, r, family):
     """A packed row equals its documents run alone: no state crosses a document."""
     topo = topology(u, r)
-    sp, ref = _models(topo, {"lfm2": lfm2, "bamba": bamba, "qwen3_next": qwen3_next}[family]())
+    cfg = {"lfm2": lfm2, "bamba": bamba, "qwen3_next": qwen3_next}[family]()
+    sp, ref = hf_pair(cfg, topo)  # sdpa: float64 softmax, where eager takes it in float32
     g = torch.Generator().manual_seed(2)
     docs = [torch.randint(96, (n,), generator=g) for n in (13, 32, 8)]
-    row = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(u * r, "zigzag"))
-    local = hf.shard_batch(row, topo)
-    stats.reset()
-    loss = hf.HFCausalLM(sp).loss(
-        local["input_ids"],
-        local["position_ids"],
-        local["shift_labels"],
-        topo,
-        batch=local["batch"],
-    )
-    loss.backward()
-    total = sum(
-        torch.nn.functional.cross_entropy(
-            ref(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum"
-        )
-        for d in docs
-    )
-    ref_loss = total / sum(len(d) - 1 for d in docs)
-    ref_loss.backward()
+    loss, ref_loss, grads = hf_packed_loss_and_grads(sp, ref, topo, docs)
     # the gated delta rule computes in float32 inside its kernel
     tol = TOL if family != "qwen3_next" else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, ref_loss, **tol)
-    for p, q in zip(sp.parameters(), ref.parameters()):
-        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        dist.all_reduce(grad, group=topo.sp_group)
-        torch.testing.assert_close(grad, q.grad, **tol)
+    for grad, want in grads.values():
+        torch.testing.assert_close(grad, want, **tol)
 
 
 @pytest.mark.parametrize("family", ["lfm2", "bamba", "qwen3_next"])
@@ -167,7 +130,7 @@ def _bytes(rank):
     b * s_l * D elements, (P-1)/P of each leaving the rank, in forward and in backward."""
     topo = topology(4, 1)
     cfg = transformers.Lfm2Config(**{**HF_TINY, "layer_types": ["conv"], "num_hidden_layers": 1})
-    sp, _ = _models(topo, cfg)
+    sp, _ = hf_pair(cfg, topo)
     model = hf.HFCausalLM(sp)
     model.probe()
     ids = torch.randint(96, (2, 64), generator=torch.Generator().manual_seed(3))
