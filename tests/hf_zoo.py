@@ -95,6 +95,17 @@ GDN = dict(
 GRANITE = dict(
     embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=4.0
 )
+INKLING2 = dict(
+    layer_types=["hybrid_sliding", "hybrid"],
+    unpadded_vocab_size=96,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=2,
+    swa_head_dim=8,
+    d_rel=4,
+    rel_extent=16,
+    log_scaling_n_floor=4,
+    n_layers_per_attn_res_block=1,
+)  # inkling2_text; inkling2_loop_text adds its loop
 MLA = dict(num_key_value_heads=4)  # MLA expands one latent to every head: no GQA
 DECODER = dict(is_decoder=True)  # BERT-style encoders run causally (and build a causal LM) only so
 
@@ -561,15 +572,7 @@ _FAMILIES: list[Family] = [
     Family(
         "inkling2_loop_text",
         dict(
-            layer_types=["hybrid_sliding", "hybrid"],
-            unpadded_vocab_size=96,
-            swa_num_attention_heads=4,
-            swa_num_key_value_heads=2,
-            swa_head_dim=8,
-            d_rel=4,
-            rel_extent=16,
-            log_scaling_n_floor=4,
-            n_layers_per_attn_res_block=1,
+            **INKLING2,
             loop_layer_index_start=1,
             loop_layer_index_end=2,
             loop_num_passes=2,
@@ -581,17 +584,7 @@ _FAMILIES: list[Family] = [
     ),
     Family(
         "inkling2_text",
-        dict(
-            layer_types=["hybrid_sliding", "hybrid"],
-            unpadded_vocab_size=96,
-            swa_num_attention_heads=4,
-            swa_num_key_value_heads=2,
-            swa_head_dim=8,
-            d_rel=4,
-            rel_extent=16,
-            log_scaling_n_floor=4,
-            n_layers_per_attn_res_block=1,
-        ),
+        INKLING2,
         "short convolutions on k/v, relative position bias and log position scaling "
         "(from a local arange, not position_ids), sliding + full, final softcap 2 "
         "(logits in float32)",
