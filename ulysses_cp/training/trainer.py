@@ -232,7 +232,12 @@ class Trainer:
             if n % self.tc.log_interval == 0 or n == self.tc.max_steps:
                 self._log(state, acc)
             if self.evaluator is not None and self.evaluator.due(n, self.tc.max_steps):
-                state.evals.append({"step": n, **self.evaluate(n)})
+                # the evaluation's traffic and time stay out of the next log line's
+                # bytes per step and tokens/s (they are the training steps')
+                began = time.perf_counter()
+                with comm_stats.set_aside():
+                    state.evals.append({"step": n, **self.evaluate(n)})
+                state.started += time.perf_counter() - began
             self.hooks.after_step(self, state)
             if self.signals.agreed(self.device):
                 self.save(n)
