@@ -113,3 +113,22 @@ def test_benchmark_memory_quick(tmp_path):
     for r in rows:
         assert r["max_len"] > 0 and r["tokens_per_s"] > 0
     assert "max len" in out
+
+
+@pytest.mark.slow
+def test_benchmark_loading_quick(tmp_path):
+    """Both loads of the tiny model's checkpoint at 2 ranks run and report their peaks;
+    each rank holds its half of the model, and the planner's prediction is beside it (the
+    random init is checked by tests/test_loading.py)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_loading.py"), "--quick"]
+    run([*cmd, "--world", "2", "--out", str(tmp_path)], timeout=900)
+    got = json.loads((tmp_path / "benchmark_loading.json").read_text())
+    model = got["checkpoint"]["parameters"] * 2  # bf16
+    assert [(r["source"], r["load"]) for r in got["rows"]] == [
+        ("hf_weights", "whole"), ("hf_weights", "partitioned")]  # fmt: skip
+    for row in got["rows"]:
+        parts = [r["partition"] for r in row["ranks"]]
+        assert model <= sum(parts) <= model + 2 * 2**10, (parts, model)  # ZeRO's padding
+        assert all(r["peak"] >= r["baseline"] > 0 for r in row["ranks"])
+        whole = row["load"] == "whole"
+        assert row["predicted_bytes"] >= (model if whole else model // 2)
