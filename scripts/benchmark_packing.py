@@ -13,9 +13,12 @@ tokens, sigma ``--doc-sigma``; web text and SFT data have such a long tail) are 
 rows of N tokens twice, by ``core.varlen.pack_row``: ``document`` packing pads every
 document to ``sequence_multiple(P, "zigzag")`` (what the document-wise layout needs),
 ``row`` packing pads nothing (the row-wise layout; the last document is cut to fill the
-row). The padding fraction is counted for P = 4 .. 256 (arithmetic, no processes), and at
-P = 4 both packings' rows are timed in every mode (interleaved, medians): ``real tok/s``
-counts only real tokens, the training throughput that padding takes away.
+row). The padding fraction is counted for P = 4 .. 256 (arithmetic, no processes). At
+P = 4 the same documents are timed in both packings in every mode (interleaved, medians):
+the document-wise rows of N tokens, and their documents unpadded in the row-wise packing
+(a row of N minus the padding, rounded up to the multiple). ``real tok/s`` counts only real
+tokens, the training throughput that padding takes away; ``x document`` is its ratio to the
+document-wise packing measured in the same run.
 
     python scripts/benchmark_packing.py --quick     # < 1 min on 2 cores
     python scripts/benchmark_packing.py             # the docs/benchmarks.md tables
@@ -53,18 +56,20 @@ def doc_lengths(seed: int, median: float, sigma: float):
         yield from (max(1, round(median * float(x))) for x in draw.exp())
 
 
-def packed_rows(N: int, multiple: int, n_rows: int, lengths) -> list[tuple[torch.Tensor, int]]:
+def packed_rows(N: int, multiple: int, n_rows: int, lengths, lengths_too: bool = False):
     """``n_rows`` rows of N tokens from the ``lengths`` stream, each document padded to
-    ``multiple`` (``core.varlen.pack_row``): ``[(cu_seqlens, real tokens)]``."""
+    ``multiple`` (``core.varlen.pack_row``): ``[(cu_seqlens, real tokens)]``, or with
+    ``lengths_too`` ``[(cu_seqlens, [real length of each document])]``."""
     pending = [next(lengths)]
-    return [_one_row(N, multiple, pending, lengths) for _ in range(n_rows)]
+    rows = [_one_row(N, multiple, pending, lengths) for _ in range(n_rows)]
+    return rows if lengths_too else [(cu, sum(lens)) for cu, lens in rows]
 
 
-def _one_row(N: int, multiple: int, pending: list[int], lengths) -> tuple[torch.Tensor, int]:
-    real = [0]
+def _one_row(N: int, multiple: int, pending: list[int], lengths) -> tuple[torch.Tensor, list]:
+    real: list[int] = []
 
     def take(n: int):
-        real[0] += n
+        real.append(n)
         t = torch.zeros(n, dtype=torch.long)
         return t, t
 
@@ -79,7 +84,7 @@ def _one_row(N: int, multiple: int, pending: list[int], lengths) -> tuple[torch.
         pending[0] = next(lengths)
         return take(room)
 
-    return pack_row(N, multiple, draw, last)["cu_seqlens"], real[0]
+    return pack_row(N, multiple, draw, last)["cu_seqlens"], real
 
 
 def padding_table(args) -> list[dict]:
@@ -129,37 +134,49 @@ def _step(q, k, v, dout, topo, backend, cu) -> float:
 
 
 def padding_worker(topos, args, device) -> list[dict]:
-    """Both packings' rows (P = 4) timed in every mode, interleaved; medians per row."""
+    """The same documents timed in both packings (P = 4) in every mode, interleaved, medians
+    per row: document-wise rows of N tokens (each document padded to the layout's multiple)
+    against their documents unpadded in the row-wise packing (a row of N minus the padding,
+    rounded up to the multiple)."""
     out = []
     m = ucp.sequence_multiple(WORLD, "zigzag")
     for N in args.seqs:
-        rows = {}
-        for packing in PACKINGS:
-            stream = doc_lengths(args.seed, args.doc_median, args.doc_sigma)
-            rows[packing] = packed_rows(
-                N, m if packing == "document" else 1, args.timed_rows, stream
-            )
+        stream = doc_lengths(args.seed, args.doc_median, args.doc_sigma)
+        docs = packed_rows(N, m, args.timed_rows, stream, lengths_too=True)
+        cus = {"document": [], "row": []}
+        for cu, lens in docs:
+            cus["document"].append(cu)
+            row = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+            row[-1] += -int(row[-1]) % m  # the row's end padded (joins the last document)
+            cus["row"].append(row)
         g = torch.Generator().manual_seed(0)
-        s_l = N // WORLD
-        shapes = [(1, s_l, HQ, D), (1, s_l, HKV, D), (1, s_l, HKV, D), (1, s_l, HQ, D)]
-        q, k, v, dout = (torch.randn(s, generator=g).to(device) for s in shapes)
-        cus = {p: [cu.to(device) for cu, _ in rows[p]] for p in PACKINGS}
-        times = {(mode, p, i): [] for mode in MODES for p in PACKINGS for i in range(len(cus[p]))}
+        inputs = {}
+        for p in PACKINGS:
+            for i, cu in enumerate(cus[p]):
+                s_l = int(cu[-1]) // WORLD
+                shapes = [(1, s_l, HQ, D), (1, s_l, HKV, D), (1, s_l, HKV, D), (1, s_l, HQ, D)]
+                qkvd = [torch.randn(s, generator=g).to(device) for s in shapes]
+                inputs[(p, i)] = (*qkvd, cu.to(device))
+        times = {(mode, p, i): [] for mode in MODES for p, i in inputs}
         for rep in range(args.warmup + args.repeats):
             for mode, p, i in times:  # interleaved: the same noise for both packings
                 topo = topos[mode].with_options(packing=p)
-                t = _step(q, k, v, dout, topo, args.backend, cus[p][i])
+                q, k, v, dout, cu = inputs[(p, i)]
+                t = _step(q, k, v, dout, topo, args.backend, cu)
                 if rep >= args.warmup:
                     times[(mode, p, i)].append(t)
+        real = sum(sum(lens) for _, lens in docs)
         for mode in MODES:
             for p in PACKINGS:
-                t = sum(statistics.median(times[(mode, p, i)]) for i in range(len(cus[p])))
-                real = sum(n for _, n in rows[p])
+                n = len(cus[p])
+                t = sum(statistics.median(times[(mode, p, i)]) for i in range(n))
+                tokens = sum(int(cu[-1]) for cu in cus[p])
+                work = sum(work_fraction(cu, int(cu[-1])) * int(cu[-1]) ** 2 for cu in cus[p])
                 out.append(
-                    {"mode": mode, "N": N, "packing": p, "rows": len(cus[p]),
-                     "time_per_row_s": t / len(cus[p]), "real_tokens": real,
-                     "padding_fraction": 1 - real / (len(cus[p]) * N),
-                     "real_tokens_per_s": real / t}
+                    {"mode": mode, "N": N, "packing": p, "rows": n, "row_tokens": tokens,
+                     "real_tokens": real, "padding_fraction": 1 - real / tokens,
+                     "time_per_row_s": t / n, "real_tokens_per_s": real / t,
+                     "causal_work": work}
                 )  # fmt: skip
     return out
 
@@ -241,18 +258,19 @@ def main():
             f"{r['N']:>7}{r['P']:>6}  {r['packing']:<10}{r['padding_tokens']:>10}"
             f"{r['padding_fraction']:>10.4f}{r['docs_per_row']:>10.1f}"
         )
-    print(f"\ntimed at P = {WORLD}: {args.timed_rows} rows per packing, medians of {args.repeats}")
-    print(f"{'mode':<15}{'N':>7}  {'packing':<10}{'ms/row':>9}{'padding':>9}{'real tok/s':>12}"
-          f"{'x document':>12}")  # fmt: skip
+    print(f"\nthe same documents timed at P = {WORLD} in both packings: {args.timed_rows} rows, "
+          f"medians of {args.repeats}")  # fmt: skip
+    print(f"{'mode':<15}{'N':>7}  {'packing':<10}{'tokens':>8}{'ms/row':>9}{'padding':>9}"
+          f"{'real tok/s':>12}{'x document':>12}")  # fmt: skip
     base = {(r["mode"], r["N"]): r for r in timed if r["packing"] == "document"}
     for r in timed:
         r["tokens_per_s_to_document"] = (
             r["real_tokens_per_s"] / base[(r["mode"], r["N"])]["real_tokens_per_s"]
         )
         print(
-            f"{r['mode']:<15}{r['N']:>7}  {r['packing']:<10}{r['time_per_row_s'] * 1e3:>9.1f}"
-            f"{r['padding_fraction']:>9.4f}{r['real_tokens_per_s']:>12.0f}"
-            f"{r['tokens_per_s_to_document']:>12.3f}"
+            f"{r['mode']:<15}{r['N']:>7}  {r['packing']:<10}{r['row_tokens']:>8}"
+            f"{r['time_per_row_s'] * 1e3:>9.1f}{r['padding_fraction']:>9.4f}"
+            f"{r['real_tokens_per_s']:>12.0f}{r['tokens_per_s_to_document']:>12.3f}"
         )
     result = {"args": vars(args), "rows": rows, "padding": padding, "timed": timed}
     (out / "benchmark_packing.json").write_text(json.dumps(result))
