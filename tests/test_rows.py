@@ -65,11 +65,14 @@ def test_row_wise_windows_softcap_sinks(pools, u, r, variant):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("u,r", [(1, 4), (2, 2)])
-def test_row_wise_torch_backend_and_head_chunks(pools, u, r):
+@pytest.mark.parametrize("u,r", [(1, 4), (2, 2), (4, 1)])
+@pytest.mark.parametrize(
+    "more", [dict(head_chunks=2), dict(redo_all_to_all=True)], ids=["chunks", "redo"]
+)
+def test_row_wise_torch_backend_head_chunks_and_redo(pools, u, r, more):
     attend_and_check(
         pools, u, r, seed=6, hq=8, hkv=4, bounds=bounds_of(DOCS["shorter_than_a_chunk"]),
-        options=ROW | dict(head_chunks=2), backend="torch",
+        options=ROW | more, backend="torch",
     )  # fmt: skip
 
 
