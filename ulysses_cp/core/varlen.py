@@ -74,7 +74,9 @@ def check_cu_seqlens(
                 f"document {i} has length {b - a}, not a multiple of {multiple}: in this "
                 f"layout every document is split evenly over the sequence-parallel ranks. "
                 f"Pad each document at its end (ucp.pack_documents(..., multiple={multiple}) "
-                f"does) or use documents whose lengths are multiples of {multiple}"
+                f"does), use documents whose lengths are multiples of {multiple}, or use "
+                f'the row-wise packing (init_topology(..., packing="row"), the '
+                f'sequence_parallel block\'s "packing": "row"), which splits only the row'
             )
     return bounds
 
