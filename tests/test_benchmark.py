@@ -86,7 +86,7 @@ def test_benchmark_quick(tmp_path):
 @pytest.mark.slow
 def test_benchmark_packing_quick(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_packing.py"), "--quick"]
-    out = run([*cmd, "--out", str(tmp_path)], timeout=300)
+    out = run([*cmd, "--out", str(tmp_path)], timeout=600)
     rows = json.loads((tmp_path / "benchmark_packing.json").read_text())["rows"]
     cases = {(r["mode"], r["case"]) for r in rows}
     for mode in ("ulysses", "ring_zigzag", "hybrid_zigzag"):
