@@ -368,9 +368,12 @@ def hf_loss_and_grads(sp, ref, topo, ids: torch.Tensor, dtype=torch.float64):
 
 
 def hf_packed_loss_and_grads(sp, ref, topo, docs: list[torch.Tensor]):
-    """As :func:`hf_loss_and_grads` for ``docs`` packed in one row (zigzag multiple) under
-    SP, against each document run alone by the reference (the mean over all targets)."""
-    row = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(topo.sp_world_size, "zigzag"))
+    """As :func:`hf_loss_and_grads` for ``docs`` packed in one row under SP (the run's
+    packing: every document padded to the layout's multiple, or only the row), against
+    each document run alone by the reference (the mean over all targets)."""
+    m = ucp.sequence_multiple(topo.sp_world_size, topo.layout)
+    each = dict(row_multiple=m) if topo.options.packing == "row" else dict(multiple=m)
+    row = ucp.pack_documents(docs, **each)
     total = sum(
         torch.nn.functional.cross_entropy(
             ref(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum"
