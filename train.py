@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         micro = engine.train_micro_batch_size_per_gpu()
         evaluator = Evaluator(held_out, run.eval, topo, micro_batch=micro, device=engine.device)
     trainer = Trainer(engine, topo, dataset, tc=tc, out=out, tiled_loss=mc.tiled_loss,
-                      hooks=hooks, evaluator=evaluator)  # fmt: skip
+                      fused_loss=mc.fused_loss, hooks=hooks, evaluator=evaluator)  # fmt: skip
     trainer.zero_bytes_per_step = zero_wire_bytes(
         ds_run.raw, params=n_params, world=topo.world_size,
         element_bytes=next(engine.module.parameters()).element_size(),

@@ -357,14 +357,16 @@ def hf_pair(cfg, topo, backend="math", reference_attention="sdpa", dtype=torch.f
     return sp, ref
 
 
-def hf_loss_and_grads(sp, ref, topo, ids: torch.Tensor, dtype=torch.float64):
+def hf_loss_and_grads(sp, ref, topo, ids: torch.Tensor, dtype=torch.float64, **loss_kwargs):
     """The SP model's loss of ``ids`` (sharded by ``ucp.shard_batch``) and the reference's
     (one process, the whole rows), both backward: ``(loss, ref_loss, grads)`` with
-    ``grads[name] = (SP gradient summed over the SP ranks, reference gradient)``."""
+    ``grads[name] = (SP gradient summed over the SP ranks, reference gradient)``.
+    ``loss_kwargs``: options of ``HFCausalLM.loss`` (``tiled_loss``, ``fused_loss``)."""
     logits = ref(input_ids=ids).logits.to(dtype)  # transformers' own loss casts to float32
     ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     ref_loss.backward()
-    return _sp_loss_and_grads(sp, ref, topo, {"input_ids": ids, "labels": ids}, ref_loss)
+    batch = {"input_ids": ids, "labels": ids}
+    return _sp_loss_and_grads(sp, ref, topo, batch, ref_loss, **loss_kwargs)
 
 
 def hf_packed_loss_and_grads(sp, ref, topo, docs: list[torch.Tensor]):
@@ -385,15 +387,16 @@ def hf_packed_loss_and_grads(sp, ref, topo, docs: list[torch.Tensor]):
     return _sp_loss_and_grads(sp, ref, topo, row, ref_loss)
 
 
-def _sp_loss_and_grads(sp, ref, topo, batch: dict, ref_loss: torch.Tensor):
+def _sp_loss_and_grads(sp, ref, topo, batch: dict, ref_loss: torch.Tensor, **loss_kwargs):
     import torch.distributed as dist
 
     from ulysses_cp.models import hf
 
     local = ucp.shard_batch(batch, topo)
     loss = hf.HFCausalLM(sp).loss(
-        local["input_ids"], local["position_ids"], local["shift_labels"], topo, batch=local["batch"]
-    )
+        local["input_ids"], local["position_ids"], local["shift_labels"], topo,
+        batch=local["batch"], **loss_kwargs,
+    )  # fmt: skip
     loss.backward()
     grads = {}
     for (name, p), q in zip(sp.named_parameters(), ref.parameters()):

@@ -151,6 +151,7 @@ class ModelConfig:
     # (core/tiles.py)
     tiled_mlp: int | Literal["auto"] = 0
     tiled_loss: int | Literal["auto"] = 0  # LM head + loss in pieces, no full logits
+    fused_loss: bool = False  # LM head + loss gradients computed in the forward
 
     @classmethod
     def from_dict(cls, cfg: dict | None) -> ModelConfig:
@@ -182,6 +183,7 @@ class HFModelConfig:
     offload_activations: bool = False
     tiled_mlp: int | Literal["auto"] = 0
     tiled_loss: int | Literal["auto"] = 0
+    fused_loss: bool = False
 
     @classmethod
     def from_dict(cls, block: dict | None) -> HFModelConfig:

@@ -241,9 +241,11 @@ class HFCausalLM(nn.Module):
         *,
         batch: BatchPlan | None = None,
         tiled_loss: int | str = 0,
+        fused_loss: bool = False,
     ) -> torch.Tensor:
         """SP cross-entropy of shifted ``labels`` (tiled when ``tiled_loss`` is > 1 or
-        ``"auto"`` resolves to more than one tile)."""
+        ``"auto"`` resolves to more than one tile; ``fused_loss``: the head's and the
+        loss's gradients computed in the forward, :mod:`.fused_loss`)."""
         return lm_loss(
             self,
             self.head,
@@ -253,6 +255,7 @@ class HFCausalLM(nn.Module):
             topo,
             batch=batch,
             tiled_loss=tiled_loss,
+            fused_loss=fused_loss,
         )
 
 

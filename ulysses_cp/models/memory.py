@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from ..core.batch import BatchPlan
 from ..core.tiles import TileSetting, check_tiles, resolve_tiles
 from ..core.topology import Topology
+from .fused_loss import fused_cross_entropy
 from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss_from_sums
 
 __all__ = [
@@ -162,13 +163,19 @@ def lm_loss(
     *,
     batch: BatchPlan | None = None,
     tiled_loss: TileSetting = 0,
+    fused_loss: bool = False,
 ) -> torch.Tensor:
     """SP cross-entropy of a causal LM on this rank's shard. ``forward(input_ids,
     position_ids, batch, return_hidden=...)`` is the model (or its DeepSpeed engine);
     ``batch``: the batch's plan (``ucp.shard_batch``); when ``tiled_loss`` resolves to more
     than one piece (an integer > 1, or ``"auto"`` by bytes: :func:`loss_tiles`) the model
-    returns hidden states and ``head`` + loss run tiled."""
+    returns hidden states and ``head`` + loss run tiled. ``fused_loss``: the head's and the
+    loss's gradients are computed in the forward, in the same pieces
+    (:func:`~ulysses_cp.models.fused_loss.fused_cross_entropy`), so nothing is recomputed."""
     chunks = loss_tiles(tiled_loss, head, input_ids)
+    if fused_loss:
+        hidden = forward(input_ids, position_ids, batch, return_hidden=True)
+        return fused_cross_entropy(hidden, head, labels, topo, chunks=chunks)
     if chunks > 1:
         hidden = forward(input_ids, position_ids, batch, return_hidden=True)
         return tiled_cross_entropy(hidden, head, labels, topo, chunks=chunks)

@@ -129,7 +129,8 @@ def peak_memory_mb() -> float:
 
 class Trainer:
     """One run's loop. ``tc``: a ``TrainingConfig``; ``tiled_loss``: the LM head and loss in
-    this many pieces (> 1; ``"auto"``: sized by bytes, ``core.tiles``); ``evaluator``: the
+    this many pieces (> 1; ``"auto"``: sized by bytes, ``core.tiles``); ``fused_loss``:
+    their gradients computed in the forward (``models.fused_loss``); ``evaluator``: the
     held-out loss after the steps it chooses
     (``evaluate.Evaluator``, given the trainer's loss). ``tracker`` (metrics.jsonl, wandb)
     is set once the run knows its first step (after a resume), and ``zero_bytes_per_step``
@@ -149,11 +150,12 @@ class Trainer:
         tc: TrainingConfig,
         out: Path,
         tiled_loss: int | str = 0,
+        fused_loss: bool = False,
         hooks: Hooks | None = None,
         evaluator: Evaluator | None = None,
     ) -> None:
         self.engine, self.topo, self.dataset, self.tc = engine, topo, dataset, tc
-        self.out, self.tiled_loss = out, tiled_loss
+        self.out, self.tiled_loss, self.fused_loss = out, tiled_loss, fused_loss
         self.hooks, self.evaluator = hooks or Hooks(), evaluator
         self.signals = SignalFlag(tc.save_on_signal)
         self.device = engine.device  # inputs and the loss accumulator live with the model
@@ -185,6 +187,7 @@ class Trainer:
             self.topo,
             batch=local.get("batch"),
             tiled_loss=self.tiled_loss,
+            fused_loss=self.fused_loss,
         )
 
     def ignored_loss(self, local: dict[str, Any]) -> torch.Tensor:
