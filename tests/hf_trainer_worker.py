@@ -43,7 +43,11 @@ def main(spec_path: str) -> None:
     ds_config = None
     if spec.get("zero") is not None:
         ds_config = {
-            "zero_optimization": {"stage": spec["zero"]},
+            # ZeRO-3: save_model gathers the partitions into one 16-bit state dict
+            "zero_optimization": {
+                "stage": spec["zero"],
+                "stage3_gather_16bit_weights_on_model_save": True,
+            },
             "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto",
             "train_batch_size": "auto",
