@@ -86,7 +86,7 @@ def alst_tiled_mlp_forward(self, x):
     """ALST's ``TiledMLP`` docstring recipe for ``LlamaMLP.forward`` (per instance)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-    shards = torch.tensor(math.ceil(x.shape[1] / x.shape[2]))
+    shards = torch.tensor(math.ceil(x.shape[1] / x.shape[2]), device=x.device)
     torch.distributed.all_reduce(shards, op=torch.distributed.ReduceOp.MAX)
     params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
 

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -160,11 +161,10 @@ def _predicted(args, how: str, weights, ckpt: dict) -> int:
 
     run = RunConfig.load(_run_config(args, weights))
     shape = model_shape(run.model, dtype_bytes=2 if args.dtype == "bfloat16" else 4)
-    piece = ckpt["largest_shard_bytes"] if weights else 0
+    shape = replace(shape, weights_file_bytes=ckpt["largest_shard_bytes"] if weights else 0)
     parted = how == "partitioned"
     return host_bytes(
-        shape, zero_stage=3, world=args.world, tokens=0, partitioned_load=parted,
-        largest_piece=piece,
+        shape, zero_stage=3, world=args.world, tokens=0, partitioned_load=parted
     )["load"]  # fmt: skip
 
 

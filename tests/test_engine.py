@@ -289,6 +289,7 @@ def test_the_skip_path_keeps_the_tiled_loss():
     head still sees one tile at a time (the full logits are never materialised) and the
     loss has no gradient."""
     from ulysses_cp.config import TrainingConfig
+    from ulysses_cp.models.memory import LossPlan
     from ulysses_cp.training.trainer import Trainer
 
     model = Decoder(TINY, lambda q, k, v: ucp.local_attention(q, k, v, backend="math"))
@@ -307,7 +308,7 @@ def test_the_skip_path_keeps_the_tiled_loss():
     local = {"input_ids": ids, "position_ids": torch.arange(64).expand(2, -1),
              "shift_labels": ids}  # fmt: skip
     tc = TrainingConfig(save_on_signal=False)
-    trainer = Trainer(Engine(), topo, None, tc=tc, out=None, tiled_loss=4)
+    trainer = Trainer(Engine(), topo, None, tc=tc, out=None, loss_plan=LossPlan(4))
     loss = trainer.ignored_loss(local)
     loss.backward()
     assert loss.item() == 0.0 and max(rows) == 2 * 64 // 4, rows

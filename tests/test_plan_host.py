@@ -81,10 +81,9 @@ def test_offloaded_activations_bytes_equal_what_the_checkpoints_keep():
 
 
 def test_load_is_partitioned_only_when_asked_and_peak_is_the_larger_part():
-    shape = model_shape(TINY)
-    whole = host_bytes(shape, zero_stage=3, world=4, tokens=8, largest_piece=100)
-    part = host_bytes(shape, zero_stage=3, world=4, tokens=8, partitioned_load=True,
-                      largest_piece=100)  # fmt: skip
+    shape = replace(model_shape(TINY), weights_file_bytes=100)
+    whole = host_bytes(shape, zero_stage=3, world=4, tokens=8)
+    part = host_bytes(shape, zero_stage=3, world=4, tokens=8, partitioned_load=True)
     assert whole["load"] == shape.params * 4 + 100
     assert part["load"] == -(-shape.params * 4 // 4) + 100
     big = host_bytes(shape, zero_stage=1, world=4, tokens=8, offload_optimizer=True)

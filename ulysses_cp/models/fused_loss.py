@@ -47,10 +47,12 @@ class _FusedHeadLoss(torch.autograd.Function):
     """Summed cross-entropy of ``transform(linear(hidden))`` over ``chunks`` pieces, with
     ``(d hidden, d weight, d bias)`` of that sum computed in forward.
 
-    hidden ``(T, D)``, weight ``(V, D)``, bias ``(V,)`` or None, labels ``(T,)``."""
+    hidden ``(T, D)``, weight ``(V, D)``, bias ``(V,)`` or None, labels ``(T,)``; ``spec``:
+    ``(scale, softcap, chunks, ignore_index, grads)`` (``grads``: compute the gradients)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, scale, softcap, chunks, ignore_index, grads):
+    def forward(ctx, hidden, weight, bias, labels, spec):
+        scale, softcap, chunks, ignore_index, grads = spec
         work = _work_dtype(hidden, weight)
         w = weight.to(work)  # no copy for float32/float64 weights
         d_hidden = torch.empty_like(hidden) if grads else None
@@ -100,7 +102,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         g_hidden = d_hidden * grad.to(d_hidden.dtype)
         g_weight = (d_weight * grad).to(w_dtype)
         g_bias = None if d_bias is None else (d_bias * grad).to(b_dtype)
-        return g_hidden, g_weight, g_bias, None, None, None, None, None, None
+        return g_hidden, g_weight, g_bias, None, None
 
 
 def _head_parts(head: nn.Module) -> tuple[nn.Linear, HeadTransform]:
@@ -156,10 +158,8 @@ def fused_cross_entropy(
     n = max(1, min(int(chunks), flat_y.numel()))
 
     def run(h):
-        return _FusedHeadLoss.apply(
-            h, linear.weight, linear.bias, flat_y, transform.scale, transform.softcap, n,
-            ignore_index, torch.is_grad_enabled(),
-        )  # fmt: skip
+        spec = (transform.scale, transform.softcap, n, ignore_index, torch.is_grad_enabled())
+        return _FusedHeadLoss.apply(h, linear.weight, linear.bias, flat_y, spec)
 
     total = _inside_module_call(linear, run, flat_h)
     return sequence_parallel_loss_from_sums(total, (labels != ignore_index).sum(), topo)

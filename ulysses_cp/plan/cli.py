@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from ..config import ModelConfig, RunConfig
@@ -87,7 +87,7 @@ def plan(
     gas = int(raw.get("gradient_accumulation_steps", 1))
     knobs = ZeroKnobs.of(raw.get("zero_optimization") or {})
     budget = hw.gpu_mem_gb * GiB
-    piece = _largest_weights_file(run_config.model)
+    shape = replace(shape, weights_file_bytes=_largest_weights_file(run_config.model))
     host_budget = hw.host_mem_gb * GiB / hw.gpus_per_node  # a node's host memory, per rank
 
     def _fill(p: dict) -> float:
@@ -96,7 +96,7 @@ def plan(
 
     def at(r: Run, n: int) -> dict:
         return predict(shape, r, seq_len=n, batch=batch, micro_steps=gas, world=world, hw=hw,
-                       zero_knobs=knobs, load_piece=piece)  # fmt: skip
+                       zero_knobs=knobs)  # fmt: skip
 
     def one(r: Run) -> dict:
         pred = at(r, N)

@@ -34,12 +34,12 @@ FP32 = 4
 
 def host_bytes(
     shape: ModelShape, *, zero_stage: int, world: int, tokens: int,
-    offload_optimizer: bool = False, partitioned_load: bool = False, largest_piece: int = 0,
+    offload_optimizer: bool = False, partitioned_load: bool = False,
 ) -> dict[str, int]:  # fmt: skip
     """Host bytes per rank: ``optimizer``, ``activations``, ``training`` (their sum),
-    ``load`` and ``peak``. ``tokens``: tokens this rank holds in one micro-batch;
-    ``largest_piece``: bytes of the largest shard file or module held whole while loading
-    (0: not known, the model's largest layer is used)."""
+    ``load`` and ``peak``. ``tokens``: tokens this rank holds in one micro-batch. The
+    piece held whole while loading: ``shape.weights_file_bytes`` (the largest shard file)
+    when known, else the largest module (embedding or a layer)."""
     psi, B, n = shape.params, shape.dtype_bytes, max(1, world)
     part = psi if zero_stage == 0 else -(-psi // n)
     optimizer = 0
@@ -47,7 +47,7 @@ def host_bytes(
         optimizer = part * (4 * FP32 + (B if zero_stage == 3 else 0))
     offloaded = shape.activation_checkpointing and shape.offload_activations
     activations = shape.layers * shape.dim * B * tokens if offloaded else 0
-    piece = largest_piece or max(shape.layer_params, shape.vocab * shape.dim) * B
+    piece = shape.weights_file_bytes or max(shape.layer_params, shape.vocab * shape.dim) * B
     built = -(-psi * B // n) if partitioned_load else psi * B
     load = built + piece
     training = optimizer + activations

@@ -118,10 +118,9 @@ def _flops(shape: ModelShape, run: Run, seq_len: int, batch: int) -> float:
 
 def predict(
     shape: ModelShape, run: Run, *, seq_len: int, batch: int, micro_steps: int, world: int,
-    hw: Hardware, zero_knobs: ZeroKnobs = ZeroKnobs(), load_piece: int = 0,
+    hw: Hardware, zero_knobs: ZeroKnobs = ZeroKnobs(),
 ) -> dict:  # fmt: skip
-    """Memory, communication and step time of ``run`` for one rank. ``load_piece``: bytes
-    of the largest shard file read while loading (0: the largest module's)."""
+    """Memory, communication and step time of ``run`` for one rank."""
     sh = _shape(shape, run)
     static = static_bytes(
         sh, zero_stage=run.zero_stage, world=world, offload_optimizer=run.offload_optimizer,
@@ -159,7 +158,7 @@ def predict(
     host_mem = host_bytes(
         sh, zero_stage=run.zero_stage, world=world, tokens=t,
         offload_optimizer=run.offload_optimizer,
-        partitioned_load=run.zero_stage == 3 and sh.family == "hf", largest_piece=load_piece,
+        partitioned_load=run.zero_stage == 3 and sh.family == "hf",
     )  # fmt: skip
     flops = _flops(sh, run, seq_len, batch) * micro_steps
     step_s = (
