@@ -344,7 +344,7 @@ def ratios(rows: list[dict]) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes for CI (~2 min)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, 15+ min here)")
     p.add_argument("--world", type=int, default=4, help="ranks (Ulysses degree)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--check-len", type=int, default=1024, help="length of the correctness check")

@@ -404,3 +404,18 @@ def _sp_loss_and_grads(sp, ref, topo, batch: dict, ref_loss: torch.Tensor, **los
         dist.all_reduce(grad, group=topo.sp_group)  # SP ranks' shares sum to the gradient
         grads[name] = (grad, torch.zeros_like(q) if q.grad is None else q.grad)
     return loss, ref_loss, grads
+
+
+def sgd_engine_and_batch(model: torch.nn.Module, cfg: dict, topo) -> tuple[object, dict]:
+    """``model`` under DeepSpeed with SGD (lr 0.5), and this rank's shard of one KV-recall
+    row of 128 tokens (the same row on every rank): a one-step test's starting point."""
+    from ulysses_cp.config import DataConfig
+    from ulysses_cp.training.data import KVRecall, global_batch
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = ucp.initialize(model=model, config=cfg, topo=topo, optimizer=opt)
+    data = KVRecall(DataConfig(seq_len=128, n_queries=16))
+    full = global_batch(
+        data, step=0, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1
+    )
+    return engine, ucp.shard_batch(full, topo)

@@ -11,11 +11,18 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import HF_TINY, hf_loss_and_grads, hf_pair, run_config, topology, topology_for
-from ulysses_cp.config import DataConfig, HFModelConfig, ModelConfig
+from tests.helpers import (
+    HF_TINY,
+    hf_loss_and_grads,
+    hf_pair,
+    run_config,
+    sgd_engine_and_batch,
+    topology,
+    topology_for,
+)
+from ulysses_cp.config import HFModelConfig, ModelConfig
 from ulysses_cp.models.fused_loss import fused_cross_entropy
 from ulysses_cp.models.hf_head import HeadTransform, LMHead
-from ulysses_cp.training.data import KVRecall, global_batch
 
 TOL = dict(rtol=1e-9, atol=1e-10)
 
@@ -120,14 +127,7 @@ def _zero_step(rank, stage, fused):
     torch.manual_seed(0)
     mc = HFModelConfig(hf_config="configs/hf/tiny_llama.json", tiled_mlp=2, fused_loss=fused)
     model = hf.build_model(topo, mc, backend="torch")
-    engine = ucp.initialize(
-        model=model, config=cfg, topo=topo, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)
-    )
-    data = KVRecall(DataConfig(seq_len=128, n_queries=16))
-    full = global_batch(
-        data, step=0, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1
-    )
-    local = ucp.shard_batch(full, topo)
+    engine, local = sgd_engine_and_batch(model, cfg, topo)
     loss = engine.module.loss(
         local["input_ids"], local["position_ids"], local["shift_labels"], topo,
         batch=local["batch"], tiled_loss=4 if fused else 0, fused_loss=fused,
