@@ -79,6 +79,10 @@ def main(spec_path: str) -> None:
         dataloader_drop_last=False,
         disable_tqdm=True,
     )
+    if spec.get("wandb"):  # report to wandb (the test sets WANDB_MODE=offline, WANDB_DIR)
+        common["report_to"] = ["wandb"]
+    if spec.get("save_steps"):  # checkpoints every save_steps steps
+        common.update(save_strategy="steps", save_steps=spec["save_steps"])
     vocab = spec["vocab"]
     if spec["trainer"] == "sft":
         from trl import SFTConfig
@@ -121,13 +125,18 @@ def main(spec_path: str) -> None:
             model=model, args=args, train_dataset=train, eval_dataset=evals,
             data_collator=transformers.default_data_collator,
         )  # fmt: skip
-    trainer.train()
+    trainer.train(resume_from_checkpoint=spec.get("resume"))  # a checkpoint folder or None
     history = trainer.state.log_history
     result = {
         "loss": [h["loss"] for h in history if "loss" in h],
         "eval_loss": [h["eval_loss"] for h in history if "eval_loss" in h],
         "sp": trainer.sequence_parallel is not None,
+        "history": history,
     }
+    if spec.get("wandb") and int(os.environ.get("RANK", "0")) == 0:
+        import wandb
+
+        result["wandb_run_id"] = wandb.run.id if wandb.run is not None else None
     if spec.get("save"):
         trainer.save_model(spec["save"])
     if int(os.environ.get("RANK", "0")) == 0:
