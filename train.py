@@ -25,15 +25,16 @@ import torch.distributed as dist
 import ulysses_cp as ucp
 from ulysses_cp.config import RunConfig
 from ulysses_cp.core.log import get_logger
+from ulysses_cp.core.metrics import topology_info
+from ulysses_cp.core.zero_comm import zero_wire_bytes
 from ulysses_cp.models.memory import LossPlan
 from ulysses_cp.plan.nodes import describe, gather_groups
 from ulysses_cp.training import checkpoint
 from ulysses_cp.training.build import build_model, check_output_dir, cpu_optimizer, validate
 from ulysses_cp.training.data import make_datasets
 from ulysses_cp.training.evaluate import Evaluator
-from ulysses_cp.training.tracking import RUN_ID_KEY, Tracker, topology_info
+from ulysses_cp.training.tracking import RUN_ID_KEY, Tracker
 from ulysses_cp.training.trainer import Hooks, Trainer, TrainingStopped
-from ulysses_cp.training.zero_comm import zero_wire_bytes
 
 log = get_logger("train")
 log_all = get_logger("train.ranks", all_ranks=True)

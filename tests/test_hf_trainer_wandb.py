@@ -87,8 +87,8 @@ def test_trainer_wandb_metrics_and_resume_continue_the_run(assets, tmp_path):
 
     # one wandb run: the id kept in the checkpoint, and the offline files of both parts
     run_id = full["wandb_run_id"]
-    assert run_id and json.loads((ckpt / "wandb_run.json").read_text()) == {"id": run_id}
-    assert resumed["wandb_run_id"] == run_id
+    assert run_id and resumed["wandb_run_id"] == run_id
+    assert json.loads((ckpt / "wandb_run.json").read_text()) == {"id": run_id}
     for folder in (full_wandb, resumed_wandb):
         runs = offline_runs(folder)
         assert [r.name.rsplit("-", 1)[-1] for r in runs] == [run_id], runs

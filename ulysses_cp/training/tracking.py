@@ -18,22 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from ..core.log import get_logger
-from ..core.topology import Topology
 
 __all__ = [
     "RUN_ID_KEY",
     "Tracker",
-    "topology_info",
 ]
 
 log = get_logger(__name__)
 RUN_ID_KEY = "wandb_run_id"  # in a checkpoint's meta.json
-
-
-def topology_info(topo: Topology) -> dict:
-    """The run's degrees, mode and layout, as the wandb run's config holds them."""
-    return {"world_size": topo.world_size, "dp": topo.dp_degree, "ulysses": topo.ulysses_degree,
-            "ring": topo.ring_degree, "mode": topo.mode, "layout": topo.layout}  # fmt: skip
 
 
 class Tracker:

@@ -10,7 +10,6 @@ loop's); nothing is read from the environment. Tests inject faults through
 
 from __future__ import annotations
 
-import resource
 import signal
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from ..config import TrainingConfig
 from ..core.batch import shard_batch
 from ..core.comm import stats as comm_stats
 from ..core.log import get_logger
+from ..core.metrics import attention_bytes_sent, peak_memory_mb
 from ..core.protocols import Engine
 from ..core.topology import Topology
 from ..models.memory import LossPlan, lm_loss
@@ -42,7 +42,6 @@ __all__ = [
     "TrainState",
     "Trainer",
     "TrainingStopped",
-    "peak_memory_mb",
 ]
 
 log = get_logger("train")
@@ -113,20 +112,6 @@ class TrainState:
     started: float = field(default_factory=time.perf_counter)
 
 
-def attention_bytes() -> int:
-    """This rank's attention traffic since the last reset: all-to-all, ring and all-gather
-    KV exchange bytes (the input checks' few bytes are counted apart, under
-    ``all_gather``)."""
-    ops = ("all_to_all", "ring", "kv_allgather", "kv_reduce_scatter")
-    return sum(comm_stats.total(op) for op in ops)
-
-
-def peak_memory_mb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 class Trainer:
     """One run's loop. ``tc``: a ``TrainingConfig``; ``loss_plan``: the LM head and loss in
     ``tiles`` pieces (> 1; ``"auto"``: sized by bytes, ``core.tiles``), ``fused``: their
@@ -137,7 +122,7 @@ class Trainer:
     by the launcher script."""
 
     tracker: Tracker | None = None
-    # ZeRO's collective bytes this rank sends per step (``zero_comm.zero_wire_bytes``: the
+    # ZeRO's collective bytes this rank sends per step (``core.zero_comm.zero_wire_bytes``: the
     # planner's formula for the run's stage; DeepSpeed's comm is not counted live)
     zero_bytes_per_step: int = 0
 
@@ -305,7 +290,7 @@ class Trainer:
             * topo.dp_degree
             * self.dataset.cfg.seq_len
         )
-        attention = attention_bytes()
+        attention = attention_bytes_sent()
         metrics = {
             "loss": mean_loss,
             "lr": engine.get_lr()[0],

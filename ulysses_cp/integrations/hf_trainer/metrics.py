@@ -29,10 +29,9 @@ from transformers import TrainerCallback
 
 from ...core.comm import stats as comm_stats
 from ...core.log import get_logger
+from ...core.metrics import attention_bytes_sent, peak_memory_mb, topology_info
 from ...core.topology import Topology
-from ...training.tracking import topology_info
-from ...training.trainer import attention_bytes, peak_memory_mb
-from ...training.zero_comm import zero_wire_bytes
+from ...core.zero_comm import zero_wire_bytes
 
 __all__ = [
     "RUN_ID_FILE",
@@ -47,7 +46,7 @@ RUN_ID_FILE = "wandb_run.json"  # {"id": ...} in a checkpoint folder
 
 
 def zero_bytes_per_step(model: Any, deepspeed_config: dict, *, world: int, micro_steps: int):
-    """ZeRO's bytes this rank sends per optimizer step (``training.zero_comm``), or None
+    """ZeRO's bytes this rank sends per optimizer step (``core.zero_comm``), or None
     when some parameters are frozen (LoRA): the formula counts every parameter."""
     params = list(model.parameters())
     if not params or not all(p.requires_grad for p in params):
@@ -98,7 +97,7 @@ class StepMeter:
         peak = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        attention = attention_bytes() / steps
+        attention = attention_bytes_sent() / steps
         tokens_per_s = float(tokens.item()) / elapsed
         out = {
             "tokens_per_s": tokens_per_s,

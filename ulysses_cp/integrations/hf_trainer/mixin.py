@@ -53,6 +53,7 @@ class SequenceParallelMixin:
     accelerator: Any
     gather_function: Any
     state: Any
+    add_callback: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -71,7 +72,7 @@ class SequenceParallelMixin:
         self._meter = StepMeter(
             self.sequence_parallel.topo, device=self.args.device, zero_bytes=zero
         )
-        self.add_callback(SequenceParallelCallback(self.sequence_parallel.topo, self._meter, block))  # type: ignore[attr-defined]
+        self.add_callback(SequenceParallelCallback(self.sequence_parallel.topo, self._meter, block))
 
     # ------------------------------------------------------------ data
 
