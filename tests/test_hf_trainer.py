@@ -21,6 +21,8 @@ pytest.importorskip("peft")
 
 WORKER = Path(__file__).with_name("hf_trainer_worker.py")
 RTOL = 1e-5
+U2 = {"ulysses_degree": 2, "ring_degree": 1}
+U2R2 = {"ulysses_degree": 2, "ring_degree": 2}
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +196,7 @@ def test_trainer_lora_u2_zero0_equals_one_process(assets, tmp_path):
     ref = spec("trainer", "llama", assets, tmp_path / "ref", lora=True,
                save=str(tmp_path / "ref_model"))  # fmt: skip
     sp = spec("trainer", "llama", assets, tmp_path / "sp", zero=0, lora=True,
-              save=str(tmp_path / "sp_model"), sp={"ulysses_degree": 2, "ring_degree": 1})  # fmt: skip
+              save=str(tmp_path / "sp_model"), sp=U2)  # fmt: skip
     assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=2))
     assert_plain_adapters(assets["llama"], tmp_path / "ref_model", tmp_path / "sp_model", tmp_path)
 
@@ -219,6 +221,6 @@ def test_trainer_qwen3_lora_u2r2_zero3_equals_one_process(assets, tmp_path):
     ref = spec("trainer", "qwen3", assets, tmp_path / "ref", lora=True,
                save=str(tmp_path / "ref_model"))  # fmt: skip
     sp = spec("trainer", "qwen3", assets, tmp_path / "sp", zero=3, lora=True,
-              save=str(tmp_path / "sp_model"), sp={"ulysses_degree": 2, "ring_degree": 2})  # fmt: skip
+              save=str(tmp_path / "sp_model"), sp=U2R2)  # fmt: skip
     assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=4))
     assert_plain_adapters(assets["qwen3"], tmp_path / "ref_model", tmp_path / "sp_model", tmp_path)
