@@ -39,10 +39,12 @@ def test_train_metrics_wandb_checkpoint_and_resume(tmp_path):
             "loss",
             "lr",
             "tokens_per_s",
+            "tokens_per_s_per_gpu",
             "peak_mem_mb",
             "comm_bytes_per_step",
             "attention_comm_bytes_per_step",
         }
+        assert r["tokens_per_s_per_gpu"] == r["tokens_per_s"] / 2 and r["peak_mem_mb"] > 0
     # one name per quantity: the logged bytes are the plan's, attention measured (the
     # all-to-all counters) and ZeRO-2's all-reduce + all-gather of 2 ranks by formula,
     # micro batches (2) included
