@@ -142,3 +142,26 @@ def test_benchmark_loading_quick(tmp_path):
         assert all(r["peak"] >= r["baseline"] > 0 for r in row["ranks"])
         whole = row["load"] == "whole"
         assert row["predicted_bytes"] >= (model if whole else model // 2)
+
+
+@pytest.mark.slow
+def test_benchmark_hf_trainer_quick(tmp_path):
+    """The Trainer three ways (one process, SequenceParallelTrainer, ALST's integration):
+    ours equals the one-process losses and eval loss within 1e-5 relative, and evaluates
+    on shards; ALST's row is measured (numbers) or says why it did not run. 5 to 7
+    minutes here (three launches)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_hf_trainer.py"), "--quick"]
+    out = run([*cmd, "--out", str(tmp_path)], timeout=900)
+    rows = {r["variant"]: r for r in json.loads(
+        (tmp_path / "benchmark_hf_trainer.json").read_text())["rows"]}  # fmt: skip
+    assert set(rows) == {"reference", "ours z2", "alst z2"}, out[-3000:]
+    ref, ours, alst = rows["reference"], rows["ours z2"], rows["alst z2"]
+    assert "error" not in ref and "error" not in ours, out[-3000:]
+    assert len(ours["loss"]) == len(ref["loss"]) == 4 and ref["loss"][0] != ref["loss"][-1]
+    assert ours["loss_rel_diff"] <= 1e-5 and ours["eval_loss_rel_diff"] <= 1e-5
+    # 256 tokens per row over 2 ranks, in training and in evaluation
+    assert ours["train_row_length"] == ours["eval_row_length"] == 128
+    assert ref["eval_row_length"] == 256
+    assert all(p > 0 for p in ours["peak_mib_per_rank"]) and ours["step_s"] > 0
+    assert "error" in alst or ("loss_rel_diff" in alst and len(alst["peak_mib_per_rank"]) == 2)
+    assert "alst z2" in out  # the printed table has ALST's row either way
