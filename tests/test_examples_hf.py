@@ -81,9 +81,11 @@ def test_sft_example_under_both_launchers_equals_one_process(assets, tmp_path):
     ref = losses(outs["ref"])
     assert ref[0] != ref[-1]  # the steps changed the model
     for name in ("accelerate", "deepspeed"):
+        got = losses(outs[name])
         torch.testing.assert_close(
-            torch.tensor(losses(outs[name])), torch.tensor(ref), rtol=RTOL, atol=0, msg=name
-        )
+            torch.tensor(got), torch.tensor(ref), rtol=RTOL, atol=0,
+            msg=lambda m, name=name, got=got: f"{name} {got} != one process {ref}: {m}",
+        )  # fmt: skip
     assert_plain_folder(outs["ref"] / "final", outs["deepspeed"] / "final")
 
 
