@@ -130,13 +130,14 @@ def test_sft_packed_u2_zero2_equals_one_process(assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_u2_zero3_equals_one_process(assets, tmp_path):
-    """As the ZeRO-2 case, with ZeRO-3: the model is built partitioned (TrainingArguments
-    before from_pretrained), probed under ZeRO-3, and saved gathered."""
+def test_trainer_u2r2_zero3_equals_one_process(assets, tmp_path):
+    """As the ZeRO-2 case, hybrid Ulysses 2 x ring 2 (4 ranks), ZeRO-3: the model is built
+    partitioned (TrainingArguments before from_pretrained), probed under ZeRO-3, and
+    saved gathered."""
     ref = spec("trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"))
     sp = spec("trainer", "llama", assets, tmp_path / "sp", zero=3, save=str(tmp_path / "sp_model"),
-              sp={"ulysses_degree": 2, "ring_degree": 1})  # fmt: skip
-    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=2))
+              sp=U2R2)  # fmt: skip
+    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=4))
     assert_plain_folders(tmp_path / "ref_model", tmp_path / "sp_model")
 
 

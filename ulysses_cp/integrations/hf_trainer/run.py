@@ -160,6 +160,10 @@ class SequenceParallelRun:
         base = _transformers_model(model)
         self.original_attention = base.config._attn_implementation
         base.set_attn_implementation(KEY)
+        if base.config._attn_implementation != KEY:
+            # a family that cannot switch (its attention bypasses the interface, as
+            # Bloom's): named anyway, so that the probe gives the Hugging Face path's refusal
+            base.config._attn_implementation = KEY
         self.wrapper = HFCausalLM(base, topo=self.topo)
 
     def probe(self) -> None:
