@@ -49,7 +49,7 @@ def _compare(rank: int) -> dict:
         path_model = transformers.AutoModelForCausalLM.from_config(
             cfg, attn_implementation="ulysses_cp"
         )
-        via_path = _verdict(lambda m=path_model: hf.HFCausalLM(m, topo=run.topo).probe())
+        via_path = _verdict(lambda m=path_model, t=run.topo: hf.HFCausalLM(m, topo=t).probe())
         out[name] = (via_trainer, via_path)
     return out
 
