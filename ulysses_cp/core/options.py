@@ -56,7 +56,7 @@ class RunOptions:
     previous chunk (0: automatic, see ``ulysses_cp.modes.ulysses.resolve_head_chunks``);
     ``redo_all_to_all``: keep no head-sharded copies of q, k, v and the output for the
     backward and redo their all-to-alls there instead (less memory, 1.5x the all-to-all
-    bytes; ``ulysses_cp.modes.redo``)."""
+    bytes; ``ulysses_cp.modes.chunked``)."""
 
     layout: str = "zigzag"
     backend: str = "auto"
