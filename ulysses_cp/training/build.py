@@ -81,11 +81,13 @@ def validate(run: RunConfig) -> None:
             f"data.seq_len {dc.seq_len} must be a multiple of {m} for "
             f"u{sp.ulysses_degree} x r{sp.ring_degree} in the {sp.layout!r} layout"
         )
-    if dc.packing and dc.pack_multiple % m:
+    if dc.packing and sp.packing == "document" and dc.pack_multiple % m:
         raise ValueError(
             f"data.pack_multiple {dc.pack_multiple} must be a multiple of {m}: every packed "
             f"document is split over u{sp.ulysses_degree} x r{sp.ring_degree} ranks in the "
-            f"{sp.layout!r} layout"
+            f'{sp.layout!r} layout (sequence_parallel.packing "document"); or set '
+            f'sequence_parallel.packing to "row", which splits only the row, and '
+            f"data.pack_multiple to 1 (no padding per document)"
         )
 
 
