@@ -23,7 +23,7 @@ from ..kernels.backends import Kernel, resolve_backend
 from ..kernels.dispatch import KernelCall, attend_local, attn_backward, attn_forward
 from ..kernels.spec import AttentionSpec
 from .checks import Choices, check_across_ranks, check_sinks, signature, validate_qkv
-from .chunked import chunked_attention
+from .chunked import HeadChunks, chunked_attention
 from .ring import Ring, ring_attention, ring_functions
 from .ulysses import resolve_head_chunks
 
@@ -141,7 +141,7 @@ def attend(
     pair = _inner(topo, call, choice, docs, q.shape[1] * u)
     return chunked_attention(
         q, k, v, group=topo.ulysses_group, inner=pair, order=order, sinks=sinks,
-        head_chunks=chunks, redo=choice.redo_all_to_all,
+        chunks=HeadChunks(chunks, choice.redo_all_to_all),
     )  # fmt: skip
 
 

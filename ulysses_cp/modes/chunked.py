@@ -31,6 +31,7 @@ put together once, at the end. Exact: the backward sees the tensors the forward 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -39,10 +40,19 @@ from ..core.protocols import Group
 from ..kernels.sinks import add_sinks, sinks_grad
 from .ulysses import _from_ranks, _to_ranks, kv_replication
 
-__all__ = ["chunked_attention"]
+__all__ = ["HeadChunks", "chunked_attention"]
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class HeadChunks(NamedTuple):
+    """How the heads go through the all-to-alls: in ``count`` chunks (one of
+    :func:`~.ulysses.head_chunk_choices`); ``redo``: keep nothing head-sharded for the
+    backward and redo the all-to-alls there (module docstring)."""
+
+    count: int = 1
+    redo: bool = False
 
 
 def _free(*tensors: torch.Tensor) -> None:
@@ -260,11 +270,10 @@ def chunked_attention(
     inner: tuple[Forward, Backward],
     order: str | tuple[torch.Tensor, torch.Tensor],
     sinks: torch.Tensor | None = None,
-    head_chunks: int = 1,
-    redo: bool = False,
+    chunks: HeadChunks,
 ) -> torch.Tensor:
     """All-to-alls over ``group`` around ``inner = (fwd, bwd)`` on head-sharded tensors, in
-    ``head_chunks`` chunks of heads (module docstring); ``redo``: keep nothing
+    ``chunks.count`` chunks of heads (module docstring); ``chunks.redo``: keep nothing
     head-sharded for the backward and redo the all-to-alls there.
 
     ``fwd(q, k, v) -> (out, lse)`` and ``bwd(dout, q, k, v, out, lse) -> (dq, dk, dv)``:
@@ -275,7 +284,6 @@ def chunked_attention(
     q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` -> ``(b, s_l, hq, d)``. ``order``: how
     the ranks' tokens are put in token order after the all-to-all: the layout
     (``"zigzag"``, ``"contiguous"``), or for packed rows ``(perm, inverse)`` from
-    :func:`~ulysses_cp.core.varlen.ulysses_permutation`. Inputs validated by the caller;
-    ``head_chunks`` must be one of :func:`~.ulysses.head_chunk_choices`."""
-    plan = _Plan(group, order, head_chunks, *inner, redo)
+    :func:`~ulysses_cp.core.varlen.ulysses_permutation`. Inputs validated by the caller."""
+    plan = _Plan(group, order, chunks.count, *inner, chunks.redo)
     return _Chunked.apply(q, k, v, sinks, plan)
