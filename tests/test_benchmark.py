@@ -47,6 +47,27 @@ def test_benchmark_mixers_small(tmp_path):
         assert row["four"]["bytes_sent"] == row["four"]["bytes_formula"] > 0
 
 
+def test_benchmark_attention_memory_small(tmp_path):
+    """One attention layer at P = 4 against one rank, tiny: the JSON has every row and
+    field, the per-rank peaks below one rank's, redo moves 1.5x the
+    Ulysses all-to-all bytes and the head chunks none more."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_attention_memory.py")]
+    run([*cmd, "--seq", "1024", "--budget-mb", "8", "--repeats", "1", "--out", str(tmp_path)],
+        timeout=900)  # fmt: skip
+    rows = json.loads((tmp_path / "benchmark_attention_memory.json").read_text())["rows"]
+    got = {(r["mode"], r["variant"]): r for r in rows}
+    assert set(got) == {("one rank", "-")} | {
+        (m, v) for m in ("ulysses 4", "hybrid 2x2") for v in ("before", "default", "redo")
+    }
+    fields = {"peak_mb", "peak_ratio", "time_s", "time_ratio", "sent_bytes", "sent_ratio"}
+    for (mode, _), r in got.items():
+        assert fields | {"max_len", "max_len_ratio"} <= set(r)
+        if mode != "one rank":
+            assert 0.1 < r["peak_ratio"] < 1 and r["time_s"] > 0 and r["max_len"] > 0, r
+    assert got[("ulysses 4", "redo")]["sent_ratio"] == pytest.approx(1.5)
+    assert got[("ulysses 4", "before")]["sent_ratio"] == 1.0
+
+
 @pytest.mark.slow
 def test_benchmark_quick(tmp_path):
     cmd = [

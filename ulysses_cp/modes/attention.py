@@ -23,9 +23,9 @@ from ..kernels.backends import Kernel, resolve_backend
 from ..kernels.dispatch import KernelCall, attend_local, attn_backward, attn_forward
 from ..kernels.spec import AttentionSpec
 from .checks import Choices, check_across_ranks, check_sinks, signature, validate_qkv
-from .redo import redo_attention
+from .chunked import HeadChunks, chunked_attention
 from .ring import Ring, ring_attention, ring_functions
-from .ulysses import resolve_head_chunks, ulysses_attention
+from .ulysses import resolve_head_chunks
 
 __all__ = [
     "Attention",
@@ -132,17 +132,17 @@ def attend(
     if sinks is not None and u > 1:  # the all-to-all gives this rank a contiguous head range
         sinks = sinks.unflatten(0, (u, -1))[topo.ulysses_rank]
     order = perm if perm is not None else choice.layout
-    if choice.redo_all_to_all and u > 1:  # nothing head-sharded kept: a2a redone in backward
-        pair = _inner(topo, call, choice, docs, q.shape[1] * u)
-        return redo_attention(
-            q, k, v, group=topo.ulysses_group, inner=pair, order=order, sinks=sinks,
-            head_chunks=chunks,
-        )  # fmt: skip
-    inner = _inner(topo, call, choice, docs)
-    # ulysses: a2a around the local kernel; ring: no a2a (degree 1); hybrid: a2a around ring
-    return ulysses_attention(
-        q, k, v, group=topo.ulysses_group, inner=inner, order=order, sinks=sinks, head_chunks=chunks
-    )
+    if u == 1:  # ring mode: no all-to-all around the ring
+        inner = _inner(topo, call, choice, docs)
+        return inner(q, k, v) if sinks is None else inner(q, k, v, sinks=sinks)
+    # Ulysses: a2a around the local kernel; hybrid: a2a around the ring. Head-sharded
+    # copies kept for the backward and freed as it goes, or (redo_all_to_all) none kept
+    # and the a2a redone there
+    pair = _inner(topo, call, choice, docs, q.shape[1] * u)
+    return chunked_attention(
+        q, k, v, group=topo.ulysses_group, inner=pair, order=order, sinks=sinks,
+        chunks=HeadChunks(chunks, choice.redo_all_to_all),
+    )  # fmt: skip
 
 
 def _plan_of(
@@ -164,7 +164,7 @@ def _inner(
     split: int = 0,
 ) -> Any:
     """What runs inside the all-to-all: the local kernel, or ring attention. ``split``: the
-    head-sharded tokens per rank, for :mod:`.redo`: then the pair ``(fwd, bwd)`` of
+    head-sharded tokens per rank, for :mod:`.chunked`: then the pair ``(fwd, bwd)`` of
     not-differentiable functions instead of one differentiable call."""
     if topo.ring_degree == 1 and docs is None and call.spec.windowed:
         # block-sparse: the whole sequence in window-sized pieces, pairs out of reach skipped
