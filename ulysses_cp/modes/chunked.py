@@ -47,11 +47,11 @@ Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class HeadChunks(NamedTuple):
-    """How the heads go through the all-to-alls: in ``count`` chunks (one of
+    """How the heads go through the all-to-alls: in ``number`` chunks (one of
     :func:`~.ulysses.head_chunk_choices`); ``redo``: keep nothing head-sharded for the
     backward and redo the all-to-alls there (module docstring)."""
 
-    count: int = 1
+    number: int = 1
     redo: bool = False
 
 
@@ -273,7 +273,7 @@ def chunked_attention(
     chunks: HeadChunks,
 ) -> torch.Tensor:
     """All-to-alls over ``group`` around ``inner = (fwd, bwd)`` on head-sharded tensors, in
-    ``chunks.count`` chunks of heads (module docstring); ``chunks.redo``: keep nothing
+    ``chunks.number`` chunks of heads (module docstring); ``chunks.redo``: keep nothing
     head-sharded for the backward and redo the all-to-alls there.
 
     ``fwd(q, k, v) -> (out, lse)`` and ``bwd(dout, q, k, v, out, lse) -> (dq, dk, dv)``:
@@ -285,5 +285,5 @@ def chunked_attention(
     the ranks' tokens are put in token order after the all-to-all: the layout
     (``"zigzag"``, ``"contiguous"``), or for packed rows ``(perm, inverse)`` from
     :func:`~ulysses_cp.core.varlen.ulysses_permutation`. Inputs validated by the caller."""
-    plan = _Plan(group, order, chunks.count, *inner, chunks.redo)
+    plan = _Plan(group, order, chunks.number, *inner, chunks.redo)
     return _Chunked.apply(q, k, v, sinks, plan)
