@@ -194,12 +194,18 @@ def test_trainer_lora_u2_zero0_equals_one_process(assets, tmp_path):
     """Trainer, tiny Llama with a peft LoRA adapter (q, v), Ulysses 2, ZeRO-0: losses and
     eval loss equal one process; the saved adapter loads plainly (and merges) with the
     one-process adapter's logits."""
-    ref = spec("trainer", "llama", assets, tmp_path / "ref", lora=True,
+    lora_case(assets, tmp_path, "llama", zero=0, sp=U2)
+
+
+def lora_case(assets: dict, tmp_path: Path, model: str, *, zero: int, sp: dict) -> None:
+    """A Trainer run with a LoRA adapter against one process: losses, and the adapters."""
+    ref = spec("trainer", model, assets, tmp_path / "ref", lora=True,
                save=str(tmp_path / "ref_model"))  # fmt: skip
-    sp = spec("trainer", "llama", assets, tmp_path / "sp", zero=0, lora=True,
-              save=str(tmp_path / "sp_model"), sp=U2)  # fmt: skip
-    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=2))
-    assert_plain_adapters(assets["llama"], tmp_path / "ref_model", tmp_path / "sp_model", tmp_path)
+    run = spec("trainer", model, assets, tmp_path / "sp", zero=zero, lora=True,
+               save=str(tmp_path / "sp_model"), sp=sp)  # fmt: skip
+    nproc = sp["ulysses_degree"] * sp["ring_degree"]
+    assert_same_losses(*side_by_side(tmp_path, ref, run, nproc=nproc))
+    assert_plain_adapters(assets[model], tmp_path / "ref_model", tmp_path / "sp_model", tmp_path)
 
 
 @pytest.mark.slow
@@ -219,9 +225,4 @@ def test_trainer_qwen3_lora_u2r2_zero3_equals_one_process(assets, tmp_path):
     """Trainer, tiny Qwen3 with a peft LoRA adapter, hybrid Ulysses 2 x ring 2 (4 ranks),
     ZeRO-3 (base model built partitioned, adapter added after): losses and eval loss equal
     one process; the gathered adapter loads plainly with the one-process adapter's logits."""
-    ref = spec("trainer", "qwen3", assets, tmp_path / "ref", lora=True,
-               save=str(tmp_path / "ref_model"))  # fmt: skip
-    sp = spec("trainer", "qwen3", assets, tmp_path / "sp", zero=3, lora=True,
-              save=str(tmp_path / "sp_model"), sp=U2R2)  # fmt: skip
-    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=4))
-    assert_plain_adapters(assets["qwen3"], tmp_path / "ref_model", tmp_path / "sp_model", tmp_path)
+    lora_case(assets, tmp_path, "qwen3", zero=3, sp=U2R2)
