@@ -150,6 +150,7 @@ class ModelConfig:
     # (core/tiles.py)
     tiled_mlp: int | Literal["auto"] = 0
     tiled_loss: int | Literal["auto"] = 0  # LM head + loss in pieces, no full logits
+    compile: bool = False  # torch.compile each decoder layer (models/compiled.py)
 
     @classmethod
     def from_dict(cls, cfg: dict | None) -> ModelConfig:
@@ -181,6 +182,7 @@ class HFModelConfig:
     offload_activations: bool = False
     tiled_mlp: int | Literal["auto"] = 0
     tiled_loss: int | Literal["auto"] = 0
+    compile: bool = False  # torch.compile each decoder layer (models/compiled.py)
 
     @classmethod
     def from_dict(cls, block: dict | None) -> HFModelConfig:

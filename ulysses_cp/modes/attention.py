@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling as compiling
 
 from ..core.batch import BatchPlan
 from ..core.derived import once
@@ -21,7 +22,14 @@ from ..core.varlen import Docs
 from ..kernels.backends import Kernel, resolve_backend
 from ..kernels.dispatch import KernelCall, attend_local, attn_backward, attn_forward
 from ..kernels.spec import AttentionSpec
-from .checks import Choices, check_across_ranks, check_sinks, signature, validate_qkv
+from .checks import (
+    Choices,
+    check_across_ranks,
+    check_sinks,
+    checked_in_graph,
+    signature,
+    validate_qkv,
+)
 from .redo import redo_attention
 from .ring import Ring, ring_attention, ring_functions
 from .ulysses import resolve_head_chunks, ulysses_attention
@@ -107,7 +115,9 @@ def attend(
     if topo.check_inputs and topo.sp_world_size > 1:
         # first, so that input that only some ranks would reject fails on every rank
         slots = signature((q, k, v), spec, choice, cu, sinks)
-        if plan is None or not plan.checked(tuple(value for _, value in slots)):
+        if torch.compiler.is_compiling():  # at every call, from inside the graph
+            q = checked_in_graph(q, slots, topo)
+        elif plan is None or not plan.checked(tuple(value for _, value in slots)):
             check_across_ranks(slots, topo, q.device if isinstance(q, torch.Tensor) else "cpu")
     validate_qkv(q, k, v, topo, choice.layout)
     if choice.kv_exchange not in KV_EXCHANGES:
@@ -149,6 +159,10 @@ def _plan_of(cu: torch.Tensor, q: torch.Tensor, topo: Topology, layout: str) -> 
     return once((cu,), key, partial(BatchPlan.of, topo, layout, shape, cu, "cu_seqlens"))
 
 
+# ring attention run eagerly from a compiled layer (its graph breaks before and after)
+_ring_outside_graph = torch.compiler.disable(ring_attention)
+
+
 def _inner(
     topo: Topology, call: KernelCall, choice: Choices, docs: Docs | None, split: int = 0
 ) -> Any:
@@ -167,7 +181,9 @@ def _inner(
         ring = Ring(topo.ring_group, choice.layout, docs, choice.kv_exchange)
     if split:
         return ring_functions(ring, call, split)
-    return partial(ring_attention, ring=ring, call=call)
+    # the ring's send/recv cannot be traced: a compiled layer breaks its graph around it
+    ring_fn = _ring_outside_graph if compiling() else ring_attention
+    return partial(ring_fn, ring=ring, call=call)
 
 
 class Attention:
