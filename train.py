@@ -25,6 +25,7 @@ import torch.distributed as dist
 import ulysses_cp as ucp
 from ulysses_cp.config import RunConfig
 from ulysses_cp.core.log import get_logger
+from ulysses_cp.models.memory import LossPlan
 from ulysses_cp.plan.nodes import describe, gather_groups
 from ulysses_cp.training import checkpoint
 from ulysses_cp.training.build import build_model, check_output_dir, cpu_optimizer, validate
@@ -109,8 +110,9 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     if held_out is not None:
         micro = engine.train_micro_batch_size_per_gpu()
         evaluator = Evaluator(held_out, run.eval, topo, micro_batch=micro, device=engine.device)
-    trainer = Trainer(engine, topo, dataset, tc=tc, out=out, tiled_loss=mc.tiled_loss,
-                      hooks=hooks, evaluator=evaluator)  # fmt: skip
+    plan = LossPlan(mc.tiled_loss, mc.fused_loss)
+    trainer = Trainer(engine, topo, dataset, tc=tc, out=out, loss_plan=plan, hooks=hooks,
+                      evaluator=evaluator)  # fmt: skip
     trainer.zero_bytes_per_step = zero_wire_bytes(
         ds_run.raw, params=n_params, world=topo.world_size,
         element_bytes=next(engine.module.parameters()).element_size(),

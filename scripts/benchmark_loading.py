@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -152,6 +153,21 @@ def _load(rank, world, job, device):
     return [dict(zip(("baseline", "peak", "after", "partition", "seconds"), r)) for r in rows]
 
 
+def _predicted(args, how: str, weights, ckpt: dict) -> int:
+    """The planner's host bytes of this load (``ulysses_cp/plan/host.py``)."""
+    from ulysses_cp.config import RunConfig
+    from ulysses_cp.plan.host import host_bytes
+    from ulysses_cp.plan.shapes import model_shape
+
+    run = RunConfig.load(_run_config(args, weights))
+    shape = model_shape(run.model, dtype_bytes=2 if args.dtype == "bfloat16" else 4)
+    shape = replace(shape, weights_file_bytes=ckpt["largest_shard_bytes"] if weights else 0)
+    parted = how == "partitioned"
+    return host_bytes(
+        shape, zero_stage=3, world=args.world, tokens=0, partitioned_load=parted
+    )["load"]  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=4)
@@ -184,7 +200,8 @@ def main() -> None:
     for source, how, weights in cases:
         gc.collect()
         per_rank = run_ranks(_load, args.world, (args, how, weights))
-        rows.append({"source": source, "load": how, "ranks": per_rank})
+        rows.append({"source": source, "load": how, "ranks": per_rank,
+                     "predicted_bytes": _predicted(args, how, weights, ckpt)})  # fmt: skip
     budget = ckpt["model_bytes"] / args.world + ckpt["largest_shard_bytes"]
     result = {"checkpoint": ckpt, "world": args.world, "dtype": args.dtype, "rows": rows,
               "budget_bytes": budget, "device": "cpu"}  # fmt: skip
@@ -202,8 +219,8 @@ def table(result: dict) -> str:
         f"{result['budget_bytes'] / MIB:.0f} MiB",
         "",
         "| source | load | peak - baseline per rank (MiB, max over ranks) | ranks' peaks (MiB) "
-        "| partition (MiB) | baseline (MiB) | seconds | within budget |",
-        "| --- | --- | ---: | --- | ---: | ---: | ---: | --- |",
+        "| partition (MiB) | predicted (MiB) | baseline (MiB) | seconds | within budget |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for row in result["rows"]:
         ranks = row["ranks"]
@@ -212,6 +229,7 @@ def table(result: dict) -> str:
         lines.append(
             f"| {row['source']} | {row['load']} | {worst / MIB:.0f} | "
             f"{', '.join(f'{g / MIB:.0f}' for g in grow)} | {ranks[0]['partition'] / MIB:.0f} | "
+            f"{row['predicted_bytes'] / MIB:.0f} | "
             f"{max(r['baseline'] for r in ranks) / MIB:.0f} | "
             f"{max(r['seconds'] for r in ranks):.1f} | "
             f"{'yes' if worst <= result['budget_bytes'] else 'no'} |"

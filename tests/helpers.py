@@ -357,20 +357,25 @@ def hf_pair(cfg, topo, backend="math", reference_attention="sdpa", dtype=torch.f
     return sp, ref
 
 
-def hf_loss_and_grads(sp, ref, topo, ids: torch.Tensor, dtype=torch.float64):
+def hf_loss_and_grads(sp, ref, topo, ids: torch.Tensor, dtype=torch.float64, **loss_kwargs):
     """The SP model's loss of ``ids`` (sharded by ``ucp.shard_batch``) and the reference's
     (one process, the whole rows), both backward: ``(loss, ref_loss, grads)`` with
-    ``grads[name] = (SP gradient summed over the SP ranks, reference gradient)``."""
+    ``grads[name] = (SP gradient summed over the SP ranks, reference gradient)``.
+    ``loss_kwargs``: options of ``HFCausalLM.loss`` (``tiled_loss``, ``fused_loss``)."""
     logits = ref(input_ids=ids).logits.to(dtype)  # transformers' own loss casts to float32
     ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     ref_loss.backward()
-    return _sp_loss_and_grads(sp, ref, topo, {"input_ids": ids, "labels": ids}, ref_loss)
+    batch = {"input_ids": ids, "labels": ids}
+    return _sp_loss_and_grads(sp, ref, topo, batch, ref_loss, **loss_kwargs)
 
 
 def hf_packed_loss_and_grads(sp, ref, topo, docs: list[torch.Tensor]):
-    """As :func:`hf_loss_and_grads` for ``docs`` packed in one row (zigzag multiple) under
-    SP, against each document run alone by the reference (the mean over all targets)."""
-    row = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(topo.sp_world_size, "zigzag"))
+    """As :func:`hf_loss_and_grads` for ``docs`` packed in one row under SP (the run's
+    packing: every document padded to the layout's multiple, or only the row), against
+    each document run alone by the reference (the mean over all targets)."""
+    m = ucp.sequence_multiple(topo.sp_world_size, topo.layout)
+    each = dict(row_multiple=m) if topo.options.packing == "row" else dict(multiple=m)
+    row = ucp.pack_documents(docs, **each)
     total = sum(
         torch.nn.functional.cross_entropy(
             ref(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum"
@@ -382,15 +387,16 @@ def hf_packed_loss_and_grads(sp, ref, topo, docs: list[torch.Tensor]):
     return _sp_loss_and_grads(sp, ref, topo, row, ref_loss)
 
 
-def _sp_loss_and_grads(sp, ref, topo, batch: dict, ref_loss: torch.Tensor):
+def _sp_loss_and_grads(sp, ref, topo, batch: dict, ref_loss: torch.Tensor, **loss_kwargs):
     import torch.distributed as dist
 
     from ulysses_cp.models import hf
 
     local = ucp.shard_batch(batch, topo)
     loss = hf.HFCausalLM(sp).loss(
-        local["input_ids"], local["position_ids"], local["shift_labels"], topo, batch=local["batch"]
-    )
+        local["input_ids"], local["position_ids"], local["shift_labels"], topo,
+        batch=local["batch"], **loss_kwargs,
+    )  # fmt: skip
     loss.backward()
     grads = {}
     for (name, p), q in zip(sp.named_parameters(), ref.parameters()):
@@ -398,3 +404,18 @@ def _sp_loss_and_grads(sp, ref, topo, batch: dict, ref_loss: torch.Tensor):
         dist.all_reduce(grad, group=topo.sp_group)  # SP ranks' shares sum to the gradient
         grads[name] = (grad, torch.zeros_like(q) if q.grad is None else q.grad)
     return loss, ref_loss, grads
+
+
+def sgd_engine_and_batch(model: torch.nn.Module, cfg: dict, topo) -> tuple[object, dict]:
+    """``model`` under DeepSpeed with SGD (lr 0.5), and this rank's shard of one KV-recall
+    row of 128 tokens (the same row on every rank): a one-step test's starting point."""
+    from ulysses_cp.config import DataConfig
+    from ulysses_cp.training.data import KVRecall, global_batch
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = ucp.initialize(model=model, config=cfg, topo=topo, optimizer=opt)
+    data = KVRecall(DataConfig(seq_len=128, n_queries=16))
+    full = global_batch(
+        data, step=0, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1
+    )
+    return engine, ucp.shard_batch(full, topo)

@@ -86,7 +86,7 @@ def test_benchmark_quick(tmp_path):
 @pytest.mark.slow
 def test_benchmark_packing_quick(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_packing.py"), "--quick"]
-    out = run([*cmd, "--out", str(tmp_path)], timeout=300)
+    out = run([*cmd, "--out", str(tmp_path)], timeout=600)
     rows = json.loads((tmp_path / "benchmark_packing.json").read_text())["rows"]
     cases = {(r["mode"], r["case"]) for r in rows}
     for mode in ("ulysses", "ring_zigzag", "hybrid_zigzag"):
@@ -97,6 +97,16 @@ def test_benchmark_packing_quick(tmp_path):
         if r["case"] == "unpacked":
             assert r["ratio_to_unpacked"] == 1.0
     assert "x unpacked" in out
+    # padding per document or per row: the row-wise packing pads nothing, the document-wise
+    # one pads more as P grows; both timed in every mode
+    data = json.loads((tmp_path / "benchmark_packing.json").read_text())
+    pad = {(r["P"], r["packing"]): r["padding_fraction"] for r in data["padding"]}
+    assert all(pad[(P, "row")] == 0 for P in (4, 16, 64))
+    assert 0 < pad[(4, "document")] < pad[(16, "document")] < pad[(64, "document")]
+    timed = {(r["mode"], r["packing"]) for r in data["timed"]}
+    assert timed == {(m, p) for m in ("ulysses", "ring_zigzag", "hybrid_zigzag")
+                     for p in ("document", "row")}  # fmt: skip
+    assert all(r["real_tokens_per_s"] > 0 for r in data["timed"])
 
 
 @pytest.mark.slow
@@ -113,3 +123,22 @@ def test_benchmark_memory_quick(tmp_path):
     for r in rows:
         assert r["max_len"] > 0 and r["tokens_per_s"] > 0
     assert "max len" in out
+
+
+@pytest.mark.slow
+def test_benchmark_loading_quick(tmp_path):
+    """Both loads of the tiny model's checkpoint at 2 ranks run and report their peaks;
+    each rank holds its half of the model, and the planner's prediction is beside it (the
+    random init is checked by tests/test_loading.py)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_loading.py"), "--quick"]
+    run([*cmd, "--world", "2", "--out", str(tmp_path)], timeout=900)
+    got = json.loads((tmp_path / "benchmark_loading.json").read_text())
+    model = got["checkpoint"]["parameters"] * 2  # bf16
+    assert [(r["source"], r["load"]) for r in got["rows"]] == [
+        ("hf_weights", "whole"), ("hf_weights", "partitioned")]  # fmt: skip
+    for row in got["rows"]:
+        parts = [r["partition"] for r in row["ranks"]]
+        assert model <= sum(parts) <= model + 2 * 2**10, (parts, model)  # ZeRO's padding
+        assert all(r["peak"] >= r["baseline"] > 0 for r in row["ranks"])
+        whole = row["load"] == "whole"
+        assert row["predicted_bytes"] >= (model if whole else model // 2)

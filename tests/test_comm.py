@@ -89,3 +89,16 @@ def test_measured_bytes_equal_formula(pools, P, hq, hkv, dtype):
     c = max(head_chunk_choices(hq, hkv, P))
     for fwd, bwd, calls in pools(P).run(_bytes, P, hq, hkv, dtype, c):
         assert (fwd, bwd, calls) == (formula, formula, 2 * c)
+
+
+def test_traffic_set_aside_is_not_counted():
+    from ulysses_cp.core.comm import CommStats
+
+    s = CommStats()
+    s.add("all_to_all", "forward", 100)
+    with s.set_aside():
+        s.add("all_to_all", "forward", 7)
+        s.add("ring", "backward", 5)
+        assert s.total() == 112  # counted inside the block, as ever
+    assert s.total() == 100 and s.calls[("all_to_all", "forward")] == 1
+    assert ("ring", "backward") not in s.bytes

@@ -182,3 +182,13 @@ def test_packed_labels_and_shift_labels_give_the_same_targets():
     assert shifted["shift_labels"][0].tolist() == expected
     with pytest.raises(ValueError, match="labels equal to input_ids"):
         shard_batch({**base, "labels": row["input_ids"]}, topo)
+
+
+def test_packed_rows_for_the_row_wise_packing_pad_no_document():
+    """pack_multiple 1 (sequence_parallel.packing "row"): documents keep their lengths (odd
+    ones too), the row is filled exactly."""
+    cfg = DataConfig(seq_len=256, packing=True, min_doc_len=20, max_doc_len=70, pack_multiple=1)
+    row = KVRecall(cfg).packed_sample(3)
+    _check_packed_row(row, 256, 1)
+    lens = (row["cu_seqlens"][1:] - row["cu_seqlens"][:-1]).tolist()
+    assert any(n % 2 for n in lens), lens  # lengths no layout multiple would allow

@@ -429,6 +429,10 @@ def test_train_py_on_a_corpus_evaluates_and_resumes_at_the_same_sample(data, tmp
     assert [r["step"] for r in evals] == [2, 4]
     assert all(0 < r["eval_loss"] < 10 and r["eval_tokens"] > 0 for r in evals)
     assert evals[1]["eval_ppl"] == pytest.approx(math.exp(evals[1]["eval_loss"]))
+    # every step moves the same attention bytes (packed rows of one length): the
+    # evaluations' traffic after steps 2 and 4 is not in steps 3's (or 5's) numbers
+    steps = [r["attention_comm_bytes_per_step"] for r in rows if "loss" in r]
+    assert len(steps) == 4 and steps[0] > 0 and len(set(steps)) == 1, steps
     launch(path, tmp_path / "part", "--max_steps", "2")
     res = launch(path, tmp_path / "part", "--resume")
     assert "resumed from" in res and "tokenized" not in res  # the cache, reused

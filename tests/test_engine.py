@@ -185,18 +185,24 @@ def test_activation_checkpointing_same_gradients(pools):
     pools(4).run(_checkpointed_grads)
 
 
-def _packed_step(rank, u, r, stage):
+def _packed_step(rank, u, r, stage, packing="document", layout="zigzag"):
     """One DeepSpeed step on a packed row equals one process training the same documents
-    one per row (unpadded, end-padded to a common length with ignored labels)."""
+    one per row (unpadded, end-padded to a common length with ignored labels). Packing
+    ``"document"`` pads every document, ``"row"`` only the row."""
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    cfg = run_config(u, r, stage)
+    cfg = run_config(u, r, stage, sp={"packing": packing, "layout": layout})
     topo = topology_for(cfg)
     g = torch.Generator().manual_seed(11)
     lengths = [1, 23, 8, 40, 3, 17]
     docs = [torch.randint(2, 256, (n,), generator=g) for n in lengths]
-    packed = ucp.pack_documents(docs, multiple=ucp.sequence_multiple(u * r, "zigzag"))
+    m = ucp.sequence_multiple(u * r, layout)
+    each = dict(multiple=m) if packing == "document" else dict(row_multiple=m)
+    packed = ucp.pack_documents(docs, **each)
+    if packing == "row":  # no document padded: only the row's end (92 -> 96 tokens)
+        assert packed["cu_seqlens"][:-1].tolist() == [0, 1, 24, 32, 72, 75]
+        assert packed["input_ids"].shape[1] == -(-sum(lengths) // m) * m
     torch.manual_seed(0)
 
     model = Decoder(TINY, ucp.Attention(topo, backend="torch"))
@@ -205,7 +211,7 @@ def _packed_step(rank, u, r, stage):
     engine = ucp.initialize(
         model=model, config=cfg, topo=topo, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)
     )
-    local = shard_batch(packed, topo, "zigzag")
+    local = shard_batch(packed, topo, layout)
     logits = engine(local["input_ids"], local["position_ids"], local["batch"])
     loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
     engine.backward(loss)
@@ -232,6 +238,16 @@ def _packed_step(rank, u, r, stage):
 @pytest.mark.parametrize("u,r,stage", [(2, 2, 2), (4, 1, 3), (1, 4, 1)])
 def test_packed_training_step_equals_one_document_per_row(pools, u, r, stage):
     for loss, ref_loss, err in pools(4).run(_packed_step, u, r, stage):
+        assert abs(loss - ref_loss) < 1e-5, (loss, ref_loss)
+        assert err < 1e-6, f"updated parameters differ by {err}"
+
+
+@pytest.mark.parametrize(
+    "u,r,stage,layout", [(2, 2, 2, "zigzag"), (1, 4, 3, "contiguous"), (4, 1, 1, "zigzag")]
+)
+def test_row_packed_training_step_equals_one_document_per_row(pools, u, r, stage, layout):
+    """Row-wise packing: documents of any length cross rank borders, only the row padded."""
+    for loss, ref_loss, err in pools(4).run(_packed_step, u, r, stage, "row", layout):
         assert abs(loss - ref_loss) < 1e-5, (loss, ref_loss)
         assert err < 1e-6, f"updated parameters differ by {err}"
 
@@ -273,6 +289,7 @@ def test_the_skip_path_keeps_the_tiled_loss():
     head still sees one tile at a time (the full logits are never materialised) and the
     loss has no gradient."""
     from ulysses_cp.config import TrainingConfig
+    from ulysses_cp.models.memory import LossPlan
     from ulysses_cp.training.trainer import Trainer
 
     model = Decoder(TINY, lambda q, k, v: ucp.local_attention(q, k, v, backend="math"))
@@ -291,7 +308,7 @@ def test_the_skip_path_keeps_the_tiled_loss():
     local = {"input_ids": ids, "position_ids": torch.arange(64).expand(2, -1),
              "shift_labels": ids}  # fmt: skip
     tc = TrainingConfig(save_on_signal=False)
-    trainer = Trainer(Engine(), topo, None, tc=tc, out=None, tiled_loss=4)
+    trainer = Trainer(Engine(), topo, None, tc=tc, out=None, loss_plan=LossPlan(4))
     loss = trainer.ignored_loss(local)
     loss.backward()
     assert loss.item() == 0.0 and max(rows) == 2 * 64 // 4, rows

@@ -75,14 +75,16 @@ def test_llama4_rows_equal_eager(pools, u, r, layout):
     pools(u * r).run(_rows, u, r, layout)
 
 
-def _packed(rank, u, r):
+def _packed(rank, u, r, packing="document"):
     """Documents of 24 and 40 tokens in one row: chunks start at each document's start
     (24 = 16 + 8, 40 = 16 + 16 + 8) and the temperature counts each document's positions,
-    as when each document runs alone."""
-    topo = topology(u, r)
+    as when each document runs alone. Row-wise: 21 and 37 tokens, the row padded to 64,
+    chunks and documents crossing rank borders, no relayout."""
+    topo = topology(u, r, packing=packing)
     sp, ref = _models(topo)
     g = torch.Generator().manual_seed(2)
-    docs = [torch.randint(96, (n,), generator=g) for n in (24, 40)]
+    lengths = (24, 40) if packing == "document" else (21, 37)
+    docs = [torch.randint(96, (n,), generator=g) for n in lengths]
     loss, ref_loss, grads = hf_packed_loss_and_grads(sp, ref, topo, docs)
     torch.testing.assert_close(loss, ref_loss, **TOL)
     for grad, want in grads.values():
@@ -92,6 +94,11 @@ def _packed(rank, u, r):
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)], ids=str)
 def test_llama4_packed_documents_equal_documents_alone(pools, u, r):
     pools(u * r).run(_packed, u, r)
+
+
+@pytest.mark.parametrize("u,r", [(4, 1), (2, 2), (1, 4)], ids=str)
+def test_llama4_row_packed_documents_equal_documents_alone(pools, u, r):
+    pools(u * r).run(_packed, u, r, "row")
 
 
 def _chunk_not_a_multiple(rank):

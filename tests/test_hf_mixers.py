@@ -80,9 +80,9 @@ def test_the_exchange_moves_channels_and_back(pools, layout, packed):
     pools(4).run(_exchange, layout, packed)
 
 
-def _packed(rank, u, r, family):
+def _packed(rank, u, r, family, packing="document"):
     """A packed row equals its documents run alone: no state crosses a document."""
-    topo = topology(u, r)
+    topo = topology(u, r, packing=packing)
     cfg = {"lfm2": lfm2, "bamba": bamba, "qwen3_next": qwen3_next}[family]()
     sp, ref = hf_pair(cfg, topo)  # sdpa: float64 softmax, where eager takes it in float32
     g = torch.Generator().manual_seed(2)
@@ -99,6 +99,13 @@ def _packed(rank, u, r, family):
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)], ids=str)
 def test_packed_documents_start_fresh_states(pools, family, u, r):
     pools(u * r).run(_packed, u, r, family)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "bamba"])
+@pytest.mark.parametrize("u,r", [(4, 1), (2, 2)], ids=str)
+def test_row_packed_documents_start_fresh_states(pools, family, u, r):
+    """Row-wise packing (13 + 32 + 8 tokens, only the row padded) through the mixers."""
+    pools(u * r).run(_packed, u, r, family, "row")
 
 
 def _heads_that_do_not_split(rank):

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import run_config, topology_for
-from ulysses_cp.config import DataConfig, HFModelConfig, ModelConfig
+from tests.helpers import run_config, sgd_engine_and_batch, topology_for
+from ulysses_cp.config import HFModelConfig, ModelConfig
 from ulysses_cp.models.decoder import Decoder
 from ulysses_cp.models.memory import TiledMLP, tiled_cross_entropy
-from ulysses_cp.training.data import KVRecall, global_batch
 
 FEATURES = dict(tiled_mlp=3, tiled_loss=4, activation_checkpointing=True, offload_activations=True)
 OFF = dict(tiled_mlp=0, tiled_loss=0, activation_checkpointing=False, offload_activations=False)
@@ -35,14 +34,7 @@ def _step(rank, kind, stage, features):
     else:
         mc = ModelConfig(dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, **features)
         model = Decoder(mc, ucp.Attention(topo, backend="torch"))
-    engine = ucp.initialize(
-        model=model, config=cfg, topo=topo, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)
-    )
-    data = KVRecall(DataConfig(seq_len=128, n_queries=16))
-    full = global_batch(
-        data, step=0, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1
-    )
-    local = ucp.shard_batch(full, topo)
+    engine, local = sgd_engine_and_batch(model, cfg, topo)
     args = (local["input_ids"], local["position_ids"], local["batch"])
     if tiled_loss > 1:
         hidden = engine(*args, return_hidden=True)

@@ -20,8 +20,10 @@ import benchlib  # noqa: E402
 # benchlib is where the collectives live; check_attention.py is CPU/gloo only by design
 # (see test_check_attention_is_cpu_gloo_only, which keeps that exemption honest).
 # cp_example.py is user code on show: its all_reduce of gradients (on the rank's device)
-# is part of what it demonstrates
-EXEMPT = {"benchlib.py", "check_attention.py", "cp_example.py"}
+# is part of what it demonstrates; benchmark_hf.py runs DeepSpeed ALST's tutorial code as
+# its users write it (TiledMLP's shard count, the loss's all-gathers) and sums the SP
+# gradients for its correctness check, all on the model's own tensors (the rank's device)
+EXEMPT = {"benchlib.py", "check_attention.py", "cp_example.py", "benchmark_hf.py"}
 
 COLLECTIVES = {
     "all_gather",

@@ -13,7 +13,7 @@ from ulysses_cp.config import ModelConfig
 from ulysses_cp.core import tiles
 from ulysses_cp.core.tiles import resolve_tiles
 from ulysses_cp.models.decoder import Decoder
-from ulysses_cp.models.memory import TiledMLP, lm_loss, loss_tiles
+from ulysses_cp.models.memory import LossPlan, TiledMLP, lm_loss, loss_tiles
 from ulysses_cp.plan.memory import activation_bytes
 from ulysses_cp.plan.search import Hardware, Run, predict
 from ulysses_cp.plan.shapes import ModelShape
@@ -68,7 +68,7 @@ def test_the_planner_resolves_auto_by_the_same_rule():
 def _loss_and_grads(model, topo, ids, labels, tiled_loss):
     model.zero_grad()
     pos = torch.arange(ids.shape[1]).expand_as(ids)
-    loss = lm_loss(model, model.head, ids, pos, labels, topo, tiled_loss=tiled_loss)
+    loss = lm_loss(model, model.head, ids, pos, labels, topo, plan=LossPlan(tiled_loss))
     loss.backward()
     return [loss.detach(), *(p.grad.clone() for p in model.parameters())]
 

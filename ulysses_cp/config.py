@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .core.options import Backend, KVExchange, Layout
+from .core.options import Backend, KVExchange, Layout, Packing
 from .core.tiles import check_tiles
 from .schema import at_least, check_top_level_keys, from_block, resolve_paths
 
@@ -89,6 +89,7 @@ class SequenceParallelConfig:
     kv_exchange: KVExchange = "ring"  # KV inside a ring group: p2p ring steps or all-gather
     head_chunks: int = 0  # Ulysses all-to-all in this many head chunks; 0: the documented rule
     redo_all_to_all: bool = False  # no head-sharded copies kept: all-to-alls redone in backward
+    packing: Packing = "document"  # packed rows: each document split over the ranks, or the row
     collective_timeout_s: float = 1800.0  # a dead or hung peer ends the run after this
 
     @classmethod
@@ -150,6 +151,7 @@ class ModelConfig:
     # (core/tiles.py)
     tiled_mlp: int | Literal["auto"] = 0
     tiled_loss: int | Literal["auto"] = 0  # LM head + loss in pieces, no full logits
+    fused_loss: bool = False  # LM head + loss gradients computed in the forward
     compile: bool = False  # torch.compile each decoder layer (models/compiled.py)
 
     @classmethod
@@ -182,6 +184,7 @@ class HFModelConfig:
     offload_activations: bool = False
     tiled_mlp: int | Literal["auto"] = 0
     tiled_loss: int | Literal["auto"] = 0
+    fused_loss: bool = False
     compile: bool = False  # torch.compile each decoder layer (models/compiled.py)
 
     @classmethod
@@ -217,7 +220,8 @@ class DataConfig:
     packing: bool = False  # several documents per row, attention kept inside each
     min_doc_len: int = 32  # packed kv_recall document lengths
     max_doc_len: int = 128
-    pack_multiple: int = 16  # documents padded to this (a multiple of 2 * SP degree)
+    pack_multiple: int = 16  # documents padded to this (packing "document": a multiple of
+    # ucp.sequence_multiple; packing "row": 1, no padding per document)
     # task "dataset": tokenized files (training/corpus.py)
     tokenizer: str = ""  # a local tokenizer folder or tokenizer.json
     text_field: str = "text"  # a string, or a list of chat messages (the chat template)

@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-from .sharding import check_same_on_every_rank, layout_indices, layout_of, sequence_multiple
+from .options import check_packing
+from .rows import RowDocs
+from .sharding import (
+    check_same_on_every_rank,
+    check_sequence_length,
+    layout_indices,
+    layout_of,
+    sequence_multiple,
+)
 from .topology import Topology
 from .varlen import (
     IGNORE,
@@ -38,16 +46,17 @@ __all__ = [
     "shift_labels",
 ]
 
-# the all-to-all output permutation and its inverse (Ulysses degree > 1), and this rank's
-# documents at the ring / kernel level
-Documents = tuple[tuple[torch.Tensor, torch.Tensor] | None, Docs]
+# the all-to-all output permutation and its inverse (Ulysses degree > 1, document-wise), and
+# this rank's documents at the ring / kernel level (document-wise Docs, row-wise RowDocs)
+Documents = tuple[tuple[torch.Tensor, torch.Tensor] | None, Docs | RowDocs]
 
 
 @dataclass(frozen=True, eq=False)
 class BatchPlan:
     """One batch as the SP ranks hold it: the run's ``layout``, the full length ``seq_len``,
     ``batch_size``, the degrees and this rank's place, and for a packed row the global
-    ``cu_seqlens`` and their checked ``bounds``. ``memo`` keeps what the attention calls of
+    ``cu_seqlens``, their checked ``bounds`` and the ``packing`` (``"document"`` or
+    ``"row"``, :mod:`~ulysses_cp.core.varlen`). ``memo`` keeps what the attention calls of
     this batch derive from it (see the module docstring)."""
 
     layout: str
@@ -58,6 +67,7 @@ class BatchPlan:
     sp_rank: int
     cu_seqlens: torch.Tensor | None = None
     bounds: tuple[int, ...] | None = None
+    packing: str = "document"
     memo: dict[Hashable, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -68,13 +78,17 @@ class BatchPlan:
         shape: tuple[int, int],
         cu_seqlens: torch.Tensor | None = None,
         what: str = "batch['cu_seqlens']",
+        packing: str | None = None,
     ) -> BatchPlan:
         """The plan of full ``shape = (b, s)`` tensors in ``layout``; ``ValueError`` (with
         the multiple to pad to) when the length or a document does not split over the
-        ranks, naming the ``cu_seqlens`` as ``what``."""
+        ranks, naming the ``cu_seqlens`` as ``what``. ``packing``: None takes the run's
+        (``topo.options.packing``)."""
         b, s = shape
         P = topo.sp_world_size
         m = sequence_multiple(P, layout)
+        packing = topo.options.packing if packing is None else packing
+        check_packing(packing)
         bounds = None
         if cu_seqlens is not None:
             if b != 1:
@@ -82,14 +96,17 @@ class BatchPlan:
                     f"cu_seqlens describes one packed row: batch must be 1, got {b}; "
                     f"concatenate the rows into one and join their cu_seqlens"
                 )
-            bounds = tuple(check_cu_seqlens(cu_seqlens, s, m, what=what))
+            if packing == "row":  # only the row splits over the ranks
+                check_sequence_length(s, P, layout)
+            each = m if packing == "document" else 1  # what every document must split into
+            bounds = tuple(check_cu_seqlens(cu_seqlens, s, each, what=what))
         elif s % m:
             raise ValueError(
                 f"sequence length {s} must be a multiple of {m} for {P} SP ranks in the "
                 f"{layout!r} layout; pad with ucp.pad_batch(batch, {m})"
             )
         u, r = topo.ulysses_degree, topo.ring_degree
-        return cls(layout, s, b, u, r, topo.sp_rank, cu_seqlens, bounds)
+        return cls(layout, s, b, u, r, topo.sp_rank, cu_seqlens, bounds, packing)
 
     @property
     def sp_world_size(self) -> int:
@@ -106,15 +123,18 @@ class BatchPlan:
             return self
         return replace(self, cu_seqlens=cu.to(device), memo={})
 
-    def check_call(self, q: torch.Tensor, topo: Topology, layout: str) -> None:
-        """A call of this batch's attention: the same layout, degrees and tokens."""
-        have = (topo.ulysses_degree, topo.ring_degree, topo.sp_rank, layout)
-        mine = (self.ulysses_degree, self.ring_degree, self.sp_rank, self.layout)
+    def check_call(self, q: torch.Tensor, topo: Topology, layout: str, packing: str) -> None:
+        """A call of this batch's attention: the same layout, packing, degrees and tokens."""
+        have = (topo.ulysses_degree, topo.ring_degree, topo.sp_rank, layout, packing)
+        mine = (self.ulysses_degree, self.ring_degree, self.sp_rank, self.layout, self.packing)
+        if self.bounds is None:  # unpacked: no packing to agree on
+            have, mine = (*have[:4], "-"), (*mine[:4], "-")
         if have != mine:
             raise ValueError(
                 f"the batch was sharded for u{mine[0]} r{mine[1]}, SP rank {mine[2]}, layout "
-                f"{mine[3]!r} and attention runs u{have[0]} r{have[1]}, SP rank {have[2]}, "
-                f"layout {have[3]!r}: shard the batch with the attention's topology"
+                f"{mine[3]!r}, packing {mine[4]!r} and attention runs u{have[0]} r{have[1]}, "
+                f"SP rank {have[2]}, layout {have[3]!r}, packing {have[4]!r}: shard the batch "
+                f"with the attention's topology"
             )
         if tuple(q.shape[:2]) != (self.batch_size, self.seq_len // self.sp_world_size):
             raise ValueError(
@@ -130,6 +150,10 @@ class BatchPlan:
         if key not in self.memo:
             bounds, u, r = list(self.bounds), self.ulysses_degree, self.ring_degree
             perm = None
+            if self.packing == "row":  # the unpacked all-to-all; the ring level's blocks
+                rows = RowDocs(bounds, r, self.ring_rank, self.layout, device)
+                self.memo[key] = (None, rows)
+                return self.memo[key]
             if u > 1:
                 fwd = ulysses_permutation(bounds, u, r, self.ring_rank, self.layout)
                 perm = (fwd.to(device), inverse_permutation(fwd).to(device))
@@ -179,7 +203,8 @@ def shard_batch(
 
     ``batch`` holds full ``(b, s)`` tensors: ``input_ids`` and either ``shift_labels`` or
     ``labels`` (shifted here, on the full sequence); ``position_ids`` default to
-    ``0..s-1``. A packed row (``cu_seqlens`` in ``batch``, b = 1) is sharded document-wise,
+    ``0..s-1``. A packed row (``cu_seqlens`` in ``batch``, b = 1) is sharded in the run's
+    packing (``topo.options.packing``: document-wise, or row-wise like an unpacked row),
     ``labels`` are shifted inside each document, and ``cu_seqlens`` is passed on. Every
     SP rank must hold the same full tensors (one all-gather of checksums compares them,
     unless the run's ``check_inputs`` is off)."""
@@ -194,7 +219,7 @@ def shard_batch(
     P = topo.sp_world_size
     if P > 1 and topo.check_inputs and topo.sp_group is not None:
         check_same_on_every_rank(list(full.values()), topo, 1, "shard_batch")
-    if plan.bounds is None:
+    if plan.bounds is None or plan.packing == "row":
         idx = layout_indices(plan.seq_len, P, topo.sp_rank, layout)
     else:
         idx = doc_layout_indices(list(plan.bounds), P, topo.sp_rank, layout)

@@ -68,6 +68,18 @@ class CommStats:
     def snapshot(self) -> dict[str, int]:
         return {f"{op}/{phase}": n for (op, phase), n in sorted(self.bytes.items())}
 
+    @contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Traffic inside the block is not counted: the counts are as before it (an
+        evaluation between training steps stays out of the steps' bytes)."""
+        saved = (dict(self.bytes), dict(self.calls))
+        try:
+            yield
+        finally:
+            self.reset()
+            self.bytes.update(saved[0])
+            self.calls.update(saved[1])
+
 
 stats = CommStats()
 

@@ -17,11 +17,14 @@ __all__ = [
     "BACKENDS",
     "KV_EXCHANGES",
     "LAYOUTS",
+    "PACKINGS",
     "Backend",
     "KVExchange",
     "Layout",
+    "Packing",
     "RunOptions",
     "check_layout",
+    "check_packing",
 ]
 
 # How tokens are laid out across the sequence-parallel ranks (``ulysses_cp.core.sharding``).
@@ -33,6 +36,12 @@ LAYOUTS: tuple[str, ...] = get_args(Layout)
 KVExchange = Literal["ring", "allgather"]
 KV_EXCHANGES: tuple[str, ...] = get_args(KVExchange)
 
+# How a packed row's tokens are laid out (``ulysses_cp.core.varlen``): every document split
+# over the ranks on its own (``"document"``: each length a multiple of the layout's), or the
+# row split like an unpacked sequence, documents crossing rank borders (``"row"``).
+Packing = Literal["document", "row"]
+PACKINGS: tuple[str, ...] = get_args(Packing)
+
 # The local attention kernels by name (implemented in ``ulysses_cp.kernels``).
 Backend = Literal["auto", "flash_attn", "torch", "math"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
@@ -41,6 +50,15 @@ BACKENDS: tuple[str, ...] = get_args(Backend)
 def check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
+
+
+def check_packing(packing: str) -> None:
+    if packing not in PACKINGS:
+        raise ValueError(
+            f'packing {packing!r} is not one of {list(PACKINGS)}: "document" splits every '
+            f'document over the ranks (lengths multiples of ucp.sequence_multiple), "row" '
+            f"splits the whole row (documents of any length)"
+        )
 
 
 @dataclass(frozen=True)
@@ -56,7 +74,10 @@ class RunOptions:
     previous chunk (0: automatic, see ``ulysses_cp.modes.ulysses.resolve_head_chunks``);
     ``redo_all_to_all``: keep no head-sharded copies of q, k, v and the output for the
     backward and redo their all-to-alls there instead (less memory, 1.5x the all-to-all
-    bytes; ``ulysses_cp.modes.redo``)."""
+    bytes; ``ulysses_cp.modes.redo``); ``packing``: the layout of packed rows
+    (``cu_seqlens``): ``"document"`` (every document split over the ranks, its length a
+    multiple of ``sequence_multiple``) or ``"row"`` (the row split like an unpacked
+    sequence; documents of any length), see ``ulysses_cp.core.varlen``."""
 
     layout: str = "zigzag"
     backend: str = "auto"
@@ -65,6 +86,7 @@ class RunOptions:
     kv_exchange: str = "ring"
     head_chunks: int = 0
     redo_all_to_all: bool = False
+    packing: str = "document"
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
@@ -86,3 +108,4 @@ class RunOptions:
                 f"redo_all_to_all must be true or false, got {self.redo_all_to_all!r}: true "
                 f"redoes the Ulysses all-to-alls in the backward (less memory, more traffic)"
             )
+        check_packing(self.packing)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import collective, comm_device, group_rank, group_size, stats
-from .options import check_layout
+from .options import check_layout, check_packing
 from .protocols import Group
 from .topology import Topology
 from .varlen import Permute, check_cu_seqlens, doc_layout_indices, inverse_permutation
@@ -28,6 +28,7 @@ __all__ = [
     "layout_indices",
     "layout_of",
     "natural_to_pairs",
+    "packing_of",
     "pad_batch",
     "pad_to_multiple",
     "pairs_to_natural",
@@ -190,8 +191,23 @@ class _Gather(torch.autograd.Function):
         return _shard(grad, group_size(group), group_rank(group), layout, dim), None, None, None
 
 
-def _packed(cu_seqlens, seq_len: int, P: int, layout: str) -> list[int] | None:
+def packing_of(topo: Topology | None, packing: str | None = None) -> str:
+    """The packing a call uses: the run's (``topo.options.packing``) when ``packing`` is
+    None, else ``packing`` (checked)."""
+    if packing is None:
+        options = getattr(topo, "options", None)
+        packing = getattr(options, "packing", "document")
+    check_packing(packing)
+    return packing
+
+
+def _packed(cu_seqlens, seq_len: int, P: int, layout: str, packing: str) -> list[int] | None:
+    """A packed row's checked boundaries when it is sharded document-wise; None when the
+    row is sharded like an unpacked one (no ``cu_seqlens``, or row-wise packing)."""
     if cu_seqlens is None:
+        return None
+    if packing == "row":
+        check_cu_seqlens(cu_seqlens, seq_len, 1)
         return None
     return check_cu_seqlens(cu_seqlens, seq_len, sequence_multiple(P, layout))
 
@@ -202,15 +218,18 @@ def shard_sequence(
     dim: int = 1,
     layout: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    packing: str | None = None,
 ) -> torch.Tensor:
     """This SP rank's tokens of ``x``, a tensor every SP rank holds in full (the same on
     every rank), in the run's layout (``topo.layout``; see :func:`layout_of`).
 
-    ``cu_seqlens``: ``x`` is a packed row; every document is split on its own
-    (document-wise layout, see :mod:`ulysses_cp.core.varlen`)."""
+    ``cu_seqlens``: ``x`` is a packed row, sharded in the run's packing
+    (``topo.options.packing``, or ``packing=``): ``"document"``: every document is split
+    on its own; ``"row"``: the row is split like an unpacked sequence (see
+    :mod:`ulysses_cp.core.varlen`)."""
     layout = layout_of(topo, layout)
     P = topo.sp_world_size
-    bounds = _packed(cu_seqlens, x.shape[dim], P, layout)
+    bounds = _packed(cu_seqlens, x.shape[dim], P, layout, packing_of(topo, packing))
     if P > 1 and getattr(topo, "check_inputs", False) and topo.sp_group is not None:
         check_same_on_every_rank([x], topo, dim)
     if bounds is not None:
@@ -226,15 +245,16 @@ def gather_sequence(
     dim: int = 1,
     layout: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    packing: str | None = None,
 ) -> torch.Tensor:
     """Exact inverse of :func:`shard_sequence` (all-gather over the SP group), in the run's
-    layout (``topo.layout``).
+    layout (``topo.layout``) and packing.
 
     Differentiable: the backward returns this rank's slice of the incoming gradient, which
     is right when every SP rank computes the same function of the gathered tensor."""
     layout = layout_of(topo, layout)
     P = topo.sp_world_size
-    bounds = _packed(cu_seqlens, x_local.shape[dim] * P, P, layout)
+    bounds = _packed(cu_seqlens, x_local.shape[dim] * P, P, layout, packing_of(topo, packing))
     if bounds is None or P == 1:
         return _Gather.apply(x_local, topo.sp_group, layout, dim)
     held = torch.cat([doc_layout_indices(bounds, P, p, layout) for p in range(P)])

@@ -4,15 +4,21 @@ Legend: a packed row holds documents ``d`` of lengths ``L_d`` back to back; ``cu
 int32 cumulative length vector ``[0, L_0, L_0 + L_1, ..., N]`` (flash-attn's
 ``cu_seqlens``); P ranks; ``m = sequence_multiple(P, layout)``.
 
-Document-wise layout: every document is split like a whole sequence would be (contiguous:
-P chunks, rank r takes chunk r; zigzag: 2P chunks, rank r takes chunks r and 2P-1-r), and
-each rank concatenates its pieces in document order. So each rank holds ``L_d / P`` tokens
-of every document (every rank has the same causal work in every document), its local
-tokens keep increasing global order, and its local ``cu`` is ``cu / P``. This needs every
-``L_d`` to be a multiple of ``m``; :func:`pack_documents` pads each document at its end.
-A one-document ``cu = [0, N]`` gives exactly the unpacked layout.
+Document-wise layout (``packing="document"``): every document is split like a whole sequence
+would be (contiguous: P chunks, rank r takes chunk r; zigzag: 2P chunks, rank r takes chunks
+r and 2P-1-r), and each rank concatenates its pieces in document order. So each rank holds
+``L_d / P`` tokens of every document (every rank has the same causal work in every
+document), its local tokens keep increasing global order, and its local ``cu`` is ``cu /
+P``. This needs every ``L_d`` to be a multiple of ``m``; :func:`pack_documents` pads each
+document at its end. A one-document ``cu = [0, N]`` gives exactly the unpacked layout.
 
-Why the same definition serves every mode: the Ulysses group of ring rank j (SP ranks
+Row-wise layout (``packing="row"``, :mod:`~ulysses_cp.core.rows`): the row is split like an
+unpacked sequence of N tokens and documents cross rank borders; only N must be a multiple
+of m (:func:`pack_documents` with ``row_multiple=m`` pads the row, not its documents).
+Attention follows the global ``cu``. The run chooses one (``RunOptions.packing``, the
+``"sequence_parallel"`` block's ``packing``); ``"document"`` is the default.
+
+Why the same document-wise definition serves every mode: the Ulysses group of ring rank j (SP ranks
 ``j*u .. j*u+u-1``) holds, per document, chunks ``j*u .. j*u+u-1`` and their mirrors of
 2P, which are chunks j and 2r-1-j of 2r: ring rank j's document-wise pieces. After the
 all-to-all a fixed permutation (:func:`ulysses_permutation`) puts them in that order.
@@ -68,7 +74,9 @@ def check_cu_seqlens(
                 f"document {i} has length {b - a}, not a multiple of {multiple}: in this "
                 f"layout every document is split evenly over the sequence-parallel ranks. "
                 f"Pad each document at its end (ucp.pack_documents(..., multiple={multiple}) "
-                f"does) or use documents whose lengths are multiples of {multiple}"
+                f"does), use documents whose lengths are multiples of {multiple}, or use "
+                f'the row-wise packing (init_topology(..., packing="row"), the '
+                f'sequence_parallel block\'s "packing": "row"), which splits only the row'
             )
     return bounds
 
@@ -173,6 +181,7 @@ def pack_documents(
     documents: list[torch.Tensor],
     *,
     multiple: int = 1,
+    row_multiple: int = 1,
     pad_token_id: int = 0,
     ignore_index: int = IGNORE,
     labels: list[torch.Tensor] | None = None,
@@ -181,13 +190,16 @@ def pack_documents(
 
     Returns ``(1, N)`` ``input_ids``, ``position_ids`` (restarting at 0 per document),
     ``shift_labels`` (token t's target; the last token of every document has none, so no
-    target crosses a border) and int32 ``cu_seqlens``. Each document is padded at its end
-    to a multiple of ``multiple`` (use ``ucp.sequence_multiple(P, layout)``); the padding
-    has no target and, in causal attention, comes after every real token of its document,
-    so it changes no loss. Also ``labels``: the same targets unshifted (each document's
-    tokens, ``ignore_index`` on its first position when ``labels`` are given and on its
-    padding), for code that shifts itself. ``labels`` optionally gives per-document targets
-    already shifted (``shift_labels``) instead of the next token."""
+    target crosses a border) and int32 ``cu_seqlens``. Each document is padded at its end to
+    a multiple of ``multiple`` (the document-wise packing: use ``ucp.sequence_multiple(P,
+    layout)``), and the row at its end to a multiple of ``row_multiple`` (the row-wise
+    packing, ``packing="row"``: ``multiple=1, row_multiple=ucp.sequence_multiple(P,
+    layout)``; the row's padding joins the last document); the padding has no target and, in
+    causal attention, comes after every real token of its document, so it changes no loss.
+    Also ``labels``: the same targets unshifted (each document's tokens, ``ignore_index`` on
+    its first position when ``labels`` are given and on its padding), for code that shifts
+    itself. ``labels`` optionally gives per-document targets already shifted
+    (``shift_labels``) instead of the next token."""
     if not documents:
         raise ValueError("pack_documents needs at least one document")
     ids, pos, tgt, unshifted, cu = [], [], [], [], [0]
@@ -203,6 +215,13 @@ def pack_documents(
         unshifted.append(torch.cat([before, t[:-1], t.new_full((pad,), ignore_index)]))
         pos.append(torch.arange(n + pad, device=doc.device))
         cu.append(cu[-1] + n + pad)
+    extra = -cu[-1] % row_multiple  # the row's padding, at the end of its last document
+    if extra:
+        ids.append(ids[-1].new_full((extra,), pad_token_id))
+        tgt.append(tgt[-1].new_full((extra,), ignore_index))
+        unshifted.append(unshifted[-1].new_full((extra,), ignore_index))
+        pos.append(torch.arange(pos[-1].numel(), pos[-1].numel() + extra, device=pos[-1].device))
+        cu[-1] += extra
     return {
         "input_ids": torch.cat(ids)[None],
         "position_ids": torch.cat(pos)[None],

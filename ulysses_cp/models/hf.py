@@ -44,7 +44,7 @@ from .hf_attention import (
 from .hf_guard import ProbeResult, decoder_layers, probe
 from .hf_head import HeadTransform, LMHead, head_module
 from .hf_mixers import install_mixers
-from .memory import checkpointed, lm_loss, tile_mlps
+from .memory import LossPlan, checkpointed, lm_loss, tile_mlps
 
 # shard_batch's home is ulysses_cp.core.batch, register_attention's models/hf_attention.py;
 # they are named here too because the API has Hugging Face users import them from here
@@ -241,9 +241,11 @@ class HFCausalLM(nn.Module):
         *,
         batch: BatchPlan | None = None,
         tiled_loss: int | str = 0,
+        fused_loss: bool = False,
     ) -> torch.Tensor:
         """SP cross-entropy of shifted ``labels`` (tiled when ``tiled_loss`` is > 1 or
-        ``"auto"`` resolves to more than one tile)."""
+        ``"auto"`` resolves to more than one tile; ``fused_loss``: the head's and the
+        loss's gradients computed in the forward, :mod:`.fused_loss`)."""
         return lm_loss(
             self,
             self.head,
@@ -252,7 +254,7 @@ class HFCausalLM(nn.Module):
             labels,
             topo,
             batch=batch,
-            tiled_loss=tiled_loss,
+            plan=LossPlan(tiled_loss, fused_loss),
         )
 
 

@@ -199,10 +199,11 @@ class Registered:
         plan = None if whole else kw.get("ucp_batch")
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, h, s, d) -> (b, s, h, d)
 
-        def run(q, k, v, cu_seqlens=None, batch=None):
+        def run(q, k, v, cu_seqlens=None, batch=None, packing=None):
             return attention(
                 q, k, v, topo, causal=causal, layout=self.layout, softmax_scale=scaling,
-                backend=self.backend, cu_seqlens=cu_seqlens, batch=batch, **options,
+                backend=self.backend, cu_seqlens=cu_seqlens, batch=batch, packing=packing,
+                **options,
             )  # fmt: skip
 
         if kind == "chunked_attention":
@@ -271,10 +272,15 @@ def _chunked(q, k, v, topo: Topology, layout: str, plan, chunk: int, run) -> tor
     """Causal attention inside chunks of ``chunk`` tokens of every document: the chunks are
     the documents of this call. A batch of b unpacked rows is one packed row of b
     documents (each rank's shards of the rows, concatenated, are its document-wise shard
-    of that row), so batches and packed rows take the same path."""
+    of that row), so batches and packed rows take the same path; there the attention runs
+    document-wise. A packed row sharded row-wise needs no move: its chunks are documents of
+    the same row-wise layout."""
     cu = None if plan is None else plan.cu_seqlens
     P = topo.sp_world_size
     b, s = q.shape[:2]
+    if cu is not None and plan.packing == "row":
+        inner = once((cu,), ("row chunks", chunk, str(q.device)), partial(_row_chunks, cu, chunk))
+        return run(q, k, v, cu_seqlens=inner, packing="row")
     m = sequence_multiple(P, layout)
     if chunk % m:
         raise ValueError(
@@ -290,7 +296,7 @@ def _chunked(q, k, v, topo: Topology, layout: str, plan, chunk: int, run) -> tor
             (cu,), ("chunks", *key), partial(_chunk_plan_of, cu, chunk, topo, key)
         )
     q, k, v = (t.reshape(1, b * s, *t.shape[2:]) for t in (q, k, v))  # rows -> documents
-    out = move.back(run(move(q), move(k), move(v), cu_seqlens=cu_inner))
+    out = move.back(run(move(q), move(k), move(v), cu_seqlens=cu_inner, packing="document"))
     return out.reshape(b, s, *out.shape[2:])
 
 
@@ -310,6 +316,12 @@ def _chunk_plan(bounds: list[int], chunk: int, topo: Topology, key: tuple):
         )  # fmt: skip
         _PLANS[full] = (move, torch.tensor(inner, dtype=torch.int32, device=key[6]))
     return _PLANS[full]
+
+
+def _row_chunks(cu: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The chunks of every document of a packed row, as its ``cu_seqlens``."""
+    inner = chunk_bounds([int(x) for x in cu.tolist()], chunk)
+    return torch.tensor(inner, dtype=torch.int32, device=cu.device)
 
 
 def _chunk_plan_of(cu: torch.Tensor, chunk: int, topo: Topology, key: tuple):

@@ -21,6 +21,7 @@ parameter gathers in step (the local length is the same on every rank).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,9 +32,11 @@ from torch.utils.checkpoint import checkpoint
 from ..core.batch import BatchPlan
 from ..core.tiles import TileSetting, check_tiles, resolve_tiles
 from ..core.topology import Topology
+from .fused_loss import fused_cross_entropy
 from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss_from_sums
 
 __all__ = [
+    "LossPlan",
     "TiledMLP",
     "checkpointed",
     "lm_loss",
@@ -152,6 +155,15 @@ def tiled_cross_entropy(
     return sequence_parallel_loss_from_sums(total, count, topo)
 
 
+@dataclass(frozen=True)
+class LossPlan:
+    """How the LM head and the loss run: in ``tiles`` pieces (an integer, or ``"auto"``
+    by bytes), and ``fused``: their gradients computed in the forward."""
+
+    tiles: TileSetting = 0
+    fused: bool = False
+
+
 def lm_loss(
     forward: Callable[..., torch.Tensor],
     head: torch.nn.Module,
@@ -161,14 +173,19 @@ def lm_loss(
     topo: Topology,
     *,
     batch: BatchPlan | None = None,
-    tiled_loss: TileSetting = 0,
+    plan: LossPlan = LossPlan(),
 ) -> torch.Tensor:
     """SP cross-entropy of a causal LM on this rank's shard. ``forward(input_ids,
     position_ids, batch, return_hidden=...)`` is the model (or its DeepSpeed engine);
-    ``batch``: the batch's plan (``ucp.shard_batch``); when ``tiled_loss`` resolves to more
+    ``batch``: the batch's plan (``ucp.shard_batch``); when ``plan.tiles`` resolves to more
     than one piece (an integer > 1, or ``"auto"`` by bytes: :func:`loss_tiles`) the model
-    returns hidden states and ``head`` + loss run tiled."""
-    chunks = loss_tiles(tiled_loss, head, input_ids)
+    returns hidden states and ``head`` + loss run tiled. ``plan.fused``: the head's and the
+    loss's gradients are computed in the forward, in the same pieces
+    (:func:`~ulysses_cp.models.fused_loss.fused_cross_entropy`), so nothing is recomputed."""
+    chunks = loss_tiles(plan.tiles, head, input_ids)
+    if plan.fused:
+        hidden = forward(input_ids, position_ids, batch, return_hidden=True)
+        return fused_cross_entropy(hidden, head, labels, topo, chunks=chunks)
     if chunks > 1:
         hidden = forward(input_ids, position_ids, batch, return_hidden=True)
         return tiled_cross_entropy(hidden, head, labels, topo, chunks=chunks)

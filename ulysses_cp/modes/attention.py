@@ -16,6 +16,7 @@ from torch.compiler import is_compiling as compiling
 from ..core.batch import BatchPlan
 from ..core.derived import once
 from ..core.options import KV_EXCHANGES
+from ..core.rows import RowDocs
 from ..core.sharding import layout_of
 from ..core.topology import Topology
 from ..core.varlen import Docs
@@ -58,6 +59,7 @@ def attention(
     kv_exchange: str | None = None,
     head_chunks: int | None = None,
     batch: BatchPlan | None = None,
+    packing: str | None = None,
 ) -> torch.Tensor:
     """Sequence-parallel attention equal to full attention on the gathered sequence.
 
@@ -66,8 +68,10 @@ def attention(
     returns ``(b, s_local, hq, d)`` in q's dtype, differentiable in q, k, v.
 
     ``cu_seqlens``: a packed row (batch 1): int32 global document boundaries, the same on
-    every rank; q/k/v sharded document-wise (``shard_sequence(..., cu_seqlens=cu)``).
-    Attention stays inside each document. ``batch``: the :class:`BatchPlan` that
+    every rank; q/k/v sharded in the run's packing (``shard_sequence(..., cu_seqlens=cu)``):
+    document-wise (``"document"``) or like an unpacked row (``"row"``); ``packing=``
+    overrides the run's for this call (for code that shards its own tokens, as Llama 4's
+    chunk relayout). Attention stays inside each document. ``batch``: the :class:`BatchPlan` that
     ``ucp.shard_batch`` made for this batch (what the models pass down): its documents
     are planned and the call checked across the ranks once per batch, not per layer.
 
@@ -89,7 +93,7 @@ def attention(
     The keywords build one :class:`~ulysses_cp.kernels.spec.AttentionSpec` and one
     :class:`~ulysses_cp.modes.checks.Choices`; :func:`attend` takes them from there."""
     layout = layout_of(topo, layout)  # the same verdict on every rank: before any collective
-    choice = Choices.of(topo, layout, backend, kv_exchange, head_chunks)
+    choice = Choices.of(topo, layout, backend, kv_exchange, head_chunks, packing)
     window = tuple(window) if isinstance(window, list) else window
     spec = AttentionSpec(causal, softmax_scale, softcap, window, sinks is not None)
     if batch is None:
@@ -132,8 +136,8 @@ def attend(
     call = KernelCall(spec, resolve_backend(choice.backend, q))
     perm, docs = None, None
     if cu is not None:  # once per batch, not per layer
-        plan = plan or _plan_of(cu, q, topo, choice.layout)
-        plan.check_call(q, topo, choice.layout)
+        plan = plan or _plan_of(cu, q, topo, choice.layout, choice.packing)
+        plan.check_call(q, topo, choice.layout, choice.packing)
         perm, docs = plan.documents(q.device)
     if sinks is not None and u > 1:  # the all-to-all gives this rank a contiguous head range
         sinks = sinks.unflatten(0, (u, -1))[topo.ulysses_rank]
@@ -151,12 +155,15 @@ def attend(
     )
 
 
-def _plan_of(cu: torch.Tensor, q: torch.Tensor, topo: Topology, layout: str) -> BatchPlan:
+def _plan_of(
+    cu: torch.Tensor, q: torch.Tensor, topo: Topology, layout: str, packing: str
+) -> BatchPlan:
     """The plan of a packed row given as ``cu_seqlens`` alone, once per ``cu`` tensor."""
     P = topo.sp_world_size
     shape = (q.shape[0], q.shape[1] * P)
-    key = ("plan", *shape, topo.ulysses_degree, topo.ring_degree, topo.sp_rank, layout)
-    return once((cu,), key, partial(BatchPlan.of, topo, layout, shape, cu, "cu_seqlens"))
+    key = ("plan", *shape, topo.ulysses_degree, topo.ring_degree, topo.sp_rank, layout, packing)
+    make = partial(BatchPlan.of, topo, layout, shape, cu, "cu_seqlens", packing)
+    return once((cu,), key, make)
 
 
 # ring attention run eagerly from a compiled layer (its graph breaks before and after)
@@ -164,7 +171,11 @@ _ring_outside_graph = torch.compiler.disable(ring_attention)
 
 
 def _inner(
-    topo: Topology, call: KernelCall, choice: Choices, docs: Docs | None, split: int = 0
+    topo: Topology,
+    call: KernelCall,
+    choice: Choices,
+    docs: Docs | RowDocs | None,
+    split: int = 0,
 ) -> Any:
     """What runs inside the all-to-all: the local kernel, or ring attention. ``split``: the
     head-sharded tokens per rank, for :mod:`.redo`: then the pair ``(fwd, bwd)`` of

@@ -20,7 +20,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..core.comm import collective, stats
 from ..core.derived import once
-from ..core.options import BACKENDS, KV_EXCHANGES, LAYOUTS, check_layout
+from ..core.options import BACKENDS, KV_EXCHANGES, LAYOUTS, PACKINGS, check_layout
 from ..core.topology import Topology
 from ..kernels.backends import Kernel
 from ..kernels.spec import AttentionSpec
@@ -47,9 +47,18 @@ class Choices:
     kv_exchange: str
     head_chunks: int
     redo_all_to_all: bool = False
+    packing: str = "document"
 
     @classmethod
-    def of(cls, topo: Topology, layout: str, backend=None, kv_exchange=None, head_chunks=None):
+    def of(
+        cls,
+        topo: Topology,
+        layout: str,
+        backend=None,
+        kv_exchange=None,
+        head_chunks=None,
+        packing=None,
+    ):
         """None takes the run's choice."""
         run = topo.options
         return cls(
@@ -58,6 +67,7 @@ class Choices:
             run.kv_exchange if kv_exchange is None else kv_exchange,
             run.head_chunks if head_chunks is None else head_chunks,
             run.redo_all_to_all,
+            run.packing if packing is None else packing,
         )
 
 
@@ -178,6 +188,7 @@ def signature(
         ("kv exchange", _code(choice.kv_exchange, list(KV_EXCHANGES))),
         ("head chunks", chunks if isinstance(chunks, int) else -2),
         ("redo all-to-all", int(choice.redo_all_to_all is True)),
+        ("packing", _code(choice.packing, list(PACKINGS))),
     ]
 
 

@@ -15,8 +15,9 @@ which then travel to each of them) for all tokens, in natural order;
 holding the tokens. Both are one all-to-all over the SP group (``PendingAllToAll``, byte
 counted) and differentiable; the backward of each is the other's all-to-all.
 
-Documents: a packed row (``cu``) is in natural order after :meth:`to_channels`, so the
-kernel runs once per document (:meth:`MixerExchange.documents`), each from a fresh state.
+Documents: a packed row (``cu``, sharded in the run's packing: document-wise or row-wise)
+is in natural order after :meth:`to_channels`, so the kernel runs once per document
+(:meth:`MixerExchange.documents`), each from a fresh state.
 """
 
 from __future__ import annotations
@@ -63,11 +64,10 @@ class MixerExchange:
         P, layout = topo.sp_world_size, topo.layout
         self.topo, self.P, self.s_l = topo, P, s_l
         s = s_l * P
-        if cu is None:
-            self.bounds = [0, s]
+        self.bounds = [0, s] if cu is None else [int(x) for x in cu.tolist()]
+        if cu is None or topo.options.packing == "row":  # sharded like an unpacked row
             held = [layout_indices(s, P, r, layout) for r in range(P)]
         else:
-            self.bounds = [int(x) for x in cu.tolist()]
             held = [doc_layout_indices(self.bounds, P, r, layout) for r in range(P)]
         order = torch.cat(held)  # global index of each token, ranks' shards in rank order
         self.natural = inverse_permutation(order)  # rank order -> natural order

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..core.comm import RingComm, collective, group_rank, group_size, stats
 from ..core.protocols import Group
+from ..core.rows import RowDocs
 from ..core.varlen import Docs
 from ..kernels.blocks import work
 from ..kernels.dispatch import KernelCall, attn_backward, attn_forward
@@ -49,8 +50,9 @@ __all__ = [
 @dataclass(frozen=True, eq=False)
 class Ring:
     """How a ring runs: its process ``group`` (None: one rank, block-sparse local
-    attention), the ``layout`` of the tokens over it, a packed row's ``docs`` in this ring's
-    document-wise layout (:class:`~ulysses_cp.core.varlen.Docs`, batch 1), how KV moves
+    attention), the ``layout`` of the tokens over it, a packed row's ``docs`` (batch 1) in
+    this ring's document-wise layout (:class:`~ulysses_cp.core.varlen.Docs`) or row-wise
+    (:class:`~ulysses_cp.core.rows.RowDocs`), how KV moves
     (``exchange``: ``"ring"`` point-to-point steps, or ``"allgather"``: one all-gather of KV
     and an all-to-all + sum of the dk/dv shares in the backward), the pieces per layout
     chunk under a window (``split``; None: :func:`~.schedule.window_split`'s choice) and
@@ -59,7 +61,7 @@ class Ring:
 
     group: Group
     layout: str
-    docs: Docs | None = None
+    docs: Docs | RowDocs | None = None
     exchange: str = "ring"
     split: int | None = None
     overlap: bool = True

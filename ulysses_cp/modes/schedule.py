@@ -7,8 +7,9 @@ visits at ``step``, s_l local tokens; zigzag: rank r holds chunks r and 2P-1-r o
 Causal, contiguous layout: blocks with ``src > r`` are skipped (the kv still moves);
 ``src == r`` uses the causal kernel. Zigzag: ``src < r``: all local q against the FIRST half
 of kv; ``src > r``: the SECOND half of local q against all kv; so every step but the first
-is half a block on every rank. Packed rows (``docs``): the same rule per document, so the
-halves are every document's halves.
+is half a block on every rank. Packed rows (``docs``), document-wise: the same rule per
+document, so the halves are every document's halves; row-wise: the documents' intersection
+of each pair of chunks (:class:`~ulysses_cp.core.rows.RowDocs`).
 
 Sliding windows: blocks go chunk pair by chunk pair (each layout chunk cut in ``split``
 pieces near the window's length, :func:`window_split`), each with its offset in global
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.rows import RowDocs
 from ..core.varlen import Docs
 from ..kernels.blocks import band_is_empty, window_band
 from ..kernels.spec import FULL_WINDOW
@@ -57,12 +59,14 @@ class Schedule:
     s_l: int
     causal: bool
     layout: str
-    docs: Docs | None = None
+    docs: Docs | RowDocs | None = None
     window: tuple[int, int] = FULL_WINDOW
     split: int = 1
 
     def blocks(self, step: int) -> tuple[list[Block], int]:
         """``([(q sel, kv sel, where)], blocks skipped)`` of one ring step."""
+        if isinstance(self.docs, RowDocs):
+            return self.docs.blocks(step, self.causal, self.window), 0
         if tuple(self.window) != FULL_WINDOW and self.docs is not None:
             return self._packed_window_blocks(step), 0
         if tuple(self.window) != FULL_WINDOW:
@@ -77,6 +81,7 @@ class Schedule:
         """The step's one block, or None when it is fully masked."""
         everything = slice(0, self.s_l)
         docs = self.docs
+        assert not isinstance(docs, RowDocs), "row-wise blocks are RowDocs.blocks"
         whole: dict[str, Any] = {} if docs is None else dict(cu_q=docs.cu, cu_k=docs.cu)
         if step == 0:
             return everything, everything, dict(causal=self.causal, **whole)
@@ -102,7 +107,7 @@ class Schedule:
         one kernel call over all documents whose offset is counted in chunks; the kernel
         skips the document groups out of reach."""
         P, rank, docs = self.P, self.rank, self.docs
-        assert docs is not None
+        assert isinstance(docs, Docs)
         src = (rank - step) % P
         mine: list[tuple[int, Any]]
         theirs: list[tuple[int, Any]]

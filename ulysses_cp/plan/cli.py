@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from ..config import ModelConfig, RunConfig
@@ -87,6 +87,12 @@ def plan(
     gas = int(raw.get("gradient_accumulation_steps", 1))
     knobs = ZeroKnobs.of(raw.get("zero_optimization") or {})
     budget = hw.gpu_mem_gb * GiB
+    shape = replace(shape, weights_file_bytes=_largest_weights_file(run_config.model))
+    host_budget = hw.host_mem_gb * GiB / hw.gpus_per_node  # a node's host memory, per rank
+
+    def _fill(p: dict) -> float:
+        """The GPU peak, or the host bytes scaled to the GPU budget when those fill more."""
+        return max(p["peak_bytes_per_rank"], p["host_bytes_per_rank"] * budget / host_budget)
 
     def at(r: Run, n: int) -> dict:
         return predict(shape, r, seq_len=n, batch=batch, micro_steps=gas, world=world, hw=hw,
@@ -99,8 +105,8 @@ def plan(
             * seq_step
             // _gcd(sequence_multiple(r.sp, r.layout), seq_step)
         )
-        peak = lambda n: at(r, n)["peak_bytes_per_rank"]  # noqa: E731
-        return {**_describe(r), "fits": pred["peak_bytes_per_rank"] <= budget,
+        peak = lambda n: _fill(at(r, n))  # noqa: E731
+        return {**_describe(r), "fits": _fill(pred) <= budget,
                 "max_seq_len": longest(peak, unit, budget), **pred}  # fmt: skip
 
     written = one(base)
@@ -126,6 +132,14 @@ def plan(
     }  # fmt: skip
 
 
+def _largest_weights_file(mc) -> int:
+    """Bytes of the largest safetensors file of ``model.hf_weights`` (0: none)."""
+    folder = getattr(mc, "hf_weights", None)
+    if not folder or not Path(folder).is_dir():
+        return 0
+    return max((f.stat().st_size for f in Path(folder).glob("*.safetensors")), default=0)
+
+
 def _gcd(a: int, b: int) -> int:
     while b:
         a, b = b, a % b
@@ -146,7 +160,8 @@ def _row(c: dict, unit: int) -> str:
         f"u{c['ulysses_degree']:<3}r{c['ring_degree']:<3} {c['layout']:<10} z{c['zero_stage']} "
         f"c{c['head_chunks']:<2} {mem:<8} {tiled:<9} {_gib(c['static_bytes_per_rank']):>8} "
         f"{_gib(c['activation_bytes_per_rank']):>8} {_gib(c['peak_bytes_per_rank']):>8} "
-        f"{c['intra_node_bytes'] / 1e9:>8.3g} {c['inter_node_bytes'] / 1e9:>8.3g} "
+        f"{_gib(c['host_bytes_per_rank']):>8} {c['intra_node_bytes'] / 1e9:>8.3g} "
+        f"{c['inter_node_bytes'] / 1e9:>8.3g} "
         f"{c['predicted_step_s']:>8.3g} {'yes' if c['fits'] else 'no':>4} {c['max_seq_len']:>9}"
     )
 
@@ -157,7 +172,7 @@ def table(result: dict, top: int = 10) -> str:
     unit, name = (GiB, "GiB") if result["config"]["peak_bytes_per_rank"] >= GiB else (2**20, "MiB")
     head = (
         f"{'split':<9} {'layout':<10} {'zero':<4} {'chk':<3} {'act mem':<8} {'tiles m/l':<9} "
-        f"{'static':>8} {'activ.':>8} {'peak':>8} {'intra GB':>8} {'inter GB':>8} "
+        f"{'static':>8} {'activ.':>8} {'peak':>8} {'host':>8} {'intra GB':>8} {'inter GB':>8} "
         f"{'step s':>8} {'fits':>4} {'max seq':>9}"
     )
     fit, seen = [], set()
@@ -170,7 +185,8 @@ def table(result: dict, top: int = 10) -> str:
         f"PREDICTED, not measured. plan: {i['deepspeed_config']}  world {i['world']} "
         f"({hw['gpus_per_node']} per node), "
         f"seq_len {i['seq_len']}, {i['model_params'] / 1e9:.3g}B params, "
-        f"{hw['gpu_mem_gb']:g} GiB per GPU; memory in {name} per rank, GB per step per rank",
+        f"{hw['gpu_mem_gb']:g} GiB per GPU, {hw['host_mem_gb']:g} GiB host per node; "
+        f"memory in {name} per rank, GB per step per rank",
         head,
         "as written:",
         _row(result["config"], unit),
@@ -178,7 +194,9 @@ def table(result: dict, top: int = 10) -> str:
         *[_row(c, unit) for c in fit[:top]],
     ]
     if result["chosen"] is None:
-        lines.append("nothing fits: more GPUs, a shorter --seq-len or more --gpu-mem-gb")
+        lines.append(
+            "nothing fits: more GPUs, a shorter --seq-len, more --gpu-mem-gb or --host-mem-gb"
+        )
     if result.get("config_at_max_seq_len"):
         lines += breakdown(result["config_at_max_seq_len"])
     lines.append(
@@ -192,7 +210,7 @@ def breakdown(p: dict) -> list[str]:
     """What the predicted peak of the config as written holds at its longest sequence."""
     g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
     st, act, tp = p["static_parts"], p["activation_parts"], p["activation_parts"]["transient_parts"]
-    t = p["tokens_per_rank"]
+    t, host = p["tokens_per_rank"], p["host_parts"]
     return [
         f"predicted peak of the config as written at its longest sequence, {p['seq_len']} "
         f"tokens (tiles mlp/loss {p['tiles']['mlp']}/{p['tiles']['loss']}): "
@@ -204,6 +222,9 @@ def breakdown(p: dict) -> list[str]:
         + ", ".join(f"{k} {g(v)}" for k, v in tp.items()),
         f"  ({t} tokens per rank: {act['total'] / max(t, 1) / 1024:.1f} KiB of activation "
         "per token)",
+        f"  host memory per rank {g(p['host_bytes_per_rank'])} GiB: the larger of loading "
+        f"{g(host['load'])} and training {g(host['training'])} (offloaded optimizer "
+        f"{g(host['optimizer'])}, offloaded activations {g(host['activations'])})",
     ]
 
 
@@ -216,6 +237,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world", type=int, required=True, help="total ranks (GPUs)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: min(world, 8)")
     p.add_argument("--gpu-mem-gb", type=float, default=hw.gpu_mem_gb, help="GiB per GPU")
+    p.add_argument(
+        "--host-mem-gb",
+        type=float,
+        default=hw.host_mem_gb,
+        help="GiB of host memory per node (offloaded optimizer and activations)",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="default: the config's data.seq_len")
     p.add_argument("--seq-step", type=int, default=1024, help="search step of max_seq_len")
     p.add_argument("--peak-tflops", type=float, default=hw.peak_tflops)

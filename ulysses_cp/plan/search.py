@@ -23,6 +23,7 @@ from ..core.sharding import sequence_multiple
 from ..core.topology import validate_degrees
 from ..modes.ulysses import head_chunk_choices, kv_replication, resolve_head_chunks
 from .comm import attention_bytes, split_nodes, zero_bytes
+from .host import host_bytes
 from .memory import activation_bytes, static_bytes, tile_counts
 from .shapes import ModelShape
 
@@ -37,6 +38,7 @@ class Hardware:
     InfiniBand per GPU)."""
 
     gpu_mem_gb: float = 80.0  # GiB per GPU the run may use
+    host_mem_gb: float = 2048.0  # GiB of host memory per node (a DGX H100 has 2 TiB)
     gpus_per_node: int = 8
     peak_tflops: float = 989.0  # dense bf16 per GPU
     mfu: float = 0.45  # the fraction of peak the matmuls reach
@@ -153,6 +155,11 @@ def predict(
     )
     if run.offload_optimizer:
         host += 2 * -(-sh.params // world) * sh.dtype_bytes
+    host_mem = host_bytes(
+        sh, zero_stage=run.zero_stage, world=world, tokens=t,
+        offload_optimizer=run.offload_optimizer,
+        partitioned_load=run.zero_stage == 3 and sh.family == "hf",
+    )  # fmt: skip
     flops = _flops(sh, run, seq_len, batch) * micro_steps
     step_s = (
         flops / (hw.peak_tflops * 1e12 * hw.mfu)
@@ -165,6 +172,8 @@ def predict(
         "peak_bytes_per_rank": s_bytes + a_bytes,
         "static_bytes_per_rank": s_bytes,
         "activation_bytes_per_rank": a_bytes,
+        "host_bytes_per_rank": host_mem["peak"],
+        "host_parts": host_mem,
         "comm_bytes_per_step_per_rank": attn["total"] + sum(v["wire"] for v in zero.values()),
         "attention_comm_bytes_per_step": attn["total"],
         "zero_comm_bytes_per_step": {k: v["wire"] for k, v in zero.items()},

@@ -61,6 +61,7 @@ class ModelShape:
     param_numels: tuple[int, ...] = ()  # every parameter tensor's size (ZeRO-3 persistence)
     attention_layers: int | None = None  # layers with attention (None: every layer)
     mixers: tuple[MixerShape, ...] = ()  # hybrid models' token-mixer layers
+    weights_file_bytes: int = 0  # the largest file of model.hf_weights (0: none)
 
     def persistent(self, threshold: float) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (tensors of at most ``threshold``

@@ -87,11 +87,13 @@ def validate(run: RunConfig) -> None:
             "model.compile is not supported with data.packing (packed rows' document plans "
             "are not traced); set one of them to false"
         )
-    if dc.packing and dc.pack_multiple % m:
+    if dc.packing and sp.packing == "document" and dc.pack_multiple % m:
         raise ValueError(
             f"data.pack_multiple {dc.pack_multiple} must be a multiple of {m}: every packed "
             f"document is split over u{sp.ulysses_degree} x r{sp.ring_degree} ranks in the "
-            f"{sp.layout!r} layout"
+            f'{sp.layout!r} layout (sequence_parallel.packing "document"); or set '
+            f'sequence_parallel.packing to "row", which splits only the row, and '
+            f"data.pack_multiple to 1 (no padding per document)"
         )
 
 

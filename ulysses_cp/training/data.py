@@ -16,7 +16,8 @@ field of each line), concatenated; vocabulary 256.
 
 ``packing``: each row is several documents packed back to back (kv_recall: instances of
 random length in ``[min_doc_len, max_doc_len]``; text: consecutive files/records, the last
-one cut to fit), each padded at its end to a multiple of ``pack_multiple``, with position
+one cut to fit), each padded at its end to a multiple of ``pack_multiple`` (1 under the
+row-wise packing, ``sequence_parallel.packing: "row"``: no padding at all), with position
 ids restarting per document, no target across a border, and ``cu_seqlens``
 (``core.varlen.pack_row``). The rows of a micro batch are joined into one packed row
 (attention over packed rows takes batch 1). ``ucp.shard_batch`` takes a micro batch to

@@ -113,6 +113,7 @@ def run_options(run: RunConfig) -> RunOptions:
         kv_exchange=sp.kv_exchange,
         head_chunks=sp.head_chunks,
         redo_all_to_all=sp.redo_all_to_all,
+        packing=sp.packing,
     )
 
 

@@ -26,7 +26,7 @@ from ..core.comm import stats as comm_stats
 from ..core.log import get_logger
 from ..core.protocols import Engine
 from ..core.topology import Topology
-from ..models.memory import lm_loss
+from ..models.memory import LossPlan, lm_loss
 from . import checkpoint
 from .data import global_batch
 from .evaluate import Evaluator
@@ -128,8 +128,9 @@ def peak_memory_mb() -> float:
 
 
 class Trainer:
-    """One run's loop. ``tc``: a ``TrainingConfig``; ``tiled_loss``: the LM head and loss in
-    this many pieces (> 1; ``"auto"``: sized by bytes, ``core.tiles``); ``evaluator``: the
+    """One run's loop. ``tc``: a ``TrainingConfig``; ``loss_plan``: the LM head and loss in
+    ``tiles`` pieces (> 1; ``"auto"``: sized by bytes, ``core.tiles``), ``fused``: their
+    gradients computed in the forward (``models.memory.LossPlan``); ``evaluator``: the
     held-out loss after the steps it chooses
     (``evaluate.Evaluator``, given the trainer's loss). ``tracker`` (metrics.jsonl, wandb)
     is set once the run knows its first step (after a resume), and ``zero_bytes_per_step``
@@ -148,12 +149,12 @@ class Trainer:
         *,
         tc: TrainingConfig,
         out: Path,
-        tiled_loss: int | str = 0,
+        loss_plan: LossPlan | None = None,
         hooks: Hooks | None = None,
         evaluator: Evaluator | None = None,
     ) -> None:
         self.engine, self.topo, self.dataset, self.tc = engine, topo, dataset, tc
-        self.out, self.tiled_loss = out, tiled_loss
+        self.out, self.loss_plan = out, loss_plan or LossPlan()
         self.hooks, self.evaluator = hooks or Hooks(), evaluator
         self.signals = SignalFlag(tc.save_on_signal)
         self.device = engine.device  # inputs and the loss accumulator live with the model
@@ -184,7 +185,7 @@ class Trainer:
             local["shift_labels"],
             self.topo,
             batch=local.get("batch"),
-            tiled_loss=self.tiled_loss,
+            plan=self.loss_plan,
         )
 
     def ignored_loss(self, local: dict[str, Any]) -> torch.Tensor:
@@ -232,7 +233,12 @@ class Trainer:
             if n % self.tc.log_interval == 0 or n == self.tc.max_steps:
                 self._log(state, acc)
             if self.evaluator is not None and self.evaluator.due(n, self.tc.max_steps):
-                state.evals.append({"step": n, **self.evaluate(n)})
+                # the evaluation's traffic and time stay out of the next log line's
+                # bytes per step and tokens/s (they are the training steps')
+                began = time.perf_counter()
+                with comm_stats.set_aside():
+                    state.evals.append({"step": n, **self.evaluate(n)})
+                state.started += time.perf_counter() - began
             self.hooks.after_step(self, state)
             if self.signals.agreed(self.device):
                 self.save(n)

@@ -1,0 +1,383 @@
+"""ulysses_cp against DeepSpeed's ALST (``deepspeed.runtime.sequence_parallel.ulysses_sp``)
+on a Hugging Face Llama, side by side in one run, as a user of each would run it.
+
+Model: Llama, hidden 256, 4 layers, 8 heads, 2 kv heads, MLP 1024, vocabulary 32000,
+float32, random weights (seed 0), the same weights for every variant. P ranks (default 4)
+of Ulysses on this machine's CPU (gloo). Variants:
+
+- ``alst``: ``UlyssesSPAttentionHF.register_with_transformers`` over ``sdpa``, contiguous
+  shards of the full-sequence ``shift_labels``, the tutorial's loss (per-rank mean, then a
+  differentiable all-gather and the token-weighted mean).
+- ``alst_mem``: plus ALST's memory features as its tutorial and ArcticTraining use them:
+  ``TiledMLP`` on every MLP (``ceil(s_local / hidden)`` shards), the model's activation
+  checkpointing (``gradient_checkpointing_enable``, non-reentrant), and the LM head + loss
+  through ``sequence_tiled_compute`` (recomputed in backward: ALST's exact loss).
+- ``alst_fused``: ``alst_mem`` with ``TiledFusedLogitsLoss`` (loss gradients in the forward).
+- ``ours``: ``HFCausalLM`` with ulysses_cp attention and ``sequence_parallel_cross_entropy``.
+- ``ours_mem``: ``tiled_mlp`` and ``tiled_loss`` with the SAME tile counts as ALST's, layer
+  activation checkpointing, and ``fused_loss`` (``ulysses_cp/models/fused_loss.py``).
+- ``ours_tiled``: ``ours_mem`` without ``fused_loss`` (the tiled loss, recomputed).
+
+Loss tiles: ALST sizes them at 1 GiB of fp32 logits per tile, which at this model's size
+is one tile (the full logits) at every length measured; both sides here use
+``--loss-tile-mb`` (default 8 MiB) instead, the same rule for both.
+
+Measured: correctness at ``--check-len`` (loss and every gradient against one process:
+the same model with ``sdpa`` on the full sequence, float32; ours: the gradients summed
+over the ranks, DeepSpeed's reduction; ALST: summed and divided by P, the average that
+its ZeRO-3 reduction takes, since its loss gives each rank P times its share); the step
+time (forward, loss, backward; median of interleaved repeats, the slowest rank); the
+per-rank peak (``scripts/profiling.py``, ``scratch=False``: every tensor the step
+creates, gradients included, weights not), the activation slope (peak growth per 1K
+tokens between two lengths) and the longest length whose per-rank peak stays within
+``--budget-mb`` (``longest_fitting``: multiples of 2P*64).
+
+    python scripts/benchmark_hf.py --quick     # ~2 min on 2 cores
+    python scripts/benchmark_hf.py             # the docs/benchmarks.md table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchlib import barrier, gather_floats, max_over_ranks, run_ranks, sync
+from profiling import longest_fitting, peak_memory
+
+import ulysses_cp as ucp
+
+CONFIG = dict(
+    model_type="llama", vocab_size=32000, hidden_size=256, intermediate_size=1024,
+    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+    max_position_embeddings=1 << 18, tie_word_embeddings=False, attention_dropout=0.0,
+)  # fmt: skip
+VARIANTS = ("alst", "alst_mem", "alst_fused", "ours", "ours_mem", "ours_tiled")
+MEMORY = ("alst_mem", "ours_mem")  # the variants whose longest length is searched
+
+
+def tiles(s_local: int, args) -> tuple[int, int]:
+    """(MLP tiles, loss tiles) at ``s_local`` tokens per rank, for both sides: ALST's MLP
+    rule (``ceil(s_local / hidden)``) and ``--loss-tile-mb`` of fp32 logits per tile."""
+    mlp = math.ceil(s_local / CONFIG["hidden_size"])
+    loss = math.ceil(s_local * CONFIG["vocab_size"] * 4 / (args.loss_tile_mb * 2**20))
+    return max(1, mlp), max(1, loss)
+
+
+def batch_of(N: int, device) -> dict:
+    g = torch.Generator().manual_seed(N)
+    ids = torch.randint(CONFIG["vocab_size"], (1, N), generator=g)
+    return {"input_ids": ids.to(device), "labels": ids.to(device)}
+
+
+# ---------------------------------------------------------------- ALST, as its tutorial
+
+
+def alst_tiled_mlp_forward(self, x):
+    """ALST's ``TiledMLP`` docstring recipe for ``LlamaMLP.forward`` (per instance)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    shards = torch.tensor(math.ceil(x.shape[1] / x.shape[2]), device=x.device)
+    torch.distributed.all_reduce(shards, op=torch.distributed.ReduceOp.MAX)
+    params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+
+    def mlp_forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    return TiledMLP.apply(mlp_forward, self, x, int(shards.item()), params)
+
+
+class Alst:
+    """One ALST variant: the model and its loss, as ALST's tutorial writes them."""
+
+    def __init__(self, name, state, mpu, args, device):
+        import transformers
+
+        self.name, self.args, self.mpu = name, args, mpu
+        cfg = transformers.AutoConfig.for_model(**CONFIG)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        model.load_state_dict(state)
+        if name != "alst":
+            for layer in model.model.layers:
+                layer.mlp.forward = types.MethodType(alst_tiled_mlp_forward, layer.mlp)
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        self.model = model.to(device).train()
+        self.group = mpu.get_sequence_parallel_group()
+        self.P, self.rank = mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank()
+
+    def loss(self, full: dict) -> torch.Tensor:
+        N = full["input_ids"].shape[1]
+        s = N // self.P
+        part = slice(self.rank * s, (self.rank + 1) * s)
+        shift = F.pad(full["labels"], (0, 1), value=-100)[:, 1:]  # shifted on the full row
+        ids, labels = full["input_ids"][:, part], shift[:, part]
+        pos = torch.arange(N, device=ids.device)[None, part]
+        model = self.model
+        if self.name == "alst":
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
+            loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        else:
+            hidden = model.model(input_ids=ids, position_ids=pos, use_cache=False)[0]
+            loss_sum = self.tiled_loss(hidden, labels)
+        good = (labels != -100).sum()
+        loss = loss_sum / good.clamp(min=1)
+        # the tutorial: every rank's loss and token count, then the weighted mean
+        losses = torch.distributed.nn.functional.all_gather(loss, group=self.group)
+        goods = [torch.zeros_like(good) for _ in range(self.P)]
+        torch.distributed.all_gather(goods, good, group=self.group)
+        total = sum(losses[r] * goods[r] for r in range(self.P))
+        return total / sum(goods)
+
+    def tiled_loss(self, hidden, labels):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import (
+            TiledFusedLogitsLoss,
+            sequence_tiled_compute,
+        )
+
+        lm_head = self.model.lm_head
+        shards = tiles(hidden.shape[1], self.args)[1]
+
+        def loss_fn(self, x, y):
+            logits = self.lm_head(x).float()
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                   reduction="sum")  # fmt: skip
+
+        if self.name == "alst_fused":
+            return TiledFusedLogitsLoss.apply(
+                loss_fn, self.model, hidden, labels, None, shards, [lm_head.weight], "sum"
+            )
+        return sequence_tiled_compute(
+            loss_fn, hidden.shape[1], shards, {"x": hidden, "y": labels},
+            {"self": self.model}, "x", [lm_head.weight], 0, "sum",
+        )  # fmt: skip
+
+    def grads(self) -> dict:
+        """Each parameter's gradient as ALST's ZeRO-3 reduction leaves it (sum / P)."""
+        return _reduced(self.model, self.group, 1 / self.P)
+
+
+# ---------------------------------------------------------------- ulysses_cp
+
+
+class Ours:
+    def __init__(self, name, state, topo, args, device):
+        from ulysses_cp.config import HFModelConfig
+        from ulysses_cp.models import hf
+
+        self.name, self.topo, self.args = name, topo, args
+        mem = name != "ours"
+        hf.register_attention(topo, backend="torch")
+        model = hf.from_config(hf.load_config(dict(CONFIG)))
+        model.load_state_dict(state)
+        mc = HFModelConfig(hf_config=dict(CONFIG), tiled_mlp=2 if mem else 0,
+                           activation_checkpointing=mem)  # fmt: skip
+        self.model = hf.wrap(model, topo, mc).to(device).train()
+        self.model.probe()
+        self.mem, self.fused = mem, name == "ours_mem"
+
+    def loss(self, full: dict) -> torch.Tensor:
+        from ulysses_cp.models.memory import TiledMLP
+
+        local = ucp.shard_batch(full, self.topo)
+        n_mlp, n_loss = tiles(local["input_ids"].shape[1], self.args)
+        for m in self.model.modules():
+            if isinstance(m, TiledMLP):
+                m.chunks = n_mlp  # ALST's count at this length
+        return self.model.loss(
+            local["input_ids"], local["position_ids"], local["shift_labels"], self.topo,
+            batch=local["batch"], tiled_loss=n_loss if self.mem else 0, fused_loss=self.fused,
+        )  # fmt: skip
+
+    def grads(self) -> dict:
+        return _reduced(self.model.model, self.topo.sp_group, 1.0)
+
+
+def _reduced(model, group, factor: float) -> dict:
+    out = {}
+    for name, p in model.named_parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        torch.distributed.all_reduce(g, group=group)
+        name = name.removeprefix("model.model.").removeprefix("model.")
+        out[name.replace(".mlp.mlp.", ".mlp.")] = g * factor  # our TiledMLP's inner MLP
+    return out
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def reference(state, N: int, device):
+    """Loss and gradients of the same model on the whole sequence in one process."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**CONFIG), attn_implementation="sdpa"
+    )
+    model.load_state_dict(state)
+    model.to(device)
+    full = batch_of(N, device)
+    logits = model(input_ids=full["input_ids"], use_cache=False).logits.float()
+    loss = F.cross_entropy(logits[0, :-1], full["input_ids"][0, 1:])
+    loss.backward()
+    grads = {n.removeprefix("model."): p.grad for n, p in model.named_parameters()}
+    return loss.item(), grads
+
+
+def check(variant, ref_loss, ref_grads, N, device) -> dict:
+    variant.model.zero_grad(set_to_none=True)
+    loss = variant.loss(batch_of(N, device))
+    loss.backward()
+    grads = variant.grads()
+    variant.model.zero_grad(set_to_none=True)
+    errs = {
+        name: ((grads[name] - g).abs().max() / g.abs().max().clamp(min=1e-30)).item()
+        for name, g in ref_grads.items()
+    }
+    head, ref_head = grads["lm_head.weight"], ref_grads["lm_head.weight"]
+    return {
+        "loss_rel_err": abs(loss.item() - ref_loss) / abs(ref_loss),
+        "grad_rel_err": max(errs.values()),
+        "lm_head_rel_err": errs["lm_head.weight"],
+        "lm_head_ratio": (head.norm() / ref_head.norm()).item(),
+    }
+
+
+def step_fn(variant, N: int, device):
+    full = batch_of(N, device)
+
+    def step():
+        variant.loss(full).backward()
+        variant.model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def peak_at(variant, N: int, device) -> float:
+    return max_over_ranks(peak_memory(step_fn(variant, N, device), device, scratch=False), device)
+
+
+def worker(rank, world, args, device):
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    ucp.init_distributed()  # DeepSpeed imported quietly on CPU; torch.distributed is up
+    deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl")
+    torch.manual_seed(0)
+    import transformers
+
+    seed_model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**CONFIG)
+    )
+    state = seed_model.state_dict()
+    ref_loss, ref_grads = reference(state, args.check_len, device)  # before ALST's patch
+    topo = ucp.init_topology(world, 1, backend="torch")
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=seed_model, core_attn_implementation="sdpa",
+        sequence_parallel_size=world, micro_batch_size=1, seq_length_is_variable=True,
+    )  # fmt: skip
+    del seed_model
+    variants = {}
+    for name in args.variants:
+        cls = Alst if name.startswith("alst") else Ours
+        variants[name] = cls(name, state, mpu if cls is Alst else topo, args, device)
+    rows = {name: {"variant": name} for name in variants}
+    for name, v in variants.items():
+        rows[name].update(check(v, ref_loss, ref_grads, args.check_len, device))
+        if rank == 0:
+            r = rows[name]
+            print(f"{name:<11} loss err {r['loss_rel_err']:.1e} grad err {r['grad_rel_err']:.1e} "
+                  f"lm_head x {r['lm_head_ratio']:.3f}", flush=True)  # fmt: skip
+    N = args.time_len
+    steps = {name: step_fn(v, N, device) for name, v in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for rep in range(args.repeats + 1):
+        for name, step in steps.items():
+            barrier(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            dt = max_over_ranks(time.perf_counter() - t0, device)
+            if rep:
+                times[name].append(dt)
+    unit = 2 * world * 64
+    for name, v in variants.items():
+        row = rows[name]
+        row["time_len"], row["step_s"] = N, statistics.median(times[name])
+        a, b = args.slope_lens
+        pa, pb = peak_at(v, a, device), peak_at(v, b, device)
+        row["peak_mib_at"] = {str(a): pa / 2**20, str(b): pb / 2**20}
+        row["peak_mib"] = pb / 2**20  # at the longer length
+        row["slope_mib_per_1k"] = (pb - pa) / (b - a) * 1024 / 2**20
+        if name in MEMORY or args.search_all:
+            row["max_len"] = longest_fitting(
+                lambda n, v=v: peak_at(v, n, device), unit, args.budget_mb * 2**20
+            )
+        if rank == 0:
+            print(f"{name:<11} done", flush=True)
+    gather_floats([0], device)  # every rank is done before rank 0 returns
+    return list(rows.values())
+
+
+def ratios(rows: list[dict]) -> None:
+    """Each ours row against its ALST counterpart (the exact one for the memory rows)."""
+    by = {r["variant"]: r for r in rows}
+    peer = {"ours": "alst", "ours_mem": "alst_mem", "ours_tiled": "alst_mem",
+            "alst_fused": "alst_mem"}  # fmt: skip
+    for r in rows:
+        p = by.get(peer.get(r["variant"], ""))
+        if p is None:
+            continue
+        r["peer"] = p["variant"]
+        r["time_x_peer"] = r["step_s"] / p["step_s"]
+        r["peak_x_peer"] = r["peak_mib"] / p["peak_mib"]
+        if "max_len" in r and p.get("max_len"):
+            r["max_len_x_peer"] = r["max_len"] / p["max_len"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, 15+ min here)")
+    p.add_argument("--world", type=int, default=4, help="ranks (Ulysses degree)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--check-len", type=int, default=1024, help="length of the correctness check")
+    p.add_argument("--time-len", type=int, default=8192, help="length of the timed steps")
+    p.add_argument("--slope-lens", type=int, nargs=2, default=[4096, 8192])
+    p.add_argument("--budget-mb", type=float, default=192.0, help="per-rank memory cap")
+    p.add_argument("--loss-tile-mb", type=float, default=8.0, help="fp32 logits per loss tile")
+    p.add_argument("--search-all", action="store_true", help="longest length of every variant")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="bench_results", help="folder for the JSON")
+    args = p.parse_args()
+    if args.quick:
+        args.check_len, args.time_len, args.slope_lens = 256, 512, [512, 1024]
+        args.budget_mb, args.repeats, args.loss_tile_mb = 96.0, 1, 4.0
+    rows = run_ranks(worker, args.world, args)
+    ratios(rows)
+    print(f"\nP = {args.world} (Ulysses), CPU; per-rank budget {args.budget_mb} MiB")
+    head = (f"{'variant':<11}{'loss err':>10}{'grad err':>10}{'lm_head x':>10}{'step s':>9}"
+            f"{'x peer':>8}{'peak MiB':>10}{'MiB/1K':>8}{'max N':>8}{'x peer':>8}")  # fmt: skip
+    print(head)
+    for r in rows:
+        peak = r["peak_mib"]
+        print(
+            f"{r['variant']:<11}{r['loss_rel_err']:>10.1e}{r['grad_rel_err']:>10.1e}"
+            f"{r['lm_head_ratio']:>10.3f}{r['step_s']:>9.3f}{r.get('time_x_peer', 1):>8.2f}"
+            f"{peak:>10.1f}{r['slope_mib_per_1k']:>8.2f}{r.get('max_len', '-'):>8}"
+            f"{r.get('max_len_x_peer', 1):>8.2f}"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "benchmark_hf.json").write_text(json.dumps({"args": vars(args), "rows": rows}))
+    print(f"json: {out / 'benchmark_hf.json'}")
+
+
+if __name__ == "__main__":
+    main()

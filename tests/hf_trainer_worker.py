@@ -1,0 +1,138 @@
+"""One Trainer / SFTTrainer run for tests/test_hf_trainer.py, started by torchrun (the
+sequence-parallel runs) or plain python (the one-process reference). Argument: a JSON
+file with the run's settings; writes ``<out>/result.json`` (training and eval losses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def rows(n: int, length: int, vocab: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (n, length), generator=g)
+    return [{"input_ids": r.tolist(), "labels": r.tolist()} for r in ids]
+
+
+def documents(n: int, vocab: int, seed: int, multiple: int) -> list[dict]:
+    """Tokenised documents of lengths that are multiples of ``multiple`` (a packed row's
+    documents split over the ranks without padding)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = multiple * int(torch.randint(1, 5, (1,), generator=g))
+        out.append({"input_ids": torch.randint(3, vocab, (length,), generator=g).tolist()})
+    return out
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    sp = spec.get("sp")  # {"ulysses_degree": u, "ring_degree": r} or None
+    if sp is not None:
+        import ulysses_cp as ucp
+
+        ucp.init_distributed()
+    import datasets
+    import transformers
+
+    ds_config = None
+    if spec.get("zero") is not None:
+        ds_config = {
+            # ZeRO-3: save_model gathers the partitions into one 16-bit state dict
+            "zero_optimization": {
+                "stage": spec["zero"],
+                "stage3_gather_16bit_weights_on_model_save": True,
+            },
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "gradient_clipping": "auto",
+            "zero_allow_untested_optimizer": True,
+        }
+        if sp is not None:
+            ds_config["sequence_parallel"] = {**sp, "attention_backend": "torch"}
+    common = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=spec["batch"],
+        per_device_eval_batch_size=spec["batch"],
+        gradient_accumulation_steps=spec["ga"],
+        max_steps=spec["steps"],
+        learning_rate=spec.get("lr", 0.5),
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=spec["eval_steps"],
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        use_cpu=True,
+        bf16=False,  # SFTConfig's default is True; these runs compare float32 losses
+        deepspeed=ds_config,
+        dataloader_drop_last=False,
+        disable_tqdm=True,
+    )
+    vocab = spec["vocab"]
+    if spec["trainer"] == "sft":
+        from trl import SFTConfig
+
+        args = SFTConfig(
+            **common,
+            packing=True,
+            max_length=spec["max_length"],
+            dataset_text_field="text",
+            completion_only_loss=False,
+        )
+        multiple = spec["multiple"]
+        train = datasets.Dataset.from_list(documents(spec["n_train"], vocab, 1, multiple))
+        evals = datasets.Dataset.from_list(documents(spec["n_eval"], vocab, 2, multiple))
+    else:
+        args = transformers.TrainingArguments(**common)
+        train = datasets.Dataset.from_list(rows(spec["n_train"], spec["length"], vocab, 1))
+        evals = datasets.Dataset.from_list(rows(spec["n_eval"], spec["length"], vocab, 2))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        spec["model"], dtype=torch.float32, attn_implementation="sdpa"
+    )
+    if spec.get("lora"):
+        import peft
+
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        model = peft.get_peft_model(model, lora)
+    from ulysses_cp.integrations.hf_trainer import (
+        SequenceParallelSFTTrainer,
+        SequenceParallelTrainer,
+    )
+
+    if spec["trainer"] == "sft":
+        tok = transformers.PreTrainedTokenizerFast.from_pretrained(spec["tokenizer"])
+        trainer = SequenceParallelSFTTrainer(
+            model=model, args=args, train_dataset=train, eval_dataset=evals,
+            processing_class=tok,
+        )  # fmt: skip
+    else:
+        trainer = SequenceParallelTrainer(
+            model=model, args=args, train_dataset=train, eval_dataset=evals,
+            data_collator=transformers.default_data_collator,
+        )  # fmt: skip
+    trainer.train()
+    history = trainer.state.log_history
+    result = {
+        "loss": [h["loss"] for h in history if "loss" in h],
+        "eval_loss": [h["eval_loss"] for h in history if "eval_loss" in h],
+        "sp": trainer.sequence_parallel is not None,
+    }
+    if spec.get("save"):
+        trainer.save_model(spec["save"])
+    if int(os.environ.get("RANK", "0")) == 0:
+        (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,138 @@
+"""SequenceParallelTrainer / SequenceParallelSFTTrainer against one-process runs of their
+parents (transformers' sdpa attention, the same global batch, float32, SGD so a wrong
+gradient scale shows): training and eval losses within 1e-5 relative; the saved folder is
+a plain Hugging Face model. Each case runs tests/hf_trainer_worker.py: torchrun for the
+sequence-parallel run, plain python for the reference, side by side."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import HF_TINY, finish, start, torchrun_cmd
+
+pytestmark = pytest.mark.launcher
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+WORKER = Path(__file__).with_name("hf_trainer_worker.py")
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+    """A tiny Llama, a tiny Qwen3 (saved, so every run starts from the same weights) and
+    a word-level tokenizer of their 96 tokens."""
+    import tokenizers
+    import transformers
+
+    root = tmp_path_factory.mktemp("hf_trainer_assets")
+    out = {}
+    for name, cfg in (
+        ("llama", transformers.LlamaConfig(**HF_TINY)),
+        ("qwen3", transformers.Qwen3Config(**HF_TINY, head_dim=8)),
+    ):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / name)
+        out[name] = str(root / name)
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, 96)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    ).save_pretrained(root / "tokenizer")
+    out["tokenizer"] = str(root / "tokenizer")
+    return out
+
+
+def spec(kind: str, model: str, assets: dict, out: Path, **extra) -> dict:
+    base = {"trainer": kind, "model": assets[model], "tokenizer": assets["tokenizer"],
+            "vocab": 96, "batch": 2, "ga": 2, "steps": 3, "eval_steps": 3, "lr": 2.0}  # fmt: skip
+    if kind == "sft":  # packed rows of documents whose lengths split over 4 ranks (zigzag)
+        base.update(n_train=40, n_eval=8, max_length=32, multiple=8)
+    else:
+        base.update(n_train=24, n_eval=4, length=32)
+    return {**base, "out": str(out), **extra}
+
+
+def side_by_side(tmp_path: Path, ref: dict, sp: dict, nproc: int) -> tuple[dict, dict]:
+    """The reference (one process) and the sequence-parallel run, at the same time."""
+    paths = []
+    for name, s in (("ref", ref), ("sp", sp)):
+        Path(s["out"]).mkdir(parents=True, exist_ok=True)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(s))
+        paths.append(path)
+    procs = [
+        start([sys.executable, str(WORKER), str(paths[0])]),
+        start(torchrun_cmd(WORKER, str(paths[1]), nproc=nproc), env={"DS_ACCELERATOR": "cpu"}),
+    ]
+    results = finish(procs, timeout=900)
+    for code, out in results:
+        assert code == 0, out[-6000:]
+    ref_result = json.loads((Path(ref["out"]) / "result.json").read_text())
+    sp_result = json.loads((Path(sp["out"]) / "result.json").read_text())
+    return ref_result, sp_result
+
+
+def assert_same_losses(ref: dict, sp: dict) -> None:
+    assert sp["sp"] and not ref["sp"]
+    assert len(sp["loss"]) == len(ref["loss"]) == 3 and len(sp["eval_loss"]) == 1
+    torch.testing.assert_close(
+        torch.tensor(sp["loss"]), torch.tensor(ref["loss"]), rtol=RTOL, atol=0
+    )
+    torch.testing.assert_close(
+        torch.tensor(sp["eval_loss"]), torch.tensor(ref["eval_loss"]), rtol=RTOL, atol=0
+    )
+    assert ref["loss"][0] != ref["loss"][-1]  # the steps changed the model
+
+
+def assert_plain_folders(ref_dir: Path, sp_dir: Path) -> None:
+    """The SP run's saved folder is a plain transformers model with the reference's logits."""
+    import transformers
+
+    text = (sp_dir / "config.json").read_text()
+    assert "ulysses" not in text, text
+    models = [
+        transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        for d in (ref_dir, sp_dir)
+    ]
+    assert models[1].config._attn_implementation != "ulysses_cp"
+    ids = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref_logits, sp_logits = (m(input_ids=ids).logits for m in models)
+    torch.testing.assert_close(sp_logits, ref_logits, rtol=1e-4, atol=1e-5)
+
+
+def test_trainer_u2_zero2_equals_one_process(assets, tmp_path):
+    """Trainer, tiny Llama, Ulysses 2, ZeRO-2, gradient accumulation 2: losses, eval loss
+    and the saved folder equal one process."""
+    ref = spec("trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"))
+    sp = spec("trainer", "llama", assets, tmp_path / "sp", zero=2, save=str(tmp_path / "sp_model"),
+              sp={"ulysses_degree": 2, "ring_degree": 1})  # fmt: skip
+    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=2))
+    assert_plain_folders(tmp_path / "ref_model", tmp_path / "sp_model")
+
+
+def test_sft_packed_u2_zero2_equals_one_process(assets, tmp_path):
+    """TRL SFTTrainer with packing=True (position ids restarting per document), tiny
+    Qwen3, Ulysses 2, ZeRO-2: losses and eval loss equal one process."""
+    ref = spec("sft", "qwen3", assets, tmp_path / "ref")
+    sp = spec("sft", "qwen3", assets, tmp_path / "sp", zero=2,
+              sp={"ulysses_degree": 2, "ring_degree": 1})  # fmt: skip
+    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=2))
+
+
+@pytest.mark.slow
+def test_trainer_u2_zero3_equals_one_process(assets, tmp_path):
+    """As the ZeRO-2 case, with ZeRO-3: the model is built partitioned (TrainingArguments
+    before from_pretrained), probed under ZeRO-3, and saved gathered."""
+    ref = spec("trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"))
+    sp = spec("trainer", "llama", assets, tmp_path / "sp", zero=3, save=str(tmp_path / "sp_model"),
+              sp={"ulysses_degree": 2, "ring_degree": 1})  # fmt: skip
+    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=2))
+    assert_plain_folders(tmp_path / "ref_model", tmp_path / "sp_model")

@@ -1,0 +1,63 @@
+"""The Trainer integration's input rules that need no process: where the block is read
+from, which masks and packed batches are accepted, and the loss's scaling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ulysses_cp.core.topology import init_topology
+from ulysses_cp.integrations.hf_trainer.run import (
+    _end_padding_only,
+    _packed_bounds,
+    sequence_parallel_block,
+    sequence_parallel_loss,
+)
+
+BLOCK = {"ulysses_degree": 2, "ring_degree": 1}
+
+
+def test_block_from_dict_path_or_none(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "sequence_parallel": BLOCK}))
+    assert sequence_parallel_block({"sequence_parallel": BLOCK}) == BLOCK
+    assert sequence_parallel_block(str(path)) == BLOCK
+    assert sequence_parallel_block({"zero_optimization": {"stage": 2}}) is None
+    assert sequence_parallel_block(None) is None
+    with pytest.raises(ValueError, match="must be an object"):
+        sequence_parallel_block({"sequence_parallel": 2})
+
+
+def test_right_padding_drops_targets_left_padding_is_refused():
+    labels = torch.arange(6).expand(2, 6).clone()
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    out = _end_padding_only(mask, labels)
+    assert out[0].tolist() == [0, 1, 2, 3, -100, -100] and out[1].tolist() == list(range(6))
+    with pytest.raises(ValueError, match="right"):
+        _end_padding_only(torch.tensor([[0, 1, 1, 1, 1, 1]]), labels[:1])
+
+
+def test_packed_rows_one_per_batch():
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    assert _packed_bounds(pos).tolist() == [0, 4, 8]
+    assert _packed_bounds(torch.arange(8)[None]) is None
+    with pytest.raises(ValueError, match="one row per batch"):
+        _packed_bounds(pos.expand(2, 8))
+
+
+@pytest.mark.parametrize("num_items", [None, 5.0])
+def test_loss_value_and_gradient_scale(num_items):
+    """One rank (no communication): the value is the Trainer's (sum / count, times the
+    replicas); the gradient is the value's times the run's grad_scale."""
+    topo = init_topology(1, 1, grad_scale=3.0)
+    logits = torch.randn(1, 4, 7, requires_grad=True)
+    labels = torch.tensor([[1, 2, -100, 3]])
+    loss = sequence_parallel_loss(logits, labels, topo, num_items_in_batch=num_items, value_scale=2)
+    ce = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
+    want = 2 * ce / (3 if num_items is None else num_items)
+    torch.testing.assert_close(loss, want)
+    (g,) = torch.autograd.grad(loss, logits)
+    (g_want,) = torch.autograd.grad(want, logits)
+    torch.testing.assert_close(g, 3 * g_want)

@@ -1,0 +1,166 @@
+"""What a ``Trainer`` subclass changes under sequence parallelism, as one mixin placed
+before the parent (``class SequenceParallelTrainer(SequenceParallelMixin, Trainer)``).
+
+Every override is the parent's own method when the DeepSpeed config has no
+``"sequence_parallel"`` block. With one:
+
+- ``__init__``: builds the topology (:class:`.run.SequenceParallelRun`) and switches the
+  model's attention to ``"ulysses_cp"``;
+- ``_get_dataloader``: the data-parallel replicas get distinct batches, the SP ranks of
+  one replica the same (Accelerate's batch sampler shards over the replicas, not over
+  every process);
+- ``compute_loss``: shards the batch (global positions, labels shifted on the full
+  sequence, packed rows document by document), runs the model on the shard and takes the
+  loss over the whole SP group with the Trainer's token count (``num_items_in_batch``);
+- ``_get_num_items_in_batch`` / ``get_total_train_batch_size``: count each replica once;
+- ``gather_function`` (evaluation): one copy per replica, so ``eval_loss`` is the
+  one-process value;
+- ``_save``: the saved ``config.json`` names the model's original attention, so the folder
+  is a plain Hugging Face model.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .run import SequenceParallelRun, sequence_parallel_block, sequence_parallel_loss
+
+__all__ = ["SequenceParallelMixin"]
+
+
+class SequenceParallelMixin:
+    """Sequence parallelism for a ``transformers.Trainer`` subclass (module docstring).
+    ``self.sequence_parallel`` is the run's :class:`.run.SequenceParallelRun`, or None
+    without the block."""
+
+    # the attributes of transformers.Trainer this mixin reads (for type checkers)
+    args: Any
+    model: Any
+    accelerator: Any
+    gather_function: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        block = sequence_parallel_block(getattr(self.args, "deepspeed", None))
+        self.sequence_parallel: SequenceParallelRun | None = None
+        if block is None:
+            return
+        self.sequence_parallel = SequenceParallelRun.from_block(block)
+        self.sequence_parallel.attach(self.model)
+        self.gather_function = self._gather_for_metrics
+
+    # ------------------------------------------------------------ data
+
+    def _get_dataloader(self, *args: Any, **kwargs: Any):
+        loader = super()._get_dataloader(*args, **kwargs)  # type: ignore[misc]
+        sp = self.sequence_parallel
+        if sp is None or sp.topo.world_size == 1:
+            return loader
+        sampler: Any = getattr(loader, "batch_sampler", None)
+        if not hasattr(sampler, "num_processes") or not hasattr(sampler, "process_index"):
+            raise ValueError(
+                f"sequence parallelism needs Accelerate's sharded batch sampler to give the "
+                f"sequence-parallel ranks the same batches; this data loader has "
+                f"{type(sampler).__name__} (an IterableDataset or dispatch_batches=True): "
+                f"use a map-style dataset"
+            )
+        # Accelerate shards the batches over all W processes; shard them over the replicas
+        sampler.num_processes = sp.topo.dp_degree
+        sampler.process_index = sp.topo.dp_rank
+        if sp.topo.dp_degree == 1 and hasattr(sampler, "even_batches"):
+            # one replica: the batches of a one-process run (no short last batch filled up)
+            sampler.even_batches = False
+        return loader
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        n = super()._get_num_items_in_batch(batch_samples, device)  # type: ignore[misc]
+        sp = self.sequence_parallel
+        if sp is None or n is None or not self.args.average_tokens_across_devices:
+            return n
+        if self.args.world_size > 1:  # gathered over every process: each replica P times
+            n = n / sp.topo.sp_world_size
+        return n
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        total = super().get_total_train_batch_size(args)  # type: ignore[misc]
+        sp = self.sequence_parallel
+        return total if sp is None else total // sp.topo.sp_world_size
+
+    # ------------------------------------------------------------ loss
+
+    def compute_loss(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ):
+        sp = self.sequence_parallel
+        if sp is None:
+            return super().compute_loss(  # type: ignore[misc]
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        sp.probe()
+        local = sp.shard(inputs)
+        outputs = model(**sp.forward_kwargs(local))
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        # the Trainer multiplies its loss by W when num_items_in_batch counts every process;
+        # here each replica's P ranks hold the same value, so by the dp replicas
+        averaged = (
+            num_items_in_batch is not None
+            and self.args.average_tokens_across_devices
+            and self.args.world_size > 1
+        )
+        loss = sequence_parallel_loss(
+            logits,
+            local["shift_labels"],
+            sp.topo,
+            num_items_in_batch=num_items_in_batch,
+            value_scale=sp.topo.dp_degree if averaged else 1,
+        )
+        if not return_outputs:
+            return loss
+        if not model.training and not self.args.prediction_loss_only:
+            outputs["logits"] = sp.full_logits(logits, local)
+        return loss, outputs
+
+    # ------------------------------------------------------------ evaluation
+
+    def _gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+        """``accelerator.gather_for_metrics`` over the replicas: the SP ranks of a replica
+        hold copies, which a gather over every process would count P times."""
+        from accelerate.utils import recursively_apply
+
+        sp = self.sequence_parallel
+        assert sp is not None
+        if use_gather_object:
+            raise ValueError("sequence parallelism gathers tensors only for metrics")
+        data = recursively_apply(sp.dp_gather, data)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:  # accelerate's padded last batch
+            return recursively_apply(lambda t: t[: state.remainder], data)
+        return data
+
+    # ------------------------------------------------------------ saving
+
+    @contextmanager
+    def _plain_attention(self):
+        """The model's config names its original attention while it is saved."""
+        sp = self.sequence_parallel
+        if sp is None or sp.wrapper is None:
+            yield
+            return
+        config = sp.wrapper.model.config
+        current = config._attn_implementation
+        config._attn_implementation = sp.original_attention
+        try:
+            yield
+        finally:
+            config._attn_implementation = current
+
+    def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+        with self._plain_attention():
+            super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]

@@ -1,0 +1,272 @@
+"""The sequence-parallel side of a Hugging Face ``Trainer`` run, kept apart from the
+``Trainer`` subclasses (:mod:`.mixin`): the ``"sequence_parallel"`` block read from
+``args.deepspeed``, the topology, the model's attention, each batch's shard and the loss.
+
+Legend: b batch, s full sequence, s_l = s / P this rank's tokens, V vocabulary,
+P = sp_world_size, W = world size = dp * P.
+
+Gradient reduction. The Trainer hands DeepSpeed no mpu, so DeepSpeed treats all W ranks as
+data parallel: every ZeRO stage averages gradients over W ranks (ZeRO-3 also partitions
+parameters over all of them). The right reduction is a sum over the P ranks of a sequence
+and a mean over the dp replicas, so the run's ``grad_scale`` is P: the SP loss multiplies
+its gradient (not its value) by P (:func:`sequence_parallel_loss`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ...config import SequenceParallelConfig
+from ...core.batch import shard_batch
+from ...core.sharding import gather_sequence, pad_batch, sequence_multiple
+from ...core.topology import Topology, init_topology, validate_degrees
+from ...core.varlen import cu_seqlens_from_position_ids
+from ...models.hf import HFCausalLM, register_attention
+from ...models.hf_attention import KEY
+from ...models.loss import local_loss_term, sequence_parallel_loss_from_sums
+
+__all__ = [
+    "IGNORED_KEYS",
+    "SequenceParallelRun",
+    "sequence_parallel_block",
+    "sequence_parallel_loss",
+]
+
+IGNORE = -100
+# batch keys the shard replaces: the attention mask (end padding only, checked), the
+# padding-free collators' document bounds (taken from position_ids instead)
+IGNORED_KEYS = frozenset(
+    {
+        "attention_mask",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "seq_lengths",
+        "seq_idx",
+        "token_type_ids",
+        "completion_mask",
+        "assistant_masks",
+        "use_cache",
+        "return_loss",
+    }
+)
+
+
+def sequence_parallel_block(deepspeed: Any) -> dict | None:
+    """The ``"sequence_parallel"`` block of ``args.deepspeed`` (a JSON path or a dict), or
+    None when there is none (or no DeepSpeed config at all)."""
+    if deepspeed is None or deepspeed is False:
+        return None
+    if isinstance(deepspeed, dict):
+        cfg = deepspeed
+    else:
+        path = Path(deepspeed)
+        if not path.is_file():
+            return None  # the Trainer reports a missing DeepSpeed config itself
+        cfg = json.loads(path.read_text())
+    block = cfg.get("sequence_parallel")
+    if block is None:
+        return None
+    if not isinstance(block, dict):
+        raise ValueError(
+            f"the DeepSpeed config's sequence_parallel must be an object, got {block!r}"
+        )
+    return block
+
+
+def sequence_parallel_loss(
+    logits_local: torch.Tensor,
+    labels_local: torch.Tensor,
+    topo: Topology,
+    *,
+    num_items_in_batch: torch.Tensor | float | None,
+    value_scale: float,
+) -> torch.Tensor:
+    """The Trainer's causal-LM loss of this rank's shard, summed over the SP group.
+
+    ``labels_local``: ``(b, s_l)``, shifted on the full sequence. With
+    ``num_items_in_batch`` (the Trainer's count over the accumulated batch and, when it
+    averages tokens across devices, every replica): ``sum CE / num_items_in_batch``;
+    without: the token mean of this batch. Value times ``value_scale`` (the dp replicas the
+    Trainer's own loss is multiplied by); gradient: this rank's share, times
+    ``value_scale * topo.grad_scale``."""
+    logits = logits_local if logits_local.dtype == torch.float64 else logits_local.float()
+    # (b, s_l, V) -> (b * s_l, V)
+    ce = F.cross_entropy(
+        logits.flatten(0, 1), labels_local.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+    if num_items_in_batch is None:
+        loss = sequence_parallel_loss_from_sums(ce, (labels_local != IGNORE).sum(), topo)
+    else:
+        n = torch.as_tensor(num_items_in_batch, dtype=ce.dtype, device=ce.device)
+        loss = local_loss_term(ce / n.clamp(min=1), topo)
+    return loss * value_scale if value_scale != 1 else loss
+
+
+@dataclass
+class SequenceParallelRun:
+    """One Trainer's sequence parallelism: the topology of the block and the model's
+    wrapper (:class:`~ulysses_cp.models.hf.HFCausalLM`: the guard, the probe, the extra
+    arguments of the attention calls)."""
+
+    topo: Topology
+    config: SequenceParallelConfig
+    original_attention: str | None = None
+    wrapper: HFCausalLM | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_block(cls, block: dict) -> SequenceParallelRun:
+        """Validate the block against the world and build the groups (collective)."""
+        config = SequenceParallelConfig.from_dict(block)
+        config.check()
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "the sequence_parallel block needs torch.distributed initialised: create the "
+                "TrainingArguments (with deepspeed=) under a launcher (deepspeed, torchrun, "
+                "accelerate launch) before the trainer"
+            )
+        world = dist.get_world_size()
+        validate_degrees(world, config.ulysses_degree, config.ring_degree)
+        sp = config.ulysses_degree * config.ring_degree
+        topo = init_topology(
+            config.ulysses_degree,
+            config.ring_degree,
+            timeout_s=config.collective_timeout_s,
+            layout=config.layout,
+            backend=config.attention_backend,
+            check_inputs=config.check_inputs,
+            grad_scale=float(sp),  # DeepSpeed averages over all W ranks (module docstring)
+            kv_exchange=config.kv_exchange,
+            head_chunks=config.head_chunks,
+            redo_all_to_all=config.redo_all_to_all,
+        )
+        return cls(topo=topo, config=config)
+
+    # ------------------------------------------------------------ the model
+
+    def attach(self, model: Any) -> None:
+        """Switch a transformers model (a PEFT model's base model included) to ulysses_cp
+        attention and wrap it; the guard and the probe run at :meth:`probe`."""
+        register_attention(self.topo)
+        base = _transformers_model(model)
+        self.original_attention = base.config._attn_implementation
+        base.set_attn_implementation(KEY)
+        self.wrapper = HFCausalLM(base, topo=self.topo)
+
+    def probe(self) -> None:
+        """The guard and the probe of :mod:`ulysses_cp.models.hf_guard`, once, collective
+        over the SP group: a model the Hugging Face path refuses is refused here too."""
+        assert self.wrapper is not None
+        if self.wrapper.needs_probe:
+            self.wrapper.probe()
+
+    # ------------------------------------------------------------ batches
+
+    def shard(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """This rank's ``input_ids``, global ``position_ids``, ``shift_labels`` and the
+        batch plan from the full batch every SP rank holds; ``full_length`` is the
+        length before end padding."""
+        unknown = sorted(k for k in inputs if k not in IGNORED_KEYS and k not in _USED_KEYS)
+        if unknown:
+            raise ValueError(
+                f"sequence parallelism shards input_ids, labels and position_ids; this batch "
+                f"also has {unknown}, which it cannot shard"
+            )
+        ids = inputs["input_ids"]
+        labels = inputs.get("shift_labels", inputs.get("labels"))
+        if labels is None:
+            raise ValueError("the batch has no labels: the sequence-parallel loss needs them")
+        key = "shift_labels" if "shift_labels" in inputs else "labels"
+        pos = inputs.get("position_ids")
+        mask = inputs.get("attention_mask")
+        if mask is not None:
+            labels = _end_padding_only(mask, labels)
+        batch = {"input_ids": ids, key: labels}
+        cu = _packed_bounds(pos)
+        if pos is not None:
+            batch["position_ids"] = pos
+        P = self.topo.sp_world_size
+        full_length = ids.shape[1]
+        if cu is not None:
+            batch["cu_seqlens"] = cu
+        else:
+            batch = pad_batch(batch, sequence_multiple(P, self.topo.layout))
+        local = shard_batch(batch, self.topo)
+        local["full_length"] = full_length
+        return local
+
+    def forward_kwargs(self, local: dict[str, Any]) -> dict[str, Any]:
+        """The model's keyword arguments for this rank's shard."""
+        assert self.wrapper is not None
+        extra = self.wrapper.extra_kwargs(local["position_ids"], local["batch"])
+        return {
+            "input_ids": local["input_ids"],
+            "position_ids": local["position_ids"],
+            "use_cache": False,
+            **extra,
+        }
+
+    def full_logits(self, logits_local: torch.Tensor, local: dict[str, Any]) -> torch.Tensor:
+        """The whole sequence's logits on every SP rank (for metrics), end padding cut."""
+        full = gather_sequence(logits_local, self.topo, dim=1, cu_seqlens=local.get("cu_seqlens"))
+        return full[:, : local["full_length"]]
+
+    def dp_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate a tensor over the data-parallel replicas (dim 0, in dp-rank order):
+        every SP rank of a replica holds the same value, so one copy per replica."""
+        group = self.topo.dp_group
+        if self.topo.dp_degree == 1 or group is None:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.topo.dp_degree)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts)
+
+
+_USED_KEYS = frozenset({"input_ids", "labels", "shift_labels", "position_ids"})
+
+
+def _transformers_model(model: Any) -> Any:
+    """The transformers model under a PEFT wrapper (itself otherwise)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _end_padding_only(mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """An attention mask that only cuts the end of rows (right padding) changes nothing a
+    causal model computes for the real tokens: the padded tokens lose their targets and the
+    mask goes. Any other mask is refused."""
+    m = mask.bool()
+    # a row is end-padded when its mask never turns back on: cummin keeps it equal
+    if not bool((m == m.int().cummin(dim=1).values.bool()).all()):
+        raise ValueError(
+            "sequence parallelism supports end (right) padding only: this batch's "
+            "attention_mask has masked tokens before real ones (left padding or holes); "
+            "pad on the right (tokenizer.padding_side='right') or pack the rows"
+        )
+    return labels.masked_fill(~m, IGNORE)
+
+
+def _packed_bounds(pos: torch.Tensor | None) -> torch.Tensor | None:
+    """``cu_seqlens`` of a packed row (position ids restart at 0 inside the row), else
+    None. Rows of a batch > 1 that restart are refused (pack them into one row)."""
+    if pos is None or pos.shape[1] < 2:
+        return None
+    restarts = (pos[:, 1:] == 0).any(dim=1)
+    if not bool(restarts.any()):
+        return None
+    if pos.shape[0] != 1:
+        raise ValueError(
+            f"packed rows (position_ids restarting at 0) must come one row per batch under "
+            f"sequence parallelism, got a batch of {pos.shape[0]} rows: use a padding-free "
+            f"collator (TRL's padding_free=True or packing) that flattens the batch"
+        )
+    return cu_seqlens_from_position_ids(pos)
