@@ -7,6 +7,8 @@ two CPU cores: one test per mode, both models in it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -119,7 +121,10 @@ def _compare(rank: int, u: int, r: int) -> dict:
                 assert cgrads[name].abs().sum() > 0, f"{which}: zero gradient for {name}"
             assert ca2a == a2a, (which, ca2a, a2a)
         found[which] = (len(grads), eager[0][2])
-    found["graph breaks"] = dict(counters["graph_break"])
+    # each break's reason names the function it skipped (addresses vary per process)
+    found["graph breaks"] = {
+        re.sub(r" at 0x[0-9a-f]+", "", reason): n for reason, n in counters["graph_break"].items()
+    }
     found["unique graphs"] = counters["stats"]["unique_graphs"]
     return found
 
@@ -147,6 +152,8 @@ def test_compiled_layers_ring(pools):
 @pytest.mark.slow
 def test_compiled_layers_hybrid(pools):
     found = _run(pools, 2, 2)
-    breaks = found["graph breaks"]
-    assert breaks and all("ring_attention" in reason for reason in breaks), breaks
+    breaks = found["graph breaks"]  # the hybrid attention as a whole, eager
+    assert breaks and all("ulysses_attention" in reason for reason in breaks), [
+        reason.splitlines()[:2] for reason in breaks
+    ]
     assert found["decoder"][1] > 0, found

@@ -150,7 +150,9 @@ def attend(
         )  # fmt: skip
     inner = _inner(topo, call, choice, docs)
     # ulysses: a2a around the local kernel; ring: no a2a (degree 1); hybrid: a2a around ring
-    return ulysses_attention(
+    # (compiled: the hybrid runs eagerly as a whole, see _hybrid_outside_graph)
+    run = _hybrid_outside_graph if u > 1 and r > 1 and compiling() else ulysses_attention
+    return run(
         q, k, v, group=topo.ulysses_group, inner=inner, order=order, sinks=sinks, head_chunks=chunks
     )
 
@@ -168,6 +170,9 @@ def _plan_of(
 
 # ring attention run eagerly from a compiled layer (its graph breaks before and after)
 _ring_outside_graph = torch.compiler.disable(ring_attention)
+# the hybrid's all-to-alls around a ring: eager as a whole, so that they keep their
+# overlap (dynamo cannot resume inside the head-chunk loop around the ring's break)
+_hybrid_outside_graph = torch.compiler.disable(ulysses_attention)
 
 
 def _inner(
