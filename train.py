@@ -25,15 +25,16 @@ import torch.distributed as dist
 import ulysses_cp as ucp
 from ulysses_cp.config import RunConfig
 from ulysses_cp.core.log import get_logger
+from ulysses_cp.core.metrics import topology_info
+from ulysses_cp.core.zero_comm import zero_wire_bytes
 from ulysses_cp.models.memory import LossPlan
 from ulysses_cp.plan.nodes import describe, gather_groups
 from ulysses_cp.training import checkpoint
 from ulysses_cp.training.build import build_model, check_output_dir, cpu_optimizer, validate
 from ulysses_cp.training.data import make_datasets
 from ulysses_cp.training.evaluate import Evaluator
-from ulysses_cp.training.tracking import Tracker
+from ulysses_cp.training.tracking import RUN_ID_KEY, Tracker
 from ulysses_cp.training.trainer import Hooks, Trainer, TrainingStopped
-from ulysses_cp.training.zero_comm import zero_wire_bytes
 
 log = get_logger("train")
 log_all = get_logger("train.ranks", all_ranks=True)
@@ -104,8 +105,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     optimizer, ds_run = cpu_optimizer(run, model)
     engine = ucp.initialize(model=model, config=ds_run, topo=topo, optimizer=optimizer)
-    info = {"world_size": topo.world_size, "dp": topo.dp_degree, "ulysses": topo.ulysses_degree,
-            "ring": topo.ring_degree, "mode": topo.mode, "layout": topo.layout}  # fmt: skip
+    info = topology_info(topo)
     evaluator = None
     if held_out is not None:
         micro = engine.train_micro_batch_size_per_gpu()
@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         element_bytes=next(engine.module.parameters()).element_size(),
         micro_steps=engine.gradient_accumulation_steps(),
     )  # fmt: skip
-    start = 0
+    start, run_id = 0, None
     if resuming:
+        run_id = checkpoint.latest_meta(out).get(RUN_ID_KEY)  # continue its wandb run
         tag = checkpoint.latest_tag(out)
         start = checkpoint.load(engine, out, zero_loss=trainer.zero_loss) or 0
         log.info(f"resumed from {out / str(tag)} at step {start}")
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         log.info(f"--resume auto: no checkpoint in {out}, starting at step 0")
     trainer.tracker = tracker = Tracker(
         output_dir=out, config=run.raw, topo_info=info, is_main=dist.get_rank() == 0,
-        resume=resuming, start_step=start,
+        resume=resuming, start_step=start, run_id=run_id,
     )  # fmt: skip
     log.info(
         f"training {n_params / 1e6:.2f}M params, "

@@ -1,5 +1,5 @@
-"""Per-rank memory of one attention layer at P = 4 against one rank, before and after
-issue 27, side by side in one run: peak, bytes sent, time and the longest N under a budget.
+"""Per-rank memory of one attention layer at P = 4 against one rank, side by side in one
+run: peak, bytes sent, step time and the longest N under a budget.
 
 One causal attention layer, forward+backward (b=1, hq=8, hkv=4, d=64, float32, torch
 backend), every rank building its local q, k, v, dout; peak = those inputs plus the
@@ -7,13 +7,14 @@ peak of what forward+backward allocates on top (CPU: ``torch.profiler`` allocati
 events, ``scripts/profiling.py`` with ``scratch=True``, the method of
 ``benchmark_attention.py``; CUDA: ``max_memory_allocated``), slowest rank. Rows:
 
-- ``before``: one head chunk (what ``head_chunks: 0`` resolved to before this change);
+- ``before``: one head chunk (``head_chunks: 1``; what ``0`` resolved to before issue 27);
 - ``default``: the default options (``head_chunks: 0`` now resolves by its byte rule);
 - ``redo``: the defaults plus ``redo_all_to_all: true``;
 - ``ideal``: one rank's peak / 4.
 
 in Ulysses 4 and hybrid 2x2 (zigzag: the default layout). Bytes: what each rank sent in
-one step (forward + backward, ``ucp.comm_stats``). Longest N: multiples of 2P*64 whose
+one step (forward + backward, ``ucp.comm_stats``); ``time_ratio``: the step time over the
+``before`` row's in the same mode (medians of ``--repeats``). Longest N: multiples of 2P*64 whose
 peak fits ``--budget-mb`` (doubling, then bisection).
 
     python scripts/benchmark_attention_memory.py            # the docs/benchmarks.md table
@@ -120,21 +121,25 @@ def main():
     rows = run_ranks(worker, 1, args) + run_ranks(worker, 4, args)
     one = rows[0]
     keep = {r["mode"]: r for r in rows if r["variant"] == "default"}
+    first = {r["mode"]: r for r in rows if r["variant"] == "before"}
     print(f"\nN = {args.seq}, per-rank budget {args.budget_mb} MB (longest N)")
     print(
         f"{'mode':<11} {'variant':<8} {'peak MB':>8} {'x 1 rank':>9} {'sent MB':>8} "
-        f"{'x default':>9} {'time s':>7} {'max N':>7} {'x 1 rank':>8}"
+        f"{'x default':>9} {'time s':>7} {'x before':>8} {'max N':>7} {'x 1 rank':>8}"
     )
     for r in rows:
         r["peak_ratio"] = r["peak_mb"] / one["peak_mb"]
         ref = keep.get(r["mode"])
         r["sent_ratio"] = r["sent_bytes"] / ref["sent_bytes"] if ref else None
+        # step time against one head chunk in the same mode, measured in the same run
+        r["time_ratio"] = r["time_s"] / first[r["mode"]]["time_s"] if r["mode"] in first else None
         r["max_len_ratio"] = r["max_len"] / one["max_len"] if one["max_len"] else None
         sent = f"{r['sent_ratio']:.2f}" if r["sent_ratio"] else "-"
         longest = f"{r['max_len_ratio']:.2f}" if r["max_len_ratio"] else "-"
         print(
             f"{r['mode']:<11} {r['variant']:<8} {r['peak_mb']:8.1f} {r['peak_ratio']:9.3f} "
             f"{r['sent_bytes'] / 2**20:8.2f} {sent:>9} {r['time_s']:7.2f} "
+            f"{r['time_ratio'] or 0:8.2f} "
             f"{r['max_len'] or 0:>7} {longest:>8}"
         )
     print(f"ideal: {one['peak_mb'] / 4:.1f} MB (0.250)")

@@ -35,17 +35,27 @@ def _is_dense(x) -> bool:
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages created while active and still alive (``live``), and their
-    maximum (``peak``). Device-agnostic; storages that existed before are not counted."""
+    maximum (``peak``). Device-agnostic; storages that existed before are not counted. A
+    storage released early by resizing it to 0 bytes (what the attention's backward does
+    with head-sharded copies it has used) stops counting from then: checked whenever
+    ``live`` would set a new peak."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = self.peak = 0
-        self._held: set[int] = set()
+        self._held: dict[int, tuple[weakref.ref, int]] = {}
 
-    def _release(self, key: int, nbytes: int) -> None:
+    def _release(self, key: int) -> None:
         if key in self._held:
-            self._held.discard(key)
-            self.live -= nbytes
+            self.live -= self._held.pop(key)[1]
+
+    def _shrunk(self) -> None:
+        for key, (ref, nbytes) in list(self._held.items()):
+            storage = ref()
+            now = nbytes if storage is None else storage.nbytes()
+            if now < nbytes:
+                self._held[key] = (ref, now)
+                self.live -= nbytes - now
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -59,10 +69,12 @@ class LiveBytes(TorchDispatchMode):
             key, nbytes = id(storage), storage.nbytes()
             if key in self._held or key in inputs or nbytes == 0:
                 continue
-            self._held.add(key)
+            self._held[key] = (weakref.ref(storage), nbytes)
             self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._release, key, nbytes)
+            if self.live > self.peak:
+                self._shrunk()
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._release, key)
         return out
 
 

@@ -1,6 +1,11 @@
 """One Trainer / SFTTrainer run for tests/test_hf_trainer.py, started by torchrun (the
 sequence-parallel runs) or plain python (the one-process reference). Argument: a JSON
-file with the run's settings; writes ``<out>/result.json`` (training and eval losses)."""
+file with the run's settings; writes ``<out>/result.json`` (training and eval losses).
+
+Optional spec keys: ``zero`` (DeepSpeed stage), ``sp`` (the sequence_parallel block),
+``lora`` (peft LoRA on q/v), ``save`` (save_model's folder: the adapter under LoRA),
+``batches`` (every rank writes ``<out>/batches_<rank>.json``: the row sums of its first
+epoch's training batches, to see which data each rank gets)."""
 
 from __future__ import annotations
 
@@ -79,6 +84,10 @@ def main(spec_path: str) -> None:
         dataloader_drop_last=False,
         disable_tqdm=True,
     )
+    if spec.get("wandb"):  # report to wandb (the test sets WANDB_MODE=offline, WANDB_DIR)
+        common["report_to"] = ["wandb"]
+    if spec.get("save_steps"):  # checkpoints every save_steps steps
+        common.update(save_strategy="steps", save_steps=spec["save_steps"])
     vocab = spec["vocab"]
     if spec["trainer"] == "sft":
         from trl import SFTConfig
@@ -104,6 +113,7 @@ def main(spec_path: str) -> None:
         import peft
 
         lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        transformers.set_seed(0)  # the adapter's initial weights: the same in every run
         model = peft.get_peft_model(model, lora)
     from ulysses_cp.integrations.hf_trainer import (
         SequenceParallelSFTTrainer,
@@ -121,16 +131,25 @@ def main(spec_path: str) -> None:
             model=model, args=args, train_dataset=train, eval_dataset=evals,
             data_collator=transformers.default_data_collator,
         )  # fmt: skip
-    trainer.train()
+    trainer.train(resume_from_checkpoint=spec.get("resume"))  # a checkpoint folder or None
     history = trainer.state.log_history
     result = {
         "loss": [h["loss"] for h in history if "loss" in h],
         "eval_loss": [h["eval_loss"] for h in history if "eval_loss" in h],
         "sp": trainer.sequence_parallel is not None,
+        "history": history,
     }
+    if spec.get("wandb") and int(os.environ.get("RANK", "0")) == 0:
+        import wandb
+
+        result["wandb_run_id"] = wandb.run.id if wandb.run is not None else None
     if spec.get("save"):
         trainer.save_model(spec["save"])
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank = int(os.environ.get("RANK", "0"))
+    if spec.get("batches"):
+        seen = [b["input_ids"].sum(dim=1).tolist() for b in trainer.get_train_dataloader()]
+        (out / f"batches_{rank}.json").write_text(json.dumps(seen))
+    if rank == 0:
         (out / "result.json").write_text(json.dumps(result))
 
 

@@ -47,6 +47,27 @@ def test_benchmark_mixers_small(tmp_path):
         assert row["four"]["bytes_sent"] == row["four"]["bytes_formula"] > 0
 
 
+def test_benchmark_attention_memory_small(tmp_path):
+    """One attention layer at P = 4 against one rank, tiny: the JSON has every row and
+    field, the per-rank peaks below one rank's, redo moves 1.5x the
+    Ulysses all-to-all bytes and the head chunks none more."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_attention_memory.py")]
+    run([*cmd, "--seq", "1024", "--budget-mb", "8", "--repeats", "1", "--out", str(tmp_path)],
+        timeout=900)  # fmt: skip
+    rows = json.loads((tmp_path / "benchmark_attention_memory.json").read_text())["rows"]
+    got = {(r["mode"], r["variant"]): r for r in rows}
+    assert set(got) == {("one rank", "-")} | {
+        (m, v) for m in ("ulysses 4", "hybrid 2x2") for v in ("before", "default", "redo")
+    }
+    fields = {"peak_mb", "peak_ratio", "time_s", "time_ratio", "sent_bytes", "sent_ratio"}
+    for (mode, _), r in got.items():
+        assert fields | {"max_len", "max_len_ratio"} <= set(r)
+        if mode != "one rank":
+            assert 0.1 < r["peak_ratio"] < 1 and r["time_s"] > 0 and r["max_len"] > 0, r
+    assert got[("ulysses 4", "redo")]["sent_ratio"] == pytest.approx(1.5)
+    assert got[("ulysses 4", "before")]["sent_ratio"] == 1.0
+
+
 @pytest.mark.slow
 def test_benchmark_quick(tmp_path):
     cmd = [
@@ -142,3 +163,26 @@ def test_benchmark_loading_quick(tmp_path):
         assert all(r["peak"] >= r["baseline"] > 0 for r in row["ranks"])
         whole = row["load"] == "whole"
         assert row["predicted_bytes"] >= (model if whole else model // 2)
+
+
+@pytest.mark.slow
+def test_benchmark_hf_trainer_quick(tmp_path):
+    """The Trainer three ways (one process, SequenceParallelTrainer, ALST's integration):
+    ours equals the one-process losses and eval loss within 1e-5 relative, and evaluates
+    on shards; ALST's row is measured (numbers) or says why it did not run. 5 to 7
+    minutes here (three launches)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_hf_trainer.py"), "--quick"]
+    out = run([*cmd, "--out", str(tmp_path)], timeout=900)
+    rows = {r["variant"]: r for r in json.loads(
+        (tmp_path / "benchmark_hf_trainer.json").read_text())["rows"]}  # fmt: skip
+    assert set(rows) == {"reference", "ours z2", "alst z2"}, out[-3000:]
+    ref, ours, alst = rows["reference"], rows["ours z2"], rows["alst z2"]
+    assert "error" not in ref and "error" not in ours, out[-3000:]
+    assert len(ours["loss"]) == len(ref["loss"]) == 4 and ref["loss"][0] != ref["loss"][-1]
+    assert ours["loss_rel_diff"] <= 1e-5 and ours["eval_loss_rel_diff"] <= 1e-5
+    # 256 tokens per row over 2 ranks, in training and in evaluation
+    assert ours["train_row_length"] == ours["eval_row_length"] == 128
+    assert ref["eval_row_length"] == 256
+    assert all(p > 0 for p in ours["peak_mib_per_rank"]) and ours["step_s"] > 0
+    assert "error" in alst or ("loss_rel_diff" in alst and len(alst["peak_mib_per_rank"]) == 2)
+    assert "alst z2" in out  # the printed table has ALST's row either way

@@ -153,7 +153,7 @@ def test_compiled_layers_ring(pools):
 def test_compiled_layers_hybrid(pools):
     found = _run(pools, 2, 2)
     breaks = found["graph breaks"]  # the hybrid attention as a whole, eager
-    assert breaks and all("ulysses_attention" in reason for reason in breaks), [
+    assert breaks and all("chunked_attention" in reason for reason in breaks), [
         reason.splitlines()[:2] for reason in breaks
     ]
     assert found["decoder"][1] > 0, found

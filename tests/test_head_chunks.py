@@ -1,6 +1,6 @@
 """Head-chunked Ulysses: exact in every mode for every chunk count that works, the same
-bytes as one chunk, the next chunk's all-to-all posted before the current chunk computes,
-less staging memory, and the option's checks.
+bytes as one chunk, the next chunk's all-to-all posted before the current chunk computes
+(forward), one output gradient at a time (backward), less staging memory, and checks.
 
 Reference: float64 attention on the full tensors (``tests.helpers.reference``)."""
 
@@ -102,25 +102,25 @@ def test_chunks_move_the_same_bytes_and_overlap(pools):
     two = pools(4).run(_bytes_and_order, 2)
     for a, b in zip(one, two):
         assert a[0] == b[0] and a[0]["all_to_all/forward"] > 0  # bytes: identical
-        # forward: c inbound + c outbound all-to-alls; backward the same
+        # forward: c inbound + c outbound all-to-alls; backward: c output gradients in,
+        # c query gradients back, and the kv gradients (dk, dv) once per kv chunk
         assert a[1][("all_to_all", "forward")] == 2 and b[1][("all_to_all", "forward")] == 4
-        assert b[1][("all_to_all", "backward")] == 4
+        assert a[1][("all_to_all", "backward")] == 4 and b[1][("all_to_all", "backward")] == 6
     # c=2: chunk 1's all-to-all was posted before chunk 0's kernel ran (2 posted), and the
-    # output all-to-all of chunk 0 before chunk 1's (3); in the backward, when the kernel of
-    # the first chunk it reaches runs, the gradients of the output are in flight
+    # output all-to-all of chunk 0 before chunk 1's (3)
     assert two[0][2][:2] == [2, 3]
     assert one[0][2][:1] == [1]
 
 
-def test_backward_keeps_two_output_gradients_in_flight(pools):
-    """c=4: when the backward reaches the kernel of chunk 3, the output-gradient
-    all-to-alls of chunks 3 and 2 are posted (2), not all four; before chunk 2's kernel,
-    chunk 3's input gradients and chunk 1's output gradient are posted too (4): the
-    transfers overlap the next chunk's kernel and at most two chunks of dO are staged."""
+def test_backward_stages_one_output_gradient_at_a_time(pools):
+    """c=4 (2 kv chunks): the backward runs the chunks in order, and when chunk i's kernel
+    runs, only its own output gradient has been fetched beyond what is done: chunk 0 sees
+    1 all-to-all posted (its dO), chunk 1 3 (dq 0 back, dO 1), chunk 2 7 (dq 1, dk and dv of
+    kv chunk 0, dO 2), chunk 3 9. Two chunks of dO were staged at once before (2, 4, 6, 7)."""
     for _, _, seen in pools(4).run(_bytes_and_order, 4, 16, 8):
         forward, backward = seen[:4], [-x for x in seen[4:]]
         assert forward == [2, 4, 6, 7]  # chunk i+1 in (and i-1 out) before chunk i computes
-        assert backward == [2, 4, 6, 7], backward
+        assert backward == [1, 3, 7, 9], backward
 
 
 def _peak(rank, c, n):
@@ -146,6 +146,47 @@ def test_more_chunks_stage_less(pools):
     # c=1 stages the packed q/k/v (send, receive, reorder): at least ~1.5 local tensors
     # more than c=4 at the peak
     assert peaks[4] <= peaks[1] - 1.5 * local, peaks
+
+
+def _peak_keep_or_redo(rank, redo):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from profiling import peak_memory
+
+    topo = topology(4, 1, "contiguous", redo_all_to_all=redo)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 256, 16, 32, generator=g, requires_grad=True)
+    k = torch.randn(1, 256, 8, 32, generator=g, requires_grad=True)
+    v = torch.randn(1, 256, 8, 32, generator=g, requires_grad=True)
+    dout = torch.randn(1, 256, 16, 32, generator=g)
+
+    def step():
+        ucp.attention(q, k, v, topo, backend="torch", head_chunks=4).backward(dout)
+
+    return peak_memory(step, scratch=False)
+
+
+def test_backward_frees_each_chunks_copies(pools):
+    """The kept head-sharded copies go as the backward uses them: the peak is within a
+    quarter of a local tensor of redo_all_to_all's, which keeps none (kept until the end,
+    they were 0.74 local tensors more at this size)."""
+    keep, redo = (max(pools(4).run(_peak_keep_or_redo, flag)) for flag in (False, True))
+    local = 256 * 16 * 32 * 4  # one local (b, s_l, hq, d) float32 tensor
+    assert keep <= redo + local // 4, (keep, redo)
+
+
+def _twice(rank):
+    topo = topology(4, 1, "zigzag")
+    q, k, v, _ = make_qkv(seed=1, b=1, s=32, hq=8, hkv=4, d=8)
+    ql, kl, vl = (ucp.shard_sequence(t, topo).detach().requires_grad_() for t in (q, k, v))
+    out = ucp.attention(ql, kl, vl, topo, backend="math", head_chunks=2)
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()
+
+
+def test_a_second_backward_is_refused_on_every_rank(pools):
+    with pytest.raises(WorkerError) as err:
+        pools(4).run(_twice)
+    assert str(err.value).count("a second backward through head-chunked") == 4
 
 
 def _mismatch(rank):

@@ -21,6 +21,8 @@ pytest.importorskip("peft")
 
 WORKER = Path(__file__).with_name("hf_trainer_worker.py")
 RTOL = 1e-5
+U2 = {"ulysses_degree": 2, "ring_degree": 1}
+U2R2 = {"ulysses_degree": 2, "ring_degree": 2}
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +130,98 @@ def test_sft_packed_u2_zero2_equals_one_process(assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_u2_zero3_equals_one_process(assets, tmp_path):
-    """As the ZeRO-2 case, with ZeRO-3: the model is built partitioned (TrainingArguments
-    before from_pretrained), probed under ZeRO-3, and saved gathered."""
+def test_trainer_u2r2_zero3_equals_one_process(assets, tmp_path):
+    """As the ZeRO-2 case, hybrid Ulysses 2 x ring 2 (4 ranks), ZeRO-3: the model is built
+    partitioned (TrainingArguments before from_pretrained), probed under ZeRO-3, and
+    saved gathered."""
     ref = spec("trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"))
     sp = spec("trainer", "llama", assets, tmp_path / "sp", zero=3, save=str(tmp_path / "sp_model"),
-              sp={"ulysses_degree": 2, "ring_degree": 1})  # fmt: skip
-    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=2))
+              sp=U2R2)  # fmt: skip
+    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=4))
     assert_plain_folders(tmp_path / "ref_model", tmp_path / "sp_model")
+
+
+def assert_data_parallel_batches(out: Path, *, world: int, sp_size: int, rows: int) -> None:
+    """The SP ranks of a replica read the same batches, the replicas distinct ones, and
+    together every row once (``batches_<rank>.json``: row sums of each rank's batches)."""
+    seen = [json.loads((out / f"batches_{r}.json").read_text()) for r in range(world)]
+    replicas = [seen[d * sp_size] for d in range(world // sp_size)]
+    for r in range(world):
+        assert seen[r] == replicas[r // sp_size], f"rank {r} of replica {r // sp_size}"
+    flat = [sorted(x for batch in rep for x in batch) for rep in replicas]
+    assert sum(len(f) for f in flat) == rows
+    for a in range(len(flat)):
+        for b in range(a + 1, len(flat)):
+            assert flat[a] != flat[b], f"replicas {a} and {b} read the same rows"
+
+
+def test_trainer_qwen3_u2_dp2_zero1_equals_one_process(assets, tmp_path):
+    """Trainer, tiny Qwen3, Ulysses 2 x data parallel 2 (4 ranks), ZeRO-1: each replica
+    takes one row per micro-batch, so the global batch is the one-process run's two rows
+    x gradient accumulation 2; the replicas read distinct rows, the SP ranks the same."""
+    ref = spec("trainer", "qwen3", assets, tmp_path / "ref")
+    sp = spec("trainer", "qwen3", assets, tmp_path / "sp", zero=1, batch=1, batches=True,
+              sp={"ulysses_degree": 2, "ring_degree": 1})  # fmt: skip
+    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=4))
+    assert_data_parallel_batches(tmp_path / "sp", world=4, sp_size=2, rows=24)
+
+
+def assert_plain_adapters(base: str, ref_dir: Path, sp_dir: Path, tmp_path: Path) -> None:
+    """The SP run's saved LoRA adapter loads with plain peft on the plain base model and
+    gives the reference adapter's logits; merged and saved, it is a plain transformers
+    model with the same logits."""
+    import peft
+    import transformers
+
+    assert "ulysses" not in (sp_dir / "adapter_config.json").read_text()
+    ids = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(5))
+    logits = []
+    for d in (ref_dir, sp_dir):
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        model = peft.PeftModel.from_pretrained(plain, d)
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)
+    with torch.no_grad(), model.disable_adapter():  # the adapter changed the model
+        assert not torch.allclose(model(input_ids=ids).logits, logits[1], atol=1e-4)
+    model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, logits[1], rtol=1e-4, atol=1e-5)
+
+
+def test_trainer_lora_u2_zero0_equals_one_process(assets, tmp_path):
+    """Trainer, tiny Llama with a peft LoRA adapter (q, v), Ulysses 2, ZeRO-0: losses and
+    eval loss equal one process; the saved adapter loads plainly (and merges) with the
+    one-process adapter's logits."""
+    ref = spec("trainer", "llama", assets, tmp_path / "ref", lora=True,
+               save=str(tmp_path / "ref_model"))  # fmt: skip
+    sp = spec("trainer", "llama", assets, tmp_path / "sp", zero=0, lora=True,
+              save=str(tmp_path / "sp_model"), sp=U2)  # fmt: skip
+    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=2))
+    assert_plain_adapters(assets["llama"], tmp_path / "ref_model", tmp_path / "sp_model", tmp_path)
+
+
+@pytest.mark.slow
+def test_sft_llama_u2r2_zero3_equals_one_process(assets, tmp_path):
+    """TRL SFTTrainer (packed), tiny Llama, hybrid Ulysses 2 x ring 2 (4 ranks), ZeRO-3
+    (model built partitioned): losses and eval loss equal one-process SFTTrainer, and the
+    gathered saved folder is a plain transformers model with the reference's logits."""
+    ref = spec("sft", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"))
+    sp = spec("sft", "llama", assets, tmp_path / "sp", zero=3, save=str(tmp_path / "sp_model"),
+              sp={"ulysses_degree": 2, "ring_degree": 2})  # fmt: skip
+    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=4))
+    assert_plain_folders(tmp_path / "ref_model", tmp_path / "sp_model")
+
+
+@pytest.mark.slow
+def test_trainer_qwen3_lora_u2r2_zero3_equals_one_process(assets, tmp_path):
+    """Trainer, tiny Qwen3 with a peft LoRA adapter, hybrid Ulysses 2 x ring 2 (4 ranks),
+    ZeRO-3 (base model built partitioned, adapter added after): losses and eval loss equal
+    one process; the gathered adapter loads plainly with the one-process adapter's logits."""
+    ref = spec("trainer", "qwen3", assets, tmp_path / "ref", lora=True,
+               save=str(tmp_path / "ref_model"))  # fmt: skip
+    sp = spec("trainer", "qwen3", assets, tmp_path / "sp", zero=3, lora=True,
+              save=str(tmp_path / "sp_model"), sp=U2R2)  # fmt: skip
+    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=4))
+    assert_plain_adapters(assets["qwen3"], tmp_path / "ref_model", tmp_path / "sp_model", tmp_path)

@@ -12,8 +12,8 @@ WANDB_ON = {"wandb": {"enabled": True, "project": "p"}}
 
 
 class FakeRun:
-    def __init__(self, fail_log=False):
-        self.logged, self.fail_log, self.summary = [], fail_log, {}
+    def __init__(self, fail_log=False, id="run1"):
+        self.logged, self.fail_log, self.summary, self.id = [], fail_log, {}, id
 
     def log(self, metrics, step):
         if self.fail_log:
@@ -84,3 +84,19 @@ def test_resume_drops_rows_after_the_checkpoint(tmp_path):
     t2.log(3, {"loss": 9.0})
     rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 9.0)]
+
+
+def test_resume_continues_the_checkpoints_wandb_run(tmp_path, monkeypatch):
+    """The run's id goes into checkpoint meta; run_id= opens that run again."""
+    calls = []
+
+    def init(**kw):
+        calls.append(kw)
+        return FakeRun(id=kw.get("id") or "fresh")
+
+    fake_wandb(monkeypatch, init)
+    assert tracker(tmp_path).checkpoint_meta() == {"wandb_run_id": "fresh"}
+    again = tracker(tmp_path, resume=True, run_id="fresh")
+    assert calls[-1]["id"] == "fresh" and calls[-1]["resume"] == "allow"
+    assert again.checkpoint_meta() == {"wandb_run_id": "fresh"}
+    assert tracker(tmp_path, config={}).checkpoint_meta() == {}  # wandb off: nothing kept

@@ -3,6 +3,7 @@ and checkpoints; --resume continues with the same losses as an uninterrupted run
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -38,10 +39,12 @@ def test_train_metrics_wandb_checkpoint_and_resume(tmp_path):
             "loss",
             "lr",
             "tokens_per_s",
+            "tokens_per_s_per_gpu",
             "peak_mem_mb",
             "comm_bytes_per_step",
             "attention_comm_bytes_per_step",
         }
+        assert r["tokens_per_s_per_gpu"] == r["tokens_per_s"] / 2 and r["peak_mem_mb"] > 0
     # one name per quantity: the logged bytes are the plan's, attention measured (the
     # all-to-all counters) and ZeRO-2's all-reduce + all-gather of 2 ranks by formula,
     # micro batches (2) included
@@ -67,6 +70,10 @@ def test_train_metrics_wandb_checkpoint_and_resume(tmp_path):
     for a, b in zip(rows, resumed):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), (a, b)
         assert a["lr"] == pytest.approx(b["lr"])
+    # the resume continued the wandb run whose id the checkpoint's meta.json keeps
+    ids = [r.name.rsplit("-", 1)[-1] for r in sorted((part / "wandb").glob("offline-run-*"))]
+    assert len(ids) == 2 and ids[0] == ids[1], ids
+    assert json.loads((part / "step2" / "meta.json").read_text())["wandb_run_id"] == ids[0]
 
 
 @pytest.mark.slow

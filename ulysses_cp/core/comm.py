@@ -217,16 +217,16 @@ class PendingAllToAll:
         self._work = None
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def post(self, send: torch.Tensor, phase: str) -> torch.Tensor:
+    def post(self, send: torch.Tensor, phase: str, op: str | None = "all_to_all") -> torch.Tensor:
+        """Post the all-to-all of ``send`` (dim 0 = destination rank); its bytes counted
+        under ``op`` (None: the caller counts them)."""
         send = send.contiguous()
         recv = torch.empty_like(send)
         with collective("all_to_all", phase, self.group):
             self._work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
-        stats.add(
-            "all_to_all",
-            phase,
-            send.numel() * send.element_size() * (send.shape[0] - 1) // send.shape[0],
-        )
+        if op is not None:
+            nbytes = send.numel() * send.element_size()
+            stats.add(op, phase, nbytes * (send.shape[0] - 1) // send.shape[0])
         self._buffers = (send, recv)  # the send buffer must live until the transfer ends
         return recv
 

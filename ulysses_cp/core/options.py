@@ -74,7 +74,7 @@ class RunOptions:
     previous chunk (0: automatic, see ``ulysses_cp.modes.ulysses.resolve_head_chunks``);
     ``redo_all_to_all``: keep no head-sharded copies of q, k, v and the output for the
     backward and redo their all-to-alls there instead (less memory, 1.5x the all-to-all
-    bytes; ``ulysses_cp.modes.redo``); ``packing``: the layout of packed rows
+    bytes; ``ulysses_cp.modes.chunked``); ``packing``: the layout of packed rows
     (``cu_seqlens``): ``"document"`` (every document split over the ranks, its length a
     multiple of ``sequence_multiple``) or ``"row"`` (the row split like an unpacked
     sequence; documents of any length), see ``ulysses_cp.core.varlen``."""

@@ -31,7 +31,7 @@ from .checks import (
     signature,
     validate_qkv,
 )
-from .redo import redo_attention
+from .chunked import HeadChunks, chunked_attention
 from .ring import Ring, ring_attention, ring_functions
 from .ulysses import resolve_head_chunks, ulysses_attention
 
@@ -142,19 +142,26 @@ def attend(
     if sinks is not None and u > 1:  # the all-to-all gives this rank a contiguous head range
         sinks = sinks.unflatten(0, (u, -1))[topo.ulysses_rank]
     order = perm if perm is not None else choice.layout
-    if choice.redo_all_to_all and u > 1:  # nothing head-sharded kept: a2a redone in backward
-        pair = _inner(topo, call, choice, docs, q.shape[1] * u)
-        return redo_attention(
-            q, k, v, group=topo.ulysses_group, inner=pair, order=order, sinks=sinks,
+    if u == 1:  # ring mode: no all-to-all around the ring
+        inner = _inner(topo, call, choice, docs)
+        return inner(q, k, v) if sinks is None else inner(q, k, v, sinks=sinks)
+    if compiling() and r == 1 and not choice.redo_all_to_all:
+        # compiled Ulysses: differentiable traceable ops (one graph, no overlap)
+        inner = _inner(topo, call, choice, docs)
+        return ulysses_attention(
+            q, k, v, group=topo.ulysses_group, inner=inner, order=order, sinks=sinks,
             head_chunks=chunks,
         )  # fmt: skip
-    inner = _inner(topo, call, choice, docs)
-    # ulysses: a2a around the local kernel; ring: no a2a (degree 1); hybrid: a2a around ring
-    # (compiled: the hybrid runs eagerly as a whole, see _hybrid_outside_graph)
-    run = _hybrid_outside_graph if u > 1 and r > 1 and compiling() else ulysses_attention
+    # Ulysses: a2a around the local kernel; hybrid: a2a around the ring. Head-sharded
+    # copies kept for the backward and freed as it goes, or (redo_all_to_all) none kept
+    # and the a2a redone there. Compiled hybrid or redo: eager as a whole (the graph
+    # breaks around it, see _eager_in_graph)
+    pair = _inner(topo, call, choice, docs, q.shape[1] * u)
+    run = _eager_in_graph if compiling() else chunked_attention
     return run(
-        q, k, v, group=topo.ulysses_group, inner=inner, order=order, sinks=sinks, head_chunks=chunks
-    )
+        q, k, v, group=topo.ulysses_group, inner=pair, order=order, sinks=sinks,
+        chunks=HeadChunks(chunks, choice.redo_all_to_all),
+    )  # fmt: skip
 
 
 def _plan_of(
@@ -170,9 +177,9 @@ def _plan_of(
 
 # ring attention run eagerly from a compiled layer (its graph breaks before and after)
 _ring_outside_graph = torch.compiler.disable(ring_attention)
-# the hybrid's all-to-alls around a ring: eager as a whole, so that they keep their
-# overlap (dynamo cannot resume inside the head-chunk loop around the ring's break)
-_hybrid_outside_graph = torch.compiler.disable(ulysses_attention)
+# the hybrid's all-to-alls around a ring (and redo_all_to_all's): eager as a whole, one
+# autograd function whose collectives dynamo does not trace; they keep their overlap
+_eager_in_graph = torch.compiler.disable(chunked_attention)
 
 
 def _inner(
@@ -183,7 +190,7 @@ def _inner(
     split: int = 0,
 ) -> Any:
     """What runs inside the all-to-all: the local kernel, or ring attention. ``split``: the
-    head-sharded tokens per rank, for :mod:`.redo`: then the pair ``(fwd, bwd)`` of
+    head-sharded tokens per rank, for :mod:`.chunked`: then the pair ``(fwd, bwd)`` of
     not-differentiable functions instead of one differentiable call."""
     if topo.ring_degree == 1 and docs is None and call.spec.windowed:
         # block-sparse: the whole sequence in window-sized pieces, pairs out of reach skipped

@@ -154,6 +154,13 @@ def _reduce_scatter(parts: torch.Tensor, group: Group) -> torch.Tensor:
     return got.sum(0)
 
 
+def _add_blocks(dkv: torch.Tensor, done: list) -> None:
+    """The step's kv-block gradients ``[(kv selection, dk, dv)]`` into ``dkv`` (2, ...)."""
+    for ks, dk_b, dv_b in done:
+        dkv[0][:, ks] += dk_b
+        dkv[1][:, ks] += dv_b
+
+
 def ring_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -170,7 +177,8 @@ def ring_backward(
     schedule = ring.schedule(q.shape[1], call)
     call = call.at(accumulate=True)  # block gradients are summed
     acc = lse_dtype(q.dtype)
-    dq = torch.zeros_like(q, dtype=acc)
+    dq: torch.Tensor | None = None  # the first whole block's dq, or zeros
+    whole = slice(0, q.shape[1])
     gathered = ring.exchange == "allgather" and P > 1
     if gathered:  # this rank's share of every block's dk/dv, reduce-scattered at the end
         dkv_all = torch.zeros((P, 2, *k.shape), dtype=acc, device=k.device)
@@ -184,21 +192,26 @@ def ring_backward(
         for qs, ks, where in blocks:
             rows = (dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs])
             dq_b, dk_b, dv_b = attn_backward(*rows, lse[:, :, qs], call.at(**where))
-            dq[:, qs] += dq_b
+            if dq is None and isinstance(qs, slice) and qs == whole and dq_b.dtype == acc:
+                dq = dq_b  # no zeros and no copy: later blocks add into it
+            else:
+                dq = torch.zeros_like(q, dtype=acc) if dq is None else dq
+                dq[:, qs] += dq_b
             done.append((ks, dk_b, dv_b))
+            del dq_b, dk_b, dv_b  # the next block's gradients must not meet these
         if gathered:
             dkv = dkv_all[(rank - step) % P]
         elif step > 0:
             dkv = dkv_comm.wait()  # the accumulator of the visiting block (overlapped compute)
-        for ks, dk_b, dv_b in done:
-            dkv[0][:, ks] += dk_b
-            dkv[1][:, ks] += dv_b
+        _add_blocks(dkv, done)
+        done = []  # released before the next block's gradients exist
         if P > 1 and not gathered:
             dkv_comm.send_recv(dkv)  # on to the next rank; overlaps the next step
     if gathered:
         dkv = _reduce_scatter(dkv_all, group)
     elif P > 1:
         dkv = dkv_comm.wait()  # our own block's accumulator, home after P hops
+    dq = torch.zeros_like(q) if dq is None else dq  # every block skipped
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 

@@ -1,24 +1,15 @@
-"""Ulysses all-to-all attention (Jacobs et al., DeepSpeed-Ulysses, arXiv:2309.14509),
-head-chunked.
+"""Ulysses (Jacobs et al., DeepSpeed-Ulysses, arXiv:2309.14509): how the heads split over
+the ulysses group, how many head chunks, and the token order around the all-to-all.
 
 Legend: b batch, s full sequence, s_l = s/P, P ulysses degree, hq/hkv heads, d head dim,
 c head chunks, hk kv heads after replication.
 
-q, k and v go through all-to-alls (packed along the head dim) from sequence-sharded to
-head-sharded, the local kernel sees the whole sequence for its heads, and all-to-alls bring
-the output back. Rank j always holds query heads ``[j*hq/P, (j+1)*hq/P)``. GQA: kv heads
+Rank j holds query heads ``[j*hq/P, (j+1)*hq/P)`` after the all-to-all. GQA: kv heads
 that the degree divides travel with their own count; fewer kv heads than ranks are
 replicated ``P / hkv`` times first (autograd sums the replicas' gradients), so that rank j
-receives kv head ``floor(j * hkv / P)``, the one its query heads use.
-
-Head chunks (``c``): each rank's query heads go in ``c`` chunks, one all-to-all each, and
-its kv heads in ``min(c, hk/P)`` chunks, each sent with the first query chunk that needs
-it. The all-to-all of chunk i+1 is posted before chunk i's attention runs and the output
-all-to-all of chunk i runs during chunk i+1's (:class:`~ulysses_cp.core.comm.
-PendingAllToAll`; in the backward the same overlap, in reverse, with at most two chunks of
-output gradient in flight). Only one chunk's staging
-buffers (send, receive, reorder) are alive at a time, and the gradients of q, k and v are
-put together once, at the end. The bytes moved are those of ``c = 1``.
+receives kv head ``floor(j * hkv / P)``, the one its query heads use. The attention itself,
+chunk by chunk, is :mod:`.chunked`'s; :func:`ulysses_attention` is the same attention
+as differentiable ops that dynamo traces, what a compiled layer runs (``model.compile``).
 """
 
 from __future__ import annotations

@@ -133,11 +133,15 @@ def plan(
 
 
 def _largest_weights_file(mc) -> int:
-    """Bytes of the largest safetensors file of ``model.hf_weights`` (0: none)."""
+    """Bytes of the largest safetensors file the load of ``model.hf_weights`` reads (the
+    files its index names, or its one file; 0: none)."""
     folder = getattr(mc, "hf_weights", None)
     if not folder or not Path(folder).is_dir():
         return 0
-    return max((f.stat().st_size for f in Path(folder).glob("*.safetensors")), default=0)
+    from ..training.loading import checkpoint_files
+
+    files = set(checkpoint_files(folder).values())
+    return max((f.stat().st_size for f in files), default=0)
 
 
 def _gcd(a: int, b: int) -> int:

@@ -13,7 +13,7 @@ These are the counters of ``ulysses_cp.core.comm.stats`` that ``metrics.jsonl``'
 ``attention_comm_bytes_per_step`` sums (its ``comm_bytes_per_step`` adds ZeRO's bytes
 below, as the plan's ``comm_bytes_per_step_per_rank`` does).
 
-ZeRO (the formula's home is ``ulysses_cp.training.zero_comm``, which the run logs with),
+ZeRO (the formula's home is ``ulysses_cp.core.zero_comm``, which the run logs with),
 as DeepSpeed issues it (message bytes as its comms logger records them): ZeRO-1/2
 all-reduce the gradients (``psi * B``; ZeRO-1 once per step, ZeRO-2 every micro batch) and
 all-gather the updated parameter partitions after the step (``psi * B / n`` per rank);
@@ -30,8 +30,8 @@ all its bytes count as inter-node when its group spans nodes.
 from __future__ import annotations
 
 from ..core.topology import plan_groups
+from ..core.zero_comm import zero_collectives
 from ..modes.ulysses import kv_replication
-from ..training.zero_comm import zero_collectives
 from .shapes import ModelShape
 
 __all__ = ["attention_bytes", "forward_comm_bytes", "mixer_bytes", "split_nodes", "zero_bytes"]
@@ -109,7 +109,7 @@ def zero_bytes(
 ) -> dict[str, dict[str, int]]:  # fmt: skip
     """ZeRO's collectives per step: ``{op: {"logged": message bytes, "wire": bytes this
     rank sends}}`` (empty with one rank: nothing to reduce), by the rule the run logs
-    (``training.zero_comm``)."""
+    (``core.zero_comm``)."""
     return zero_collectives(
         params=shape.params, element_bytes=shape.dtype_bytes, stage=stage, world=world,
         micro_steps=micro_steps, max_live_parameters=max_live_parameters,

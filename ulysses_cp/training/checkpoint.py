@@ -35,6 +35,7 @@ from .portable import load_portable, portable_state, zero_stage
 __all__ = [
     "LATEST",
     "SaveHook",
+    "latest_meta",
     "latest_tag",
     "load",
     "save",
@@ -90,11 +91,13 @@ def save(
     *,
     portable: bool = True,
     hook: SaveHook | None = None,
+    meta: dict | None = None,
 ) -> Path:
     """Save the engine (model, optimizer, scheduler), ``step`` and RNG states atomically as
     ``out_dir/step{step}``; every rank must call it. Returns the checkpoint path.
     ``hook.in_save(step)`` (``trainer.Hooks``) runs when this rank's files are written and
-    the checkpoint is not yet published (the tests crash there)."""
+    the checkpoint is not yet published (the tests crash there). ``meta``: more entries
+    for ``meta.json`` (written by global rank 0: the tracker's wandb run id)."""
     out = Path(out_dir)
     tag = f"step{step}"
     tmp_tag = f"{tag}.tmp"
@@ -107,8 +110,9 @@ def save(
     torch.save(_rng_state(), out / tmp_tag / f"rng_rank{rank}.pt")
     state = portable_state(engine) if portable else None  # collective
     if rank == 0:
-        meta = {"world_size": dist.get_world_size(), "zero_stage": zero_stage(engine), "step": step}
-        (out / tmp_tag / "meta.json").write_text(json.dumps(meta))
+        info = {**(meta or {}), "world_size": dist.get_world_size(),
+                "zero_stage": zero_stage(engine), "step": step}  # fmt: skip
+        (out / tmp_tag / "meta.json").write_text(json.dumps(info))
         if state is not None:
             torch.save(state, out / tmp_tag / "portable.pt")
     if hook is not None:
@@ -130,6 +134,13 @@ def latest_tag(out_dir: str | Path) -> str | None:
         return None
     tag = path.read_text().strip()
     return tag if tag and (Path(out_dir) / tag).is_dir() else None
+
+
+def latest_meta(out_dir: str | Path) -> dict:
+    """The ``meta.json`` of the checkpoint ``latest`` names (``{}`` when there is none)."""
+    tag = latest_tag(out_dir)
+    path = Path(out_dir) / tag / "meta.json" if tag is not None else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
 
 
 def load(

@@ -5,6 +5,10 @@ ourselves on global rank 0 instead of handing the block to DeepSpeed's monitor: 
 that holds the full JSON config and the topology, with our metrics at our step numbers.
 wandb that is not installed or cannot start never stops training: one warning, then
 offline, then off. ``WANDB_MODE=offline`` works with no network.
+
+A resumed run continues the same wandb run: each checkpoint's ``meta.json`` keeps the run's
+id (:meth:`Tracker.checkpoint_meta`), and ``run_id=`` opens that run again
+(``resume="allow"``).
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from typing import Any
 from ..core.log import get_logger
 
 __all__ = [
+    "RUN_ID_KEY",
     "Tracker",
 ]
 
 log = get_logger(__name__)
+RUN_ID_KEY = "wandb_run_id"  # in a checkpoint's meta.json
 
 
 class Tracker:
@@ -32,7 +38,10 @@ class Tracker:
         is_main: bool,
         resume: bool,
         start_step: int = 0,
+        run_id: str | None = None,
     ) -> None:
+        """``run_id``: the wandb run to continue (a resumed checkpoint's, from its
+        ``meta.json``); None starts a new one."""
         self.is_main = is_main
         self.run = None
         self.path = Path(output_dir) / "metrics.jsonl"
@@ -49,8 +58,13 @@ class Tracker:
         block = config.get("wandb") or {}
         if block.get("enabled"):
             self.run = _start_wandb(
-                block, {"config": config, "topology": topo_info}, Path(output_dir)
+                block, {"config": config, "topology": topo_info}, Path(output_dir), run_id
             )
+
+    def checkpoint_meta(self) -> dict:
+        """What a checkpoint's ``meta.json`` keeps of the tracking: the wandb run's id."""
+        run_id = getattr(self.run, "id", None)
+        return {RUN_ID_KEY: run_id} if run_id else {}
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.is_main:
@@ -74,7 +88,7 @@ class Tracker:
                 log.warning(f"wandb finish failed ({type(exc).__name__}: {exc})")
 
 
-def _start_wandb(block: dict, run_config: dict, output_dir: Path):
+def _start_wandb(block: dict, run_config: dict, output_dir: Path, run_id: str | None):
     try:
         import wandb
     except ImportError:
@@ -86,6 +100,7 @@ def _start_wandb(block: dict, run_config: dict, output_dir: Path):
         entity=block.get("team"),
         config=run_config,
         dir=str(output_dir),
+        id=run_id,
         resume="allow",
     )
     for mode in (None, "offline"):

@@ -10,7 +10,6 @@ loop's); nothing is read from the environment. Tests inject faults through
 
 from __future__ import annotations
 
-import resource
 import signal
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from ..config import TrainingConfig
 from ..core.batch import shard_batch
 from ..core.comm import stats as comm_stats
 from ..core.log import get_logger
+from ..core.metrics import attention_bytes_sent, peak_memory_mb
 from ..core.protocols import Engine
 from ..core.topology import Topology
 from ..models.memory import LossPlan, lm_loss
@@ -42,7 +42,6 @@ __all__ = [
     "TrainState",
     "Trainer",
     "TrainingStopped",
-    "peak_memory_mb",
 ]
 
 log = get_logger("train")
@@ -113,20 +112,6 @@ class TrainState:
     started: float = field(default_factory=time.perf_counter)
 
 
-def attention_bytes() -> int:
-    """This rank's attention traffic since the last reset: all-to-all, ring and all-gather
-    KV exchange bytes (the input checks' few bytes are counted apart, under
-    ``all_gather``)."""
-    ops = ("all_to_all", "ring", "kv_allgather", "kv_reduce_scatter")
-    return sum(comm_stats.total(op) for op in ops)
-
-
-def peak_memory_mb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 class Trainer:
     """One run's loop. ``tc``: a ``TrainingConfig``; ``loss_plan``: the LM head and loss in
     ``tiles`` pieces (> 1; ``"auto"``: sized by bytes, ``core.tiles``), ``fused``: their
@@ -137,7 +122,7 @@ class Trainer:
     by the launcher script."""
 
     tracker: Tracker | None = None
-    # ZeRO's collective bytes this rank sends per step (``zero_comm.zero_wire_bytes``: the
+    # ZeRO's collective bytes this rank sends per step (``core.zero_comm.zero_wire_bytes``: the
     # planner's formula for the run's stage; DeepSpeed's comm is not counted live)
     zero_bytes_per_step: int = 0
 
@@ -200,9 +185,12 @@ class Trainer:
         return self.ignored_loss(self.batch(0, 0))
 
     def save(self, step: int) -> Path:
+        """A checkpoint after ``step``; its ``meta.json`` keeps the wandb run's id."""
+        meta = self.tracker.checkpoint_meta() if self.tracker is not None else {}
         return checkpoint.save(
-            self.engine, self.out, step, portable=self.tc.portable_checkpoint, hook=self.hooks
-        )
+            self.engine, self.out, step, portable=self.tc.portable_checkpoint, hook=self.hooks,
+            meta=meta,
+        )  # fmt: skip
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The evaluator's metrics after ``step``, with the model in eval mode; logged."""
@@ -302,12 +290,16 @@ class Trainer:
             * topo.dp_degree
             * self.dataset.cfg.seq_len
         )
-        attention = attention_bytes()
+        attention = attention_bytes_sent()
+        peak = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=acc.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the largest rank's (as the HF Trainer's)
+        tokens_per_s = tokens_per_step * max(since, 1) / (time.perf_counter() - state.started)
         metrics = {
             "loss": mean_loss,
             "lr": engine.get_lr()[0],
-            "tokens_per_s": tokens_per_step * max(since, 1) / (time.perf_counter() - state.started),
-            "peak_mem_mb": peak_memory_mb(),
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_gpu": tokens_per_s / dist.get_world_size(),
+            "peak_mem_mb": float(peak.item()),
             # what this rank sends per step: attention (counted) and ZeRO (by formula),
             # the plan's comm_bytes_per_step_per_rank; the attention part apart
             "comm_bytes_per_step": attention / max(since, 1) + self.zero_bytes_per_step,

@@ -16,7 +16,10 @@ Every override is the parent's own method when the DeepSpeed config has no
 - ``gather_function`` (evaluation): one copy per replica, so ``eval_loss`` is the
   one-process value;
 - ``_save``: the saved ``config.json`` names the model's original attention, so the folder
-  is a plain Hugging Face model.
+  is a plain Hugging Face model;
+- ``log`` / ``evaluate`` / ``train``: training log lines get the sequence-parallel metrics
+  (evaluations set aside), and a resume continues the checkpoint's wandb run
+  (:mod:`.metrics`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ from typing import Any
 
 import torch
 
+from ...core.comm import stats as comm_stats
+from .metrics import (
+    SequenceParallelCallback,
+    StepMeter,
+    checkpoint_folder,
+    resumed_wandb_run,
+    zero_bytes_per_step,
+)
 from .run import SequenceParallelRun, sequence_parallel_block, sequence_parallel_loss
 
 __all__ = ["SequenceParallelMixin"]
@@ -41,6 +52,8 @@ class SequenceParallelMixin:
     model: Any
     accelerator: Any
     gather_function: Any
+    state: Any
+    add_callback: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -51,6 +64,15 @@ class SequenceParallelMixin:
         self.sequence_parallel = SequenceParallelRun.from_block(block)
         self.sequence_parallel.attach(self.model)
         self.gather_function = self._gather_for_metrics
+        ds_config = getattr(getattr(self.args, "hf_deepspeed_config", None), "config", None)
+        zero = zero_bytes_per_step(
+            self.model, ds_config or {}, world=self.args.world_size,
+            micro_steps=self.args.gradient_accumulation_steps,
+        )  # fmt: skip
+        self._meter = StepMeter(
+            self.sequence_parallel.topo, device=self.args.device, zero_bytes=zero
+        )
+        self.add_callback(SequenceParallelCallback(self.sequence_parallel.topo, self._meter, block))
 
     # ------------------------------------------------------------ data
 
@@ -103,7 +125,10 @@ class SequenceParallelMixin:
             return super().compute_loss(  # type: ignore[misc]
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        sp.probe()
+        with comm_stats.set_aside():  # the probe's traffic is no step's
+            sp.probe()
+        if model.training:
+            self._meter.count(inputs["input_ids"])
         local = sp.shard(inputs)
         outputs = model(**sp.forward_kwargs(local))
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
@@ -126,6 +151,29 @@ class SequenceParallelMixin:
         if not model.training and not self.args.prediction_loss_only:
             outputs["logits"] = sp.full_logits(logits, local)
         return loss, outputs
+
+    # ------------------------------------------------------------ metrics, wandb, resume
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """A training log line (``loss``) gets the sequence-parallel metrics (collective:
+        the Trainer logs on every rank)."""
+        if self.sequence_parallel is not None and "loss" in logs:
+            logs = {**logs, **self._meter.metrics(self.state.global_step)}
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sequence_parallel is None:
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
+        with self._meter.set_aside():  # its traffic and time are not the training steps'
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """A resume continues the wandb run whose id the checkpoint folder keeps."""
+        if self.sequence_parallel is None:
+            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        folder = checkpoint_folder(resume_from_checkpoint, self.args.output_dir)
+        with resumed_wandb_run(folder):
+            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     # ------------------------------------------------------------ evaluation
 

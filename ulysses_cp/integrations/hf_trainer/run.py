@@ -147,6 +147,7 @@ class SequenceParallelRun:
             kv_exchange=config.kv_exchange,
             head_chunks=config.head_chunks,
             redo_all_to_all=config.redo_all_to_all,
+            packing=config.packing,
         )
         return cls(topo=topo, config=config)
 
@@ -159,6 +160,10 @@ class SequenceParallelRun:
         base = _transformers_model(model)
         self.original_attention = base.config._attn_implementation
         base.set_attn_implementation(KEY)
+        if base.config._attn_implementation != KEY:
+            # a family that cannot switch (its attention bypasses the interface, as
+            # Bloom's): named anyway, so that the probe gives the Hugging Face path's refusal
+            base.config._attn_implementation = KEY
         self.wrapper = HFCausalLM(base, topo=self.topo)
 
     def probe(self) -> None:
@@ -195,10 +200,13 @@ class SequenceParallelRun:
             batch["position_ids"] = pos
         P = self.topo.sp_world_size
         full_length = ids.shape[1]
+        if cu is None or self.topo.options.packing == "row":
+            # an unpacked batch, or a packed row split like one ("packing": "row"): padded
+            # at the end; the row's padding joins its last document (positions keep counting)
+            batch = pad_batch(batch, sequence_multiple(P, self.topo.layout))
+            cu = None if cu is None else _packed_bounds(batch["position_ids"])
         if cu is not None:
             batch["cu_seqlens"] = cu
-        else:
-            batch = pad_batch(batch, sequence_multiple(P, self.topo.layout))
         local = shard_batch(batch, self.topo)
         local["full_length"] = full_length
         return local

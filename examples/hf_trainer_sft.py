@@ -1,0 +1,188 @@
+"""Supervised fine-tuning with TRL under sequence parallelism: chat data from a local JSONL,
+packed rows, a local model and tokenizer.
+
+One process (no sequence parallelism; the reference)::
+
+    python examples/hf_trainer_sft.py --model_path M --tokenizer_path T --data chats.jsonl \\
+        --output_dir out
+
+Sequence parallel on 2 ranks (Ulysses 2, ZeRO-2), either launcher (README, "Hugging Face
+Trainer and TRL")::
+
+    accelerate launch --config_file examples/accelerate_config.yaml examples/hf_trainer_sft.py ...
+    deepspeed --num_gpus 2 examples/hf_trainer_sft.py --deepspeed examples/ds_zero2_u2.json ...
+
+``--data``: one JSON object a line, ``{"messages": [{"role": "user", "content": "..."},
+...]}``; TRL applies the tokenizer's chat template, so the tokenizer needs one. Chats are
+packed into rows of at most ``--max_length`` tokens (TRL's ``packing=True``, best-fit
+decreasing; a longer chat is truncated) and the rows of a batch into one row, position ids
+restarting per chat. The DeepSpeed JSON's ``"sequence_parallel"`` block turns sequence
+parallelism on (:class:`ulysses_cp.integrations.hf_trainer.SequenceParallelSFTTrainer`);
+with ``"packing": "row"`` there, chats of any length cross rank borders and only the row is
+padded. Prints the Trainer's log lines, then the training losses; writes them to
+``OUTPUT_DIR/train_losses.json`` and the model (a plain Hugging Face folder) to
+``OUTPUT_DIR/final``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+class InputError(ValueError):
+    """Bad input named with the fix; every rank finds it before any collective."""
+
+
+def read_chats(path: Path) -> list[dict]:
+    """The chats of a JSONL file, each ``{"messages": [{"role", "content"}, ...]}``."""
+    if not path.is_file():
+        raise InputError(f"--data {path}: no such file (a JSONL of chats, one a line)")
+    chats = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path} line {n}: not JSON ({exc.msg}, column {exc.colno})") from None
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise InputError(
+                f'{path} line {n}: no "messages" list; every line is {{"messages": [{{"role": '
+                f'"user", "content": "..."}}, ...]}}'
+            )
+        for i, m in enumerate(messages):
+            ok = isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
+            if not ok:
+                want = 'string "role" and "content"'
+                raise InputError(f"{path} line {n}: message {i} must have {want}, got {m!r}")
+        chats.append({"messages": [{"role": m["role"], "content": m["content"]} for m in messages]})
+    if not chats:
+        raise InputError(f"--data {path}: no chats in the file")
+    return chats
+
+
+def deepspeed_config(given: str | None) -> str | None:
+    """The DeepSpeed JSON: ``--deepspeed``, else the one ``accelerate launch`` was given
+    (its config's ``deepspeed_config_file``), else None (no DeepSpeed)."""
+    from_accelerate = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if given and from_accelerate and Path(given).resolve() != Path(from_accelerate).resolve():
+        raise InputError(
+            f"--deepspeed {given} and the Accelerate config's deepspeed_config_file "
+            f"{from_accelerate} differ: give one of them"
+        )
+    path = given or from_accelerate
+    if path is not None and not Path(path).is_file():
+        raise InputError(f"DeepSpeed config {path}: no such file")
+    return path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model_path", required=True, help="a local causal LM folder")
+    p.add_argument("--tokenizer_path", help="a local tokenizer with a chat template (model's)")
+    p.add_argument("--data", required=True, type=Path, help='JSONL, {"messages": [...]} a line')
+    p.add_argument("--deepspeed", help="DeepSpeed JSON; its sequence_parallel block turns SP on")
+    p.add_argument("--output_dir", required=True, type=Path)
+    p.add_argument("--max_length", type=int, default=256, help="tokens per packed row (256)")
+    p.add_argument("--max_steps", type=int, default=10, help="optimizer steps (10)")
+    p.add_argument("--batch_size", type=int, default=1, help="packed rows per batch (1)")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--optim", default="adamw_torch", help="a TrainingArguments optim (adamw_torch)")
+    p.add_argument("--learning_rate", type=float, default=1e-4)
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="0: no clipping (1.0)")
+    p.add_argument("--bf16", action="store_true", help="train in bfloat16 (default float32)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
+    return p.parse_args(argv)
+
+
+def train(args: argparse.Namespace) -> list[float]:
+    chats = read_chats(args.data)  # every rank, before any collective
+    ds_path = deepspeed_config(args.deepspeed)
+    model_path = Path(args.model_path)
+    tokenizer_path = Path(args.tokenizer_path or args.model_path)
+    for what, folder in (("--model_path", model_path), ("--tokenizer_path", tokenizer_path)):
+        if not folder.is_dir():
+            raise InputError(f"{what} {folder}: no such folder (a local Hugging Face folder)")
+    import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import ulysses_cp as ucp
+
+        ucp.init_distributed()  # gloo on CPU, nccl on GPUs, before the Trainer's state
+    import datasets
+    import transformers
+    from trl import SFTConfig
+
+    from ulysses_cp.integrations.hf_trainer import SequenceParallelSFTTrainer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_path)
+    if not tokenizer.chat_template:
+        raise InputError(
+            f"the tokenizer in {tokenizer_path} has no chat_template: TRL formats the "
+            f"messages with it; add one to its tokenizer_config.json"
+        )
+    config = SFTConfig(
+        output_dir=str(args.output_dir),
+        max_length=args.max_length,
+        packing=True,  # best-fit rows, flattened per batch, positions restarting per chat
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_steps=args.max_steps,
+        optim=args.optim,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        max_grad_norm=args.max_grad_norm,
+        bf16=args.bf16,  # SFTConfig's own default is True
+        use_cpu=not torch.cuda.is_available(),
+        deepspeed=ds_path,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        data_seed=args.seed,
+        disable_tqdm=True,  # one printed line of logs per step
+    )
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    trainer = SequenceParallelSFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=datasets.Dataset.from_list(chats),
+        processing_class=tokenizer,
+    )
+    sp = trainer.sequence_parallel
+    if trainer.is_world_process_zero():
+        t = None if sp is None else sp.topo
+        where = (
+            "one process (no sequence_parallel block)"
+            if t is None
+            else f"sequence parallel: Ulysses {t.ulysses_degree} x ring {t.ring_degree}, "
+            f"{t.dp_degree} data-parallel replica(s), layout {t.layout}, packing "
+            f"{t.options.packing}"
+        )
+        print(f"training on {len(chats)} chats from {args.data}: {where}", flush=True)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    trainer.save_model(str(args.output_dir / "final"))
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(args.output_dir / "final")
+        (args.output_dir / "train_losses.json").write_text(json.dumps(losses))
+        print("training losses: " + " ".join(f"{x:.6f}" for x in losses), flush=True)
+    return losses
+
+
+def main() -> None:
+    try:
+        train(parse_args())
+    except InputError as exc:
+        sys.exit(f"hf_trainer_sft.py: {exc}")
+
+
+if __name__ == "__main__":
+    main()

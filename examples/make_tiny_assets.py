@@ -1,0 +1,94 @@
+"""Writes what ``examples/hf_trainer_sft.py`` needs to run anywhere, offline, in seconds:
+a tiny random Qwen3 (``DIR/model``), a word-level tokenizer with a chat template
+(``DIR/tokenizer``) and a JSONL of random chats (``DIR/chats.jsonl``, one
+``{"messages": [{"role": ..., "content": ...}, ...]}`` per line, of uneven lengths).
+
+    python examples/make_tiny_assets.py DIR [--chats 48] [--seed 0]
+
+The model learns nothing useful: it stands in for a real checkpoint so that the example
+and its test (tests/test_examples_hf.py) run in seconds on CPU ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+ROLES = ("system", "user", "assistant")
+SPECIAL = ("<pad>", "<eos>", "<unk>")
+VOCAB = 96  # the model's vocabulary: the special tokens, the roles, then words w6 .. w95
+# every message is "<role> <content> <eos>", the turns back to back; the generation prompt
+# (for inference) is the assistant's role word
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} {{ message['content'] }} "
+    "{{ eos_token }} {% endfor %}{% if add_generation_prompt %}assistant {% endif %}"
+)
+
+
+def words() -> list[str]:
+    first = len(SPECIAL) + len(ROLES)
+    return [f"w{i}" for i in range(first, VOCAB)]
+
+
+def save_tokenizer(folder: Path) -> None:
+    import tokenizers
+    import transformers
+
+    vocab = {t: i for i, t in enumerate((*SPECIAL, *ROLES, *words()))}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+
+
+def save_model(folder: Path, seed: int) -> None:
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+
+
+def chats(n: int, seed: int) -> list[dict]:
+    """``n`` chats: an optional system turn, then 1-2 user/assistant exchanges; contents of
+    1-12 words, so the tokenized chats have lengths of every residue."""
+    rng = random.Random(seed)
+    vocab = words()
+    out = []
+    for _ in range(n):
+        turns = [("system",)] if rng.random() < 0.3 else []
+        turns += [("user",), ("assistant",)] * rng.randint(1, 2)
+        messages = [
+            {"role": r, "content": " ".join(rng.choices(vocab, k=rng.randint(1, 12)))}
+            for (r,) in turns
+        ]
+        out.append({"messages": messages})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, help="where model/, tokenizer/, chats.jsonl go")
+    parser.add_argument("--chats", type=int, default=48, help="chats in chats.jsonl (48)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and chats (0)")
+    args = parser.parse_args()
+    args.folder.mkdir(parents=True, exist_ok=True)
+    save_model(args.folder / "model", args.seed)
+    save_tokenizer(args.folder / "tokenizer")
+    lines = (json.dumps(c) for c in chats(args.chats, args.seed))
+    (args.folder / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.folder}/model, {args.folder}/tokenizer, {args.folder}/chats.jsonl")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""examples/hf_trainer_sft.py as the README starts it: under ``accelerate launch`` (with
+examples/accelerate_config.yaml) and under the ``deepspeed`` launcher, 2 CPU ranks,
+Ulysses 2, ZeRO-2, row-wise packing of chats of every length; against the same example
+in one process without DeepSpeed (transformers' sdpa attention), all three side by side.
+SGD with a constant learning rate and no clipping, so a wrong gradient scale changes the
+losses of steps 2 and 3. Also: the saved folder is a plain transformers model, and bad
+input stops the example with a message naming the line and the fix."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, finish, free_port, run, start
+
+pytestmark = pytest.mark.launcher
+pytest.importorskip("trl")
+pytest.importorskip("accelerate")
+
+EXAMPLE = ROOT / "examples" / "hf_trainer_sft.py"
+RTOL = 1e-5
+# the README's settings (a short run that shows a wrong gradient scale)
+SETTINGS = ("--max_length", "64", "--max_steps", "3", "--batch_size", "2",
+            "--optim", "sgd", "--learning_rate", "1.0", "--max_grad_norm", "0")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    """The tiny Qwen3, tokenizer (with a chat template) and chats of the README."""
+    folder = tmp_path_factory.mktemp("hf_example_assets")
+    run([sys.executable, str(ROOT / "examples" / "make_tiny_assets.py"), str(folder)])
+    return folder
+
+
+def example_args(assets: Path, out: Path) -> list[str]:
+    data = ("--model_path", str(assets / "model"), "--tokenizer_path", str(assets / "tokenizer"))
+    return [*data, "--data", str(assets / "chats.jsonl"), "--output_dir", str(out), *SETTINGS]
+
+
+def accelerate_cmd(args: list[str]) -> list[str]:
+    """``accelerate launch --config_file examples/accelerate_config.yaml`` (a free port
+    added, so that runs side by side do not meet)."""
+    launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
+    cfg = ["--config_file", "examples/accelerate_config.yaml"]
+    return [*launch, *cfg, "--main_process_port", str(free_port()), str(EXAMPLE), *args]
+
+
+def deepspeed_cmd(args: list[str]) -> list[str]:
+    """``deepspeed --num_gpus 2 examples/hf_trainer_sft.py --deepspeed ...`` (a free port)."""
+    launch = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
+    ds = ["--deepspeed", "examples/ds_zero2_u2.json"]
+    return [*launch, "--master_port", str(free_port()), str(EXAMPLE), *ds, *args]
+
+
+def losses(out: Path) -> list[float]:
+    values = json.loads((out / "train_losses.json").read_text())
+    assert len(values) == 3 and all(math.isfinite(x) for x in values), values
+    return values
+
+
+def test_sft_example_under_both_launchers_equals_one_process(assets, tmp_path):
+    outs = {name: tmp_path / name for name in ("ref", "accelerate", "deepspeed")}
+    procs = [
+        start([sys.executable, str(EXAMPLE), *example_args(assets, outs["ref"])]),
+        start(accelerate_cmd(example_args(assets, outs["accelerate"]))),
+        start(deepspeed_cmd(example_args(assets, outs["deepspeed"]))),
+    ]
+    results = finish(procs, timeout=900)
+    for name, (code, text) in zip(outs, results):
+        assert code == 0, f"{name}: exit {code}\n{text[-6000:]}"
+    ref_text, *sp_texts = (text for _, text in results)
+    assert "one process (no sequence_parallel block)" in ref_text
+    for text in sp_texts:  # the block was read: not two data-parallel ranks
+        assert "sequence parallel: Ulysses 2 x ring 1, 1 data-parallel replica(s)" in text
+        assert "packing row" in text
+    ref = losses(outs["ref"])
+    assert ref[0] != ref[-1]  # the steps changed the model
+    for name in ("accelerate", "deepspeed"):
+        got = losses(outs[name])
+        torch.testing.assert_close(
+            torch.tensor(got), torch.tensor(ref), rtol=RTOL, atol=0,
+            msg=lambda m, name=name, got=got: f"{name} {got} != one process {ref}: {m}",
+        )  # fmt: skip
+    assert_plain_folder(outs["ref"] / "final", outs["deepspeed"] / "final")
+
+
+def assert_plain_folder(ref_dir: Path, sp_dir: Path) -> None:
+    """The SP run's ``final`` folder loads in plain transformers (model and tokenizer) and
+    gives the reference's logits."""
+    import transformers
+
+    assert "ulysses" not in (sp_dir / "config.json").read_text()
+    tok = transformers.AutoTokenizer.from_pretrained(sp_dir)
+    chat = [{"role": "user", "content": "w7 w8 w9"}, {"role": "assistant", "content": "w10"}]
+    ids = tok.apply_chat_template(chat, return_tensors="pt", return_dict=True)["input_ids"]
+    models = [
+        transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        for d in (ref_dir, sp_dir)
+    ]
+    with torch.no_grad():
+        ref_logits, sp_logits = (m(input_ids=ids).logits for m in models)
+    torch.testing.assert_close(sp_logits, ref_logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (None, "no such file"),
+        ('{"text": "w7 w8"}', 'line 2: no "messages" list'),
+        ('{"messages": [{"role": "user"}]}', 'line 2: message 0 must have string "role"'),
+        ("{not json", "line 2: not JSON"),
+    ],
+)
+def test_sft_example_bad_data_is_refused(assets, tmp_path, line, message):
+    data = tmp_path / "chats.jsonl"
+    if line is not None:
+        first = (assets / "chats.jsonl").read_text().splitlines()[0]
+        data.write_text(f"{first}\n{line}\n")
+    args = example_args(assets, tmp_path / "out")
+    args[args.index("--data") + 1] = str(data)
+    out = run([sys.executable, str(EXAMPLE), *args], ok=False)
+    assert message in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
