@@ -152,6 +152,7 @@ class ModelConfig:
     tiled_mlp: int | Literal["auto"] = 0
     tiled_loss: int | Literal["auto"] = 0  # LM head + loss in pieces, no full logits
     fused_loss: bool = False  # LM head + loss gradients computed in the forward
+    compile: bool = False  # torch.compile each decoder layer (models/compiled.py)
 
     @classmethod
     def from_dict(cls, cfg: dict | None) -> ModelConfig:
@@ -184,6 +185,7 @@ class HFModelConfig:
     tiled_mlp: int | Literal["auto"] = 0
     tiled_loss: int | Literal["auto"] = 0
     fused_loss: bool = False
+    compile: bool = False  # torch.compile each decoder layer (models/compiled.py)
 
     @classmethod
     def from_dict(cls, block: dict | None) -> HFModelConfig:

@@ -56,7 +56,11 @@ class WorkStats:
         return out | {f"skipped/{p}": n for p, n in sorted(self.skipped.items())}
 
     def count(self, phase: str, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Score entries of one kernel call on ``q (b, sq, hq, d)`` against ``k (b, sk, ...)``."""
+        """Score entries of one kernel call on ``q (b, sq, hq, d)`` against ``k (b, sk, ...)``.
+        Not counted inside ``torch.compile``d layers (a compiled backward cannot change
+        Python state; docs/training.md, ``compile``)."""
+        if torch.compiler.is_compiling():
+            return
         b, sq, hq = q.shape[:3]
         self.scores[phase] += b * hq * sq * k.shape[1]
 

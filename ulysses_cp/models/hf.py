@@ -35,7 +35,7 @@ from ..core.sharding import layout_of
 from ..core.topology import Topology
 from .hf_attention import (
     KEY,
-    calls,
+    called,
     register_attention,
     registered_topology,
     temperature,
@@ -221,10 +221,10 @@ class HFCausalLM(nn.Module):
         packed = batch is not None and batch.cu_seqlens is not None
         if not self._checked and not packed:
             self._check_global_positions(position_ids)
-        before = calls()
+        called(reset=True)
         hidden = self.run_base(input_ids, position_ids, batch)
         if not self._checked:
-            if calls() == before and not self._mixers:
+            if not called() and not self._mixers:
                 raise ValueError(
                     f"{type(self.model).__name__} ran without calling the ulysses_cp attention "
                     f"function: its attention bypasses the attention interface"

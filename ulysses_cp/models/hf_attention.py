@@ -69,7 +69,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "atte
 _ALIASES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 # process-wide state of the calls: how many (the first-forward check), whole-sequence mode
 # (the probe's reference run), and an optional record of each call's module and options
-_STATE: dict[str, Any] = {"calls": 0, "whole": False, "record": None, "topo": None}
+_STATE: dict[str, Any] = {"calls": 0, "called": False, "whole": False, "record": None, "topo": None}
 
 
 def transformers_module():
@@ -87,8 +87,19 @@ def refuse(what: str, fix: str) -> None:
 
 
 def calls() -> int:
-    """How many attention calls went through the interface so far (process-wide)."""
+    """How many attention calls went through the interface so far (process-wide), not
+    counting calls from ``torch.compile``d layers (see :func:`called`)."""
     return int(_STATE["calls"])
+
+
+def called(reset: bool = False) -> bool:
+    """Whether an attention call went through the interface since the last
+    ``called(reset=True)`` (which returns the old value and clears it); compiled layers
+    too (a store, which dynamo replays at every call without guarding on it)."""
+    seen = bool(_STATE["called"])
+    if reset:
+        _STATE["called"] = False
+    return seen
 
 
 @contextmanager
@@ -171,7 +182,9 @@ class Registered:
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         _check_call(module, query, key, attention_mask, dropout)
-        _STATE["calls"] += 1
+        _STATE["called"] = True
+        if not torch.compiler.is_compiling():  # a read: dynamo would recompile per value
+            _STATE["calls"] += 1
         causal = kw.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
         kind, options = layer_type(module), _variants(kw, causal)

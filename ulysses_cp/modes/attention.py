@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling as compiling
 
 from ..core.batch import BatchPlan
 from ..core.derived import once
@@ -22,10 +23,17 @@ from ..core.varlen import Docs
 from ..kernels.backends import Kernel, resolve_backend
 from ..kernels.dispatch import KernelCall, attend_local, attn_backward, attn_forward
 from ..kernels.spec import AttentionSpec
-from .checks import Choices, check_across_ranks, check_sinks, signature, validate_qkv
+from .checks import (
+    Choices,
+    check_across_ranks,
+    check_sinks,
+    checked_in_graph,
+    signature,
+    validate_qkv,
+)
 from .chunked import HeadChunks, chunked_attention
 from .ring import Ring, ring_attention, ring_functions
-from .ulysses import resolve_head_chunks
+from .ulysses import resolve_head_chunks, ulysses_attention
 
 __all__ = [
     "Attention",
@@ -111,7 +119,9 @@ def attend(
     if topo.check_inputs and topo.sp_world_size > 1:
         # first, so that input that only some ranks would reject fails on every rank
         slots = signature((q, k, v), spec, choice, cu, sinks)
-        if plan is None or not plan.checked(tuple(value for _, value in slots)):
+        if torch.compiler.is_compiling():  # at every call, from inside the graph
+            q = checked_in_graph(q, slots, topo)
+        elif plan is None or not plan.checked(tuple(value for _, value in slots)):
             check_across_ranks(slots, topo, q.device if isinstance(q, torch.Tensor) else "cpu")
     validate_qkv(q, k, v, topo, choice.layout)
     if choice.kv_exchange not in KV_EXCHANGES:
@@ -135,11 +145,20 @@ def attend(
     if u == 1:  # ring mode: no all-to-all around the ring
         inner = _inner(topo, call, choice, docs)
         return inner(q, k, v) if sinks is None else inner(q, k, v, sinks=sinks)
+    if compiling() and r == 1 and not choice.redo_all_to_all:
+        # compiled Ulysses: differentiable traceable ops (one graph, no overlap)
+        inner = _inner(topo, call, choice, docs)
+        return ulysses_attention(
+            q, k, v, group=topo.ulysses_group, inner=inner, order=order, sinks=sinks,
+            head_chunks=chunks,
+        )  # fmt: skip
     # Ulysses: a2a around the local kernel; hybrid: a2a around the ring. Head-sharded
     # copies kept for the backward and freed as it goes, or (redo_all_to_all) none kept
-    # and the a2a redone there
+    # and the a2a redone there. Compiled hybrid or redo: eager as a whole (the graph
+    # breaks around it, see _eager_in_graph)
     pair = _inner(topo, call, choice, docs, q.shape[1] * u)
-    return chunked_attention(
+    run = _eager_in_graph if compiling() else chunked_attention
+    return run(
         q, k, v, group=topo.ulysses_group, inner=pair, order=order, sinks=sinks,
         chunks=HeadChunks(chunks, choice.redo_all_to_all),
     )  # fmt: skip
@@ -154,6 +173,13 @@ def _plan_of(
     key = ("plan", *shape, topo.ulysses_degree, topo.ring_degree, topo.sp_rank, layout, packing)
     make = partial(BatchPlan.of, topo, layout, shape, cu, "cu_seqlens", packing)
     return once((cu,), key, make)
+
+
+# ring attention run eagerly from a compiled layer (its graph breaks before and after)
+_ring_outside_graph = torch.compiler.disable(ring_attention)
+# the hybrid's all-to-alls around a ring (and redo_all_to_all's): eager as a whole, one
+# autograd function whose collectives dynamo does not trace; they keep their overlap
+_eager_in_graph = torch.compiler.disable(chunked_attention)
 
 
 def _inner(
@@ -178,7 +204,9 @@ def _inner(
         ring = Ring(topo.ring_group, choice.layout, docs, choice.kv_exchange)
     if split:
         return ring_functions(ring, call, split)
-    return partial(ring_attention, ring=ring, call=call)
+    # the ring's send/recv cannot be traced: a compiled layer breaks its graph around it
+    ring_fn = _ring_outside_graph if compiling() else ring_attention
+    return partial(ring_fn, ring=ring, call=call)
 
 
 class Attention:

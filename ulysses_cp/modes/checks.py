@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..core.comm import collective, stats
 from ..core.derived import once
@@ -29,6 +30,7 @@ __all__ = [
     "Choices",
     "check_across_ranks",
     "check_sinks",
+    "checked_in_graph",
     "signature",
     "validate_qkv",
 ]
@@ -195,17 +197,44 @@ def check_across_ranks(slots: Slots, topo: Topology, device: torch.device) -> No
     check: every rank must call attention with the same shapes, dtypes, devices, options
     and documents, or the all-to-all would hang or mix data. Raises the same
     ``ValueError`` on every rank, naming what differs."""
-    sig = torch.tensor([v for _, v in slots], dtype=torch.int64, device=device)
-    parts = [torch.empty_like(sig) for _ in range(topo.sp_world_size)]
-    with collective("all_gather", "input check", topo.sp_group):
-        dist.all_gather(parts, sig, group=topo.sp_group)
+    _compare([v for _, v in slots], [n for n, _ in slots], topo.sp_group, device)
+
+
+def checked_in_graph(q: torch.Tensor, slots: Slots, topo: Topology) -> torch.Tensor:
+    """:func:`check_across_ranks` inside a ``torch.compile``d layer: the same all-gather
+    and ``ValueError``, as the custom op ``ulysses_cp::check_call`` that runs at every
+    call (not once at trace time). Returns ``q`` plus the op's zero: the data dependency
+    keeps the check in the graph and before the first all-to-all."""
+    names = "\n".join(n for n, _ in slots)
+    assert topo.sp_group is not None, "checked only with more than one SP rank"
+    zero = _check_call(q.detach(), [v for _, v in slots], names, topo.sp_group.group_name)
+    return q + zero
+
+
+@torch.library.custom_op("ulysses_cp::check_call", mutates_args=())
+def _check_call(like: torch.Tensor, values: list[int], names: str, group_name: str) -> torch.Tensor:
+    group = _resolve_process_group(group_name)  # type: ignore[arg-type]
+    _compare(values, names.split("\n"), group, like.device)
+    return like.new_zeros(())
+
+
+@_check_call.register_fake
+def _(like: torch.Tensor, values: list[int], names: str, group_name: str) -> torch.Tensor:
+    return like.new_zeros(())
+
+
+def _compare(values: list[int], names: list[str], group, device: torch.device) -> None:
+    sig = torch.tensor(values, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(sig) for _ in range(dist.get_world_size(group))]
+    with collective("all_gather", "input check", group):
+        dist.all_gather(parts, sig, group=group)
     stats.add("all_gather", "input check", sig.numel() * sig.element_size())
     rows = [p.tolist() for p in parts]
     if all(row == rows[0] for row in rows):
         return
-    diff = [i for i in range(len(slots)) if len({row[i] for row in rows}) > 1]
+    diff = [i for i in range(len(names)) if len({row[i] for row in rows}) > 1]
     detail = "; ".join(
-        f"{slots[i][0]}: " + ", ".join(f"rank {r} {row[i]}" for r, row in enumerate(rows))
+        f"{names[i]}: " + ", ".join(f"rank {r} {row[i]}" for r, row in enumerate(rows))
         for i in diff
     )
     raise ValueError(

@@ -8,18 +8,26 @@ Rank j holds query heads ``[j*hq/P, (j+1)*hq/P)`` after the all-to-all. GQA: kv 
 that the degree divides travel with their own count; fewer kv heads than ranks are
 replicated ``P / hkv`` times first (autograd sums the replicas' gradients), so that rank j
 receives kv head ``floor(j * hkv / P)``, the one its query heads use. The attention itself,
-chunk by chunk, is :mod:`.chunked`'s.
+chunk by chunk, is :mod:`.chunked`'s; :func:`ulysses_attention` is the same attention
+as differentiable ops that dynamo traces, what a compiled layer runs (``model.compile``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from ..core.comm import PendingAllToAll, group_size
+from ..core.compiled_comm import BlockingAllToAll
+from ..core.protocols import Group
 
 __all__ = [
     "MIN_CHUNK_BYTES",
     "head_chunk_choices",
     "kv_replication",
     "resolve_head_chunks",
+    "ulysses_attention",
 ]
 
 
@@ -129,3 +137,117 @@ def _from_ranks(x: torch.Tensor, P: int, order) -> torch.Tensor:
     for p in range(P):
         out[:, 2 * P - 1 - p].copy_(xv[p, :, 1])
     return out.view(b, 2 * P * n, h, d)
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class _Assemble(torch.autograd.Function):
+    """The output chunks ``(P, b, s_l, hq/(cP), d)`` (dim 0 = the rank that computed
+    them) -> ``(b, s_l, hq, d)``: one copy, and the backward hands each chunk a view of
+    the gradient (no zero-filled full-size tensors)."""
+
+    @staticmethod
+    def forward(ctx, *chunks):
+        P, b, s_l, hc, d = chunks[0].shape
+        c = len(chunks)
+        ctx.split = (P, c, hc)
+        out = chunks[0].new_empty(b, s_l, P, c, hc, d)
+        for i, x in enumerate(chunks):
+            out[:, :, :, i].copy_(x.permute(1, 2, 0, 3, 4))
+        return out.view(b, s_l, P * c * hc, d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        P, c, hc = ctx.split
+        g = grad.unflatten(2, (P, c, hc))
+        return tuple(g[:, :, :, i].permute(2, 0, 1, 3, 4) for i in range(c))
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Group,
+    inner: Callable,
+    order: str | tuple[torch.Tensor, torch.Tensor],
+    sinks: torch.Tensor | None = None,
+    head_chunks: int = 1,
+) -> torch.Tensor:
+    """All-to-alls over ``group`` around ``inner(q, k, v[, sinks=]) -> out`` on
+    head-sharded tensors, in ``head_chunks`` chunks of heads (module docstring).
+
+    ``inner`` is the local kernel (Ulysses mode) or ring attention over the ring group
+    (hybrid mode); it sees q ``(b, s/r, hq/(cP), d)`` and k/v ``(b, s/r, hk/(c_k P), d)``
+    in token order (zigzag: the ring rank's two chunks in order). ``sinks``: this rank's
+    ``(hq/P,)`` sink logits, handed to ``inner`` per chunk. Inputs validated by the caller;
+    ``head_chunks`` must be one of :func:`head_chunk_choices`.
+
+    q ``(b, s_l, hq, d)``, k/v ``(b, s_l, hkv, d)`` -> ``(b, s_l, hq, d)``. ``order``: how
+    the ranks' tokens are put in token order after the all-to-all: the layout
+    (``"zigzag"``, ``"contiguous"``), or for packed rows ``(perm, inverse)`` from
+    :func:`~ulysses_cp.core.varlen.ulysses_permutation` (it puts every document's pieces in
+    order)."""
+    P = group_size(group)
+    extra = {} if sinks is None else {"sinks": sinks}
+    if P == 1:
+        return inner(q, k, v, **extra)
+    hq, hkv = q.shape[2], k.shape[2]
+    rep = kv_replication(hq, hkv, P)
+    if rep > 1:
+        # (b, s_l, hkv, d) -> (b, s_l, P, d): kv head j replicated for ranks [j*rep, (j+1)*rep)
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    c = head_chunks
+    ql, kl = hq // P, k.shape[2] // P
+    ck = min(c, kl)
+
+    def to_ranks(x):
+        return _to_ranks(x, P, order)
+
+    def from_ranks(x):
+        return _from_ranks(x, P, order)
+
+    # views: q chunk i = (b, s_l, P, ql/c, d), dim 2 = destination rank; unbind's backward
+    # stacks the chunks' gradients once, when all have arrived
+    q_chunks = q.unflatten(2, (P, c, ql // c)).unbind(3)
+    k_chunks = k.unflatten(2, (P, ck, kl // ck)).unbind(3)
+    v_chunks = v.unflatten(2, (P, ck, kl // ck)).unbind(3)
+    per_kv = c // ck  # query chunks per kv chunk
+    # under torch.compile: the traceable custom op, which waits at once (no overlap)
+    exchange = BlockingAllToAll if torch.compiler.is_compiling() else PendingAllToAll
+
+    def post(i: int) -> tuple[PendingAllToAll | BlockingAllToAll, torch.Tensor]:
+        parts = [q_chunks[i]]
+        if i % per_kv == 0:
+            parts += [k_chunks[i // per_kv], v_chunks[i // per_kv]]
+        send = torch.cat([t.permute(2, 0, 1, 3, 4) for t in parts], dim=3)  # (P, b, s_l, h, d)
+        pending = exchange(group)
+        return pending, pending.start(send, _same, _same)
+
+    qc, kc = ql // c, kl // ck
+    inbound = [post(0)]
+    outbound: list[tuple[PendingAllToAll | BlockingAllToAll, torch.Tensor]] = []
+    kv = None
+    done: list[torch.Tensor] = []
+    for i in range(c):
+        if i + 1 < c:
+            inbound.append(post(i + 1))  # in flight while chunk i computes
+        pending, recv = inbound[i]
+        heads = pending.finish(recv, from_ranks, to_ranks)  # (b, s, h, d) token order
+        inbound[i] = None  # type: ignore[call-overload]  # the receive buffer is ours no more
+        if i % per_kv == 0:
+            qh, kh, vh = heads.split([qc, kc, kc], dim=2)
+            kv = (kh, vh)
+        else:
+            qh = heads
+        assert kv is not None
+        part = {} if sinks is None else {"sinks": sinks[i * qc : (i + 1) * qc]}
+        out = inner(qh, kv[0], kv[1], **part)  # (b, s, qc, d)
+        pending_out = exchange(group)
+        outbound.append((pending_out, pending_out.start(out, to_ranks, from_ranks)))
+        if i > 0:  # chunk i-1's output moved while chunk i computed
+            done.append(outbound[i - 1][0].finish(outbound[i - 1][1], _same, _same))
+    done.append(outbound[-1][0].finish(outbound[-1][1], _same, _same))
+    return _Assemble.apply(*done)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..config import HFModelConfig, ModelConfig, RunConfig
 from ..core.sharding import sequence_multiple
 from ..core.topology import Topology, validate_degrees
+from ..models.compiled import compile_layers
 from ..models.decoder import Decoder
 from ..modes.attention import Attention
 from ..modes.ulysses import kv_replication
@@ -81,6 +82,11 @@ def validate(run: RunConfig) -> None:
             f"data.seq_len {dc.seq_len} must be a multiple of {m} for "
             f"u{sp.ulysses_degree} x r{sp.ring_degree} in the {sp.layout!r} layout"
         )
+    if mc.compile and dc.packing:
+        raise ValueError(
+            "model.compile is not supported with data.packing (packed rows' document plans "
+            "are not traced); set one of them to false"
+        )
     if dc.packing and sp.packing == "document" and dc.pack_multiple % m:
         raise ValueError(
             f"data.pack_multiple {dc.pack_multiple} must be a multiple of {m}: every packed "
@@ -97,15 +103,21 @@ def build_model(
     """The reference decoder (``ModelConfig``) or a Hugging Face model (``HFModelConfig``),
     with the run's attention (``topo.options``). With ``run`` under ZeRO-3 a Hugging Face
     model is built partitioned, never whole on a rank (``training/loading.py``)."""
-    if not isinstance(mc, ModelConfig):
+    model: torch.nn.Module
+    if isinstance(mc, ModelConfig):
+        model = Decoder(mc, Attention(topo))
+    else:
         from . import loading
 
         if run is not None and loading.partitioned_build(run):
-            return loading.build_partitioned(run, topo)
-        from ..models import hf
+            model = loading.build_partitioned(run, topo)
+        else:
+            from ..models import hf
 
-        return hf.build_model(topo, mc)
-    return Decoder(mc, Attention(topo))
+            model = hf.build_model(topo, mc)  # probed before its layers are compiled
+    if mc.compile:
+        compile_layers(model)
+    return model
 
 
 def cpu_optimizer(run: RunConfig, model: torch.nn.Module) -> tuple[object | None, RunConfig]:
