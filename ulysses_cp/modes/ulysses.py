@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..core.comm import PendingAllToAll, group_size
+from ..core.comm import group_size
 from ..core.compiled_comm import BlockingAllToAll
 from ..core.protocols import Group
 
@@ -215,25 +215,25 @@ def ulysses_attention(
     k_chunks = k.unflatten(2, (P, ck, kl // ck)).unbind(3)
     v_chunks = v.unflatten(2, (P, ck, kl // ck)).unbind(3)
     per_kv = c // ck  # query chunks per kv chunk
-    # under torch.compile: the traceable custom op, which waits at once (no overlap)
-    exchange = BlockingAllToAll if torch.compiler.is_compiling() else PendingAllToAll
 
-    def post(i: int) -> tuple[PendingAllToAll | BlockingAllToAll, torch.Tensor]:
+    # what a compiled layer runs (the eager path is .chunked's): the traceable custom op,
+    # which waits at once (no overlap)
+    def post(i: int) -> tuple[BlockingAllToAll, torch.Tensor]:
         parts = [q_chunks[i]]
         if i % per_kv == 0:
             parts += [k_chunks[i // per_kv], v_chunks[i // per_kv]]
         send = torch.cat([t.permute(2, 0, 1, 3, 4) for t in parts], dim=3)  # (P, b, s_l, h, d)
-        pending = exchange(group)
+        pending = BlockingAllToAll(group)
         return pending, pending.start(send, _same, _same)
 
     qc, kc = ql // c, kl // ck
     inbound = [post(0)]
-    outbound: list[tuple[PendingAllToAll | BlockingAllToAll, torch.Tensor]] = []
+    outbound: list[tuple[BlockingAllToAll, torch.Tensor]] = []
     kv = None
     done: list[torch.Tensor] = []
     for i in range(c):
         if i + 1 < c:
-            inbound.append(post(i + 1))  # in flight while chunk i computes
+            inbound.append(post(i + 1))
         pending, recv = inbound[i]
         heads = pending.finish(recv, from_ranks, to_ranks)  # (b, s, h, d) token order
         inbound[i] = None  # type: ignore[call-overload]  # the receive buffer is ours no more
@@ -245,9 +245,9 @@ def ulysses_attention(
         assert kv is not None
         part = {} if sinks is None else {"sinks": sinks[i * qc : (i + 1) * qc]}
         out = inner(qh, kv[0], kv[1], **part)  # (b, s, qc, d)
-        pending_out = exchange(group)
+        pending_out = BlockingAllToAll(group)
         outbound.append((pending_out, pending_out.start(out, to_ranks, from_ranks)))
-        if i > 0:  # chunk i-1's output moved while chunk i computed
+        if i > 0:
             done.append(outbound[i - 1][0].finish(outbound[i - 1][1], _same, _same))
     done.append(outbound[-1][0].finish(outbound[-1][1], _same, _same))
     return _Assemble.apply(*done)
