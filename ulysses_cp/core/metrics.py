@@ -8,11 +8,12 @@ from __future__ import annotations
 import resource
 
 import torch
+import torch.distributed as dist
 
 from .comm import stats as comm_stats
 from .topology import Topology
 
-__all__ = ["attention_bytes_sent", "peak_memory_mb", "topology_info"]
+__all__ = ["attention_bytes_sent", "largest_peak_memory_mb", "peak_memory_mb", "topology_info"]
 
 
 def attention_bytes_sent() -> int:
@@ -28,6 +29,15 @@ def peak_memory_mb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def largest_peak_memory_mb(device: torch.device | str) -> float:
+    """The largest :func:`peak_memory_mb` of any rank (collective over every rank when
+    torch.distributed runs; ``device``: where the collective's tensor lives)."""
+    peak = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak.item())
 
 
 def topology_info(topo: Topology) -> dict:

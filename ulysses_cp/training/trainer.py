@@ -23,7 +23,7 @@ from ..config import TrainingConfig
 from ..core.batch import shard_batch
 from ..core.comm import stats as comm_stats
 from ..core.log import get_logger
-from ..core.metrics import attention_bytes_sent, peak_memory_mb
+from ..core.metrics import attention_bytes_sent, largest_peak_memory_mb
 from ..core.protocols import Engine
 from ..core.topology import Topology
 from ..models.memory import LossPlan, lm_loss
@@ -291,15 +291,13 @@ class Trainer:
             * self.dataset.cfg.seq_len
         )
         attention = attention_bytes_sent()
-        peak = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=acc.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the largest rank's (as the HF Trainer's)
         tokens_per_s = tokens_per_step * max(since, 1) / (time.perf_counter() - state.started)
         metrics = {
             "loss": mean_loss,
             "lr": engine.get_lr()[0],
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_gpu": tokens_per_s / dist.get_world_size(),
-            "peak_mem_mb": float(peak.item()),
+            "peak_mem_mb": largest_peak_memory_mb(acc.device),  # as the HF Trainer's
             # what this rank sends per step: attention (counted) and ZeRO (by formula),
             # the plan's comm_bytes_per_step_per_rank; the attention part apart
             "comm_bytes_per_step": attention / max(since, 1) + self.zero_bytes_per_step,

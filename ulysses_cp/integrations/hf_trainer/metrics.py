@@ -29,7 +29,7 @@ from transformers import TrainerCallback
 
 from ...core.comm import stats as comm_stats
 from ...core.log import get_logger
-from ...core.metrics import attention_bytes_sent, peak_memory_mb, topology_info
+from ...core.metrics import attention_bytes_sent, largest_peak_memory_mb, topology_info
 from ...core.topology import Topology
 from ...core.zero_comm import zero_wire_bytes
 
@@ -90,19 +90,16 @@ class StepMeter:
     def metrics(self, step: int) -> dict[str, float]:
         steps = max(step - self.last_step, 1)
         elapsed = max(time.perf_counter() - self.started, 1e-9)
-        # tokens summed over the replicas (one rank of each in the dp group); peak: the max
+        # tokens summed over the replicas (one rank of each in the dp group)
         tokens = torch.tensor([float(self.tokens)], dtype=torch.float64, device=self.device)
         if self.topo.dp_group is not None and self.topo.dp_degree > 1:
             dist.all_reduce(tokens, group=self.topo.dp_group)
-        peak = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         attention = attention_bytes_sent() / steps
         tokens_per_s = float(tokens.item()) / elapsed
         out = {
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_gpu": tokens_per_s / self.topo.world_size,
-            "peak_mem_mb": float(peak.item()),
+            "peak_mem_mb": largest_peak_memory_mb(self.device),
             "attention_comm_bytes_per_step": attention,
         }
         if self.zero_bytes is not None:
