@@ -141,8 +141,12 @@ def backward(
     mask, _ = _band_mask(how.band, q, k)
     if mask is not None:  # rows with lse -inf see nothing anywhere: any finite lse gives p = 0
         lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    # the kernel takes dO in any layout with unit stride in d: no head-major copy
+    dout = _bhsd(dout)
+    if dout.stride(-1) != 1 or 0 in dout.stride():
+        dout = dout.contiguous()
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _bhsd(dout).contiguous(),
+        dout,
         _bhsd(q),
         _bhsd(k),
         _bhsd(v),

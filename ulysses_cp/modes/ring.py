@@ -40,6 +40,7 @@ from .schedule import Schedule, window_split
 __all__ = [
     "Ring",
     "merge",
+    "merge_",
     "ring_attention",
     "ring_backward",
     "ring_forward",
@@ -76,15 +77,22 @@ class Ring:
 def merge(
     out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge a partial result into the accumulators (all fp32/fp64); returns (out, lse).
+    """Merge a partial result into the accumulators (all fp32/fp64); returns new (out, lse)
+    (:func:`merge_` on copies).
 
     out ``(b, s, h, d)``, lse ``(b, h, s)``. Rows empty on both sides stay empty (-inf)."""
-    diff = lse_b - lse
-    w = torch.sigmoid(diff).nan_to_num(0.0)  # both -inf: nan -> keep out
-    out = out - w.transpose(1, 2).unsqueeze(-1) * (out - out_b)
+    out, lse = out.clone(), lse.clone()
+    merge_(out, lse, out_b, lse_b)
+    return out, lse
+
+
+def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """:func:`merge` in place: ``out`` and ``lse`` (views of the accumulators allowed) are
+    overwritten, with no temporary of ``out``'s size (``out + w (out_b - out)`` by lerp)."""
+    w = torch.sigmoid(lse_b - lse).nan_to_num(0.0)  # both -inf: nan -> keep out
+    out.lerp_(out_b, w.transpose(1, 2).unsqueeze(-1))
     new = lse - F.logsigmoid(lse - lse_b)
-    new = torch.where(torch.isinf(lse) | torch.isinf(lse_b), torch.maximum(lse, lse_b), new)
-    return out, new
+    lse.copy_(torch.where(torch.isinf(lse) | torch.isinf(lse_b), torch.maximum(lse, lse_b), new))
 
 
 def _pack(k, v):
@@ -104,7 +112,11 @@ def ring_forward(
         work.skipped["forward"] += skipped
         for qs, ks, where in blocks:
             o_b, l_b = attn_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], call.at(**where))
-            out[:, qs], lse[:, :, qs] = merge(out[:, qs], lse[:, :, qs], o_b.to(acc), l_b.to(acc))
+            o, lo = out[:, qs], lse[:, :, qs]  # views for a slice (merged in place), else copies
+            merge_(o, lo, o_b.to(acc), l_b.to(acc))
+            if not isinstance(qs, slice):
+                out[:, qs], lse[:, :, qs] = o, lo
+            del o, lo, o_b, l_b
     return out, lse
 
 
