@@ -4,6 +4,7 @@ safetensors checkpoint and from a seed, and the same generator state after the b
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -17,7 +18,7 @@ from ulysses_cp.training.data import KVRecall, global_batch
 
 transformers = pytest.importorskip("transformers")
 from ulysses_cp.models import hf  # noqa: E402
-from ulysses_cp.training import loading  # noqa: E402
+from ulysses_cp.training import loading, partitioned_init  # noqa: E402
 
 # odd sizes: an MLP bias of 33 elements is padded in the partition of 2 ranks, and the
 # 33 x 18 projections' partitions start in the middle of a row
@@ -35,10 +36,10 @@ def _config(tmp, weights=None) -> dict:
     return run_config(1, 2, 3, model=model)
 
 
-def _step(rank, cfg: dict, partitioned: bool, seed: int):
+def _step(rank, cfg: dict, partitioned: bool, seed: int, block_bytes: int | None = None):
     """Build (seeded), ``ucp.initialize`` under ZeRO-3, one SGD step. Returns the gathered
     parameters after the build, the loss, the gathered parameters after the step and the
-    generator's state after the build."""
+    generator's state after the build. ``block_bytes``: the random init's row blocks."""
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
@@ -46,7 +47,12 @@ def _step(rank, cfg: dict, partitioned: bool, seed: int):
     topo = topology_for(cfg)
     torch.manual_seed(seed)
     if partitioned:
-        model = loading.build_partitioned(run, topo, backend="torch")
+        default = partitioned_init.ROW_BLOCK_BYTES
+        partitioned_init.ROW_BLOCK_BYTES = block_bytes or default
+        try:
+            model = loading.build_partitioned(run, topo, backend="torch")
+        finally:
+            partitioned_init.ROW_BLOCK_BYTES = default
         assert all(hasattr(p, "ds_id") for p in model.parameters())  # never whole
     else:
         model = hf.build_model(topo, run.model, backend="torch")
@@ -105,13 +111,60 @@ def test_streamed_safetensors_equal_the_whole_load(pools, tmp_path):
     assert torch.equal(part[0][0][0], next(saved.parameters()).detach())
 
 
-def test_random_init_equals_the_whole_init_of_the_same_seed(pools, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+@pytest.mark.parametrize(
+    "block_bytes, extra",
+    [
+        (None, {}),  # each parameter in one block
+        # 40-byte blocks: the 97 x 18 embedding in 8-row blocks (a last one of 9), the 33
+        # biases in blocks of 16 and 17, partition edges inside blocks; a padding row makes
+        # the embedding's init index a row: that module falls back to gathering
+        (40, {"pad_token_id": 3}),
+    ],
+)
+def test_random_init_equals_the_whole_init_of_the_same_seed(pools, tmp_path, block_bytes, extra):
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, **extra}))
     cfg = _config(tmp_path)
     whole = pools(2).run(_step, cfg, False, 3)
-    part = pools(2).run(_step, cfg, True, 3)
+    part = pools(2).run(_step, cfg, True, 3, block_bytes)
     _same(whole, part)
     assert not torch.equal(whole[0][0][1], whole[1][0][0][1] * 0)  # not all zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_blocks_draw_what_one_call_draws(dtype):
+    """torch's CPU normal_ / uniform_ over the blocks of ``row_blocks`` give one call's
+    numbers and leave the generator where one call does (partitioned_init's premise)."""
+    cases = [((97, 18), 40), ((33, 18), 1), ((33,), 4), ((100, 3), 30), ((10,), 1)]
+    cases += [((4000, 256), 2**16), ((7, 5, 3), 8)]
+    for shape, block_bytes in cases:
+        blocks = partitioned_init.row_blocks(shape, dtype.itemsize, block_bytes)
+        assert blocks[0][0] == 0 and blocks[-1][1] == shape[0]
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
+        if shape[0] > 20:
+            assert len(blocks) >= 2, (shape, blocks)  # really cut
+        for draw in (lambda t: t.normal_(0.1, 0.02), lambda t: t.uniform_(-0.5, 0.5)):
+            torch.manual_seed(11)
+            whole = draw(torch.empty(shape, dtype=dtype))
+            after = torch.get_rng_state()
+            torch.manual_seed(11)
+            parts = [draw(torch.empty((b - a, *shape[1:]), dtype=dtype)) for a, b in blocks]
+            assert torch.equal(torch.cat(parts), whole), (shape, blocks)
+            assert torch.equal(torch.get_rng_state(), after), (shape, blocks)
+
+
+def test_stood_in_parameters_refuse_what_blocks_cannot_replay():
+    """Metadata of a stood-in (meta) parameter is answered; an op that makes values from
+    it (a row view, trunc_normal_) raises, so the module falls back to gathering."""
+    w = torch.nn.Parameter(torch.empty(5, 4, device="meta"), requires_grad=False)
+    with partitioned_init._NoMetaChecks(), partitioned_init._Replay({id(w): w}):
+        assert w.shape == (5, 4) and w.dim() == 2 and w.numel() == 20
+        assert torch.nn.init._calculate_fan_in_and_fan_out(w) == (4, 5)
+    ops = [lambda: torch.nn.init.zeros_(w[1]), lambda: torch.nn.init.trunc_normal_(w)]
+    ops += [lambda: torch.nn.init.orthogonal_(w), lambda: w.data.normal_()]
+    for op in ops:
+        replay = partitioned_init._NoMetaChecks(), partitioned_init._Replay({id(w): w})
+        with pytest.raises(partitioned_init._Unsupported), replay[0], replay[1]:
+            op()
 
 
 def test_a_checkpoint_with_other_names_is_not_streamed(tmp_path):

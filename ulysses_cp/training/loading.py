@@ -8,19 +8,19 @@ slice. Then either:
 
 - **random init** gives the numbers a whole-model build gives for the same seed (on CPU):
   the constructors draw from torch's generator in the same order on every rank, and
-  transformers' ``initialize_weights`` pass runs in its own order (children first) with
-  each module's parameters gathered for the call (:func:`_gathered_initialize`), on every
-  rank, so every rank's generator stays in step; rank 0's result is kept. On GPU the
-  constructors run on the GPU (zero.Init's device), so the numbers come from the CUDA
-  generator: deterministic and the same on every rank, but not the CPU numbers of a
-  ZeRO 0-2 run with that seed;
+  transformers' ``initialize_weights`` pass runs in its own order (children first) on
+  the partitions, every rank drawing each parameter's whole stream in bounded row blocks
+  and keeping its slice (``partitioned_init.py``), so every rank's generator stays in
+  step. On GPU the constructors run on the GPU (zero.Init's device), so the numbers come
+  from the CUDA generator: deterministic and the same on every rank, but not the CPU
+  numbers of a ZeRO 0-2 run with that seed;
 - **``hf_weights``** (a folder of safetensors files, one file or shards with their
   ``model.safetensors.index.json``) is read tensor by tensor, and of each tensor only the
   rows that hold this rank's slice (:func:`stream_weights`): a rank reads about 1/world of
   the checkpoint. Construction skips the random init (transformers' ``no_init_weights``).
 
 Peak host memory per rank during the load: its slice of the model plus the largest
-module (random init) or a few rows (streaming), measured by
+module while its constructor runs (random init) or a few rows (streaming), measured by
 ``scripts/benchmark_loading.py`` (``docs/benchmarks.md``).
 
 The guard and probe of :class:`~ulysses_cp.models.hf.HFCausalLM` need the weights, so a
@@ -35,22 +35,20 @@ then partitioned), with a warning that says why.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..config import HFModelConfig, RunConfig
 from ..core.log import get_logger
 from ..core.topology import Topology
 from ..models import hf
 from .engine import SequenceParallelMPU, deepspeed_part
+from .partitioned_init import partitioned_initialize, slice_bounds
 
 __all__ = [
     "build_partitioned",
@@ -137,50 +135,6 @@ def _zero_init(run: RunConfig, topo: Topology, dtype: torch.dtype):
     return init
 
 
-def _gathered_apply(module: torch.nn.Module, fn, custom: bool) -> None:
-    """transformers' ``smart_apply`` (children first; a sub-model brings its own init),
-    with the parameters ``fn`` may touch (the module's own and its direct children's)
-    gathered for the call; every rank runs it, rank 0's values are kept."""
-    import deepspeed
-    from transformers.modeling_utils import PreTrainedModel
-
-    for child in module.children():
-        if isinstance(child, PreTrainedModel):
-            _gathered_apply(child, child._initialize_weights, custom)
-        else:
-            _gathered_apply(child, fn, custom)
-    standard = getattr(fn, "__func__", None) is PreTrainedModel._initialize_weights
-    if standard and getattr(module, "_is_hf_initialized", False):
-        return  # fn would return at once: nothing to gather
-    params = list(module.parameters(recurse=False))
-    for child in module.children():
-        if not isinstance(child, PreTrainedModel):
-            params += list(child.parameters(recurse=False))
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-        fn(module, custom)
-    _release_freed()
-
-
-@contextlib.contextmanager
-def _gathered_initialize() -> Iterator[None]:
-    """``PreTrainedModel.initialize_weights`` (run by each model's ``post_init``) on
-    gathered parameters for the duration."""
-    from transformers import initialization
-    from transformers.modeling_utils import PreTrainedModel
-
-    original = PreTrainedModel.initialize_weights
-
-    def initialize_weights(self) -> None:
-        with torch.no_grad(), initialization.guard_torch_init_functions():
-            _gathered_apply(self, self._initialize_weights, self.is_custom_code())
-
-    PreTrainedModel.initialize_weights = initialize_weights  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        PreTrainedModel.initialize_weights = original  # type: ignore[method-assign]
-
-
 def _own_initializers(model: torch.nn.Module) -> list[str]:
     """Classes in the model that override ``initialize_weights`` (it would run on empty
     partitions)."""
@@ -231,10 +185,8 @@ def _read_slice(reader: Any, key: str, param: Any) -> torch.Tensor | None:
             f"match the weights; use the config.json saved with them"
         )
     numel = int(param.ds_numel)
-    size = int(param.ds_tensor.ds_numel)  # the partition, padded to equal sizes
-    start = size * dist.get_rank(group=param.ds_process_group)
-    end = min(start + size, numel)
-    if start >= numel:
+    start, end = slice_bounds(param)
+    if start >= end:
         return None
     if len(shape) < 2:
         return reader.get_tensor(key).reshape(-1)[start:end]
@@ -326,7 +278,11 @@ def build_partitioned(
     folder = Path(mc.hf_weights) if mc.hf_weights else None
     if folder is not None and not folder.is_dir():
         raise ValueError(f"model.hf_weights: {folder} is not a local folder")
-    init = _gathered_initialize() if folder is None else initialization.no_init_weights()
+    init = (
+        partitioned_initialize(_release_freed)
+        if folder is None
+        else initialization.no_init_weights()
+    )
     with _zero_init(run, topo, dtype), init:
         model = hf.from_config(config, dtype=dtype)
     if folder is not None:
