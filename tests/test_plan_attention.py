@@ -53,8 +53,9 @@ def test_kept_copies_are_saved_and_redo_saves_none():
     kw = dict(s_local=2048, batch=1, ulysses=4, ring=1, head_chunks=2)
     kept, redo = (attention_activation(LAYER, **kw, redo=flag) for flag in (False, True))
     q, k = 2048 * HQ * D * 4, 2048 * HKV * D * 4  # the rank's q (and output), k (and v)
-    assert kept["saved"] == 2 * q + 2 * k  # as many bytes as the caller's q, k, v, out
-    assert redo["saved"] == 0
+    assert kept["kept"] == 2 * q + 2 * k  # as many bytes as the caller's q, k, v, out
+    # in a model the caller's q, k, v go (the copies replace them), the output stays
+    assert kept["saved"] == q and redo["saved"] == redo["kept"] == 0
     # redo: all layers' saved bytes go, one layer's working set does not
     deep = [activation_bytes(LAYER, seq_len=8192, batch=1, ulysses=4, ring=1, head_chunks=2,
                              redo=flag)["layers"] for flag in (False, True)]  # fmt: skip
@@ -62,13 +63,14 @@ def test_kept_copies_are_saved_and_redo_saves_none():
     # ring only: no all-to-all, nothing kept; redo changes nothing
     ring = [attention_activation(LAYER, s_local=2048, batch=1, ulysses=1, ring=4, redo=flag)
             for flag in (False, True)]  # fmt: skip
-    assert ring[0] == ring[1] and ring[0]["saved"] == 0
+    assert ring[0] == ring[1] and ring[0]["saved"] == ring[0]["kept"] == 0
 
 
 def test_replicated_kv_is_kept_at_its_replicated_width():
     mqa = replace(LAYER, hkv=2)  # 2 kv heads over 4 ranks: each replicated twice
     got = attention_activation(mqa, s_local=1024, batch=1, ulysses=4, ring=1, head_chunks=2)
-    assert got["saved"] == 2 * 1024 * HQ * D * 4 + 2 * 1024 * 4 * D * 4
+    q, k, k_rep = (1024 * h * D * 4 for h in (HQ, 2, 4))
+    assert got["kept"] == 2 * q + 2 * k_rep and got["saved"] == q + 2 * (k_rep - k)
 
 
 @pytest.mark.parametrize("mode,variant", sorted(MEASURED_8192))

@@ -16,7 +16,9 @@ tensor bytes of a training step on CPU (``scripts/plan_vs_measured.py``): the te
 decoder layer saves for backward, times the layers (checkpointing: the layer input only,
 on the host with offload), plus the final norm and loss, plus the largest transient of the
 step (the loss backward, a tiled MLP piece, a recomputed layer, attention staging).
-:func:`attention_activation` is the one place that knows the attention modes. Hybrid
+:func:`attention_activation` is the one place that knows the attention modes: what
+Ulysses keeps for the backward beyond the layer's own tensors (none with
+``redo_all_to_all``) and the attention call's working set. Hybrid
 models: every layer is counted as an attention layer saves (an approximation for the
 mixer layers), and a mixer's exchange buffers (its input channels sent, received and
 reordered) join the step's transients.
@@ -87,18 +89,22 @@ def attention_activation(
     head_chunks: int = 1, kv_exchange: str = "ring", redo: bool = False,
 ) -> dict[str, int]:  # fmt: skip
     """Attention's share of one layer beyond what :func:`_layer_saved` counts (the caller's
-    q, k, v, output and lse), in bytes: ``saved`` (kept from the forward to the backward,
-    every layer) and ``staging`` (the peak of the working set inside the call, on top of
-    ``saved``).
+    q, k, v, output and lse, as local attention saves them), in bytes: ``kept`` (the
+    head-sharded copies kept from the forward to the backward), ``saved`` (what they add
+    to a model's layer: the caller's q, k, v, saved by nothing else, go when the copies
+    replace them; the output stays, the output projection's input) and ``staging`` (the
+    peak of the working set inside the call, on top of ``kept``).
 
     Ulysses runs as ``modes/chunked.py`` does, in ``head_chunks`` c chunks of heads. Sizes
     in bytes of the rank's tokens: a chunk's head-sharded q (or output, or output gradient)
     ``qc = Q/c``; its kv chunk ``kc`` per tensor (k at its replicated width over the kv
     chunks, ``min(c, kv heads per rank)``; several query chunks may share one).
 
-    - kept (the default): ``saved`` = every chunk's head-sharded q, k, v and output, as
-      many bytes as the caller's q, k (replicated width), v and output.
-    - redo (``redo_all_to_all``): ``saved`` = 0 (q, k, v and out are the caller's); the
+    - kept (the default): ``kept`` = every chunk's head-sharded q, k, v and output, as
+      many bytes as the caller's q, k (replicated width), v and output; ``saved`` = the
+      output's copy and the kv replication, ``Q + 2 (Kr - K)``.
+    - redo (``redo_all_to_all``): ``kept`` = ``saved`` = 0 (it saves the caller's q, k,
+      v and out, as local attention does); the
       backward fetches dO, q, out and the kv chunk in one message (``3 qc + 2 kc``), alive
       twice while it is unpacked (received buffer and copies), then once under the inner
       backward; replicated k/v (fewer kv heads than the degree) are rebuilt for it.
@@ -112,7 +118,7 @@ def attention_activation(
     gradients, released before the next block's exist); and the end, where the pieces
     are put together. The forward's working set (one chunk's inbound and outbound
     all-to-all buffers, the ring's fp32 output) is smaller and is not counted. Ring only:
-    saved 0, staging the ring's over all heads. Checked against measured peaks of one
+    nothing kept, staging the ring's over all heads. Checked against measured peaks of one
     layer (``scripts/plan_vs_measured.py --attention``, ``tests/test_plan_attention.py``)."""
     B, t = shape.dtype_bytes, batch * s_local
     acc = 8 if B == 8 else FP32  # the ring's accumulators
@@ -130,9 +136,13 @@ def attention_activation(
     else:
         inner = 2 * qc + 2 * kc
     if u == 1:
-        return {"saved": 0, "staging": inner}
+        return {"saved": 0, "kept": 0, "staging": inner}
     per_kv = c // ck
-    saved = 0 if redo else 2 * Q + 2 * Kr
+    kept = 0 if redo else 2 * Q + 2 * Kr
+    # in a model the caller's q, k, v live only in the attention's saved tensors (the
+    # layer's own count has them) and go when kept copies replace them; its output stays
+    # (the output projection's input): kept adds the output's copy and the replication
+    saved = 0 if redo else Q + 2 * (Kr - shape.kv_width * t * B)
     peak = 2 * Q + 4 * Kr  # the end: the gradient pieces and the tensors put together
     for i in range(c):
         new_kv = i % per_kv == 0
@@ -145,7 +155,7 @@ def attention_activation(
         else:
             live = (c - i) * 2 * qc + (ck - i // per_kv) * 2 * kc + qc + inner
         peak = max(peak, live + done + kv_acc)
-    return {"saved": saved, "staging": peak - saved}
+    return {"saved": saved, "kept": kept, "staging": peak - kept}
 
 
 def attention_layer_peak(
@@ -163,7 +173,7 @@ def attention_layer_peak(
         shape, s_local=s_l, batch=batch, ulysses=ulysses, ring=ring,
         head_chunks=head_chunks, kv_exchange=kv_exchange, redo=redo,
     )  # fmt: skip
-    return own + attn["saved"] + attn["staging"]
+    return own + attn["kept"] + attn["staging"]
 
 
 def tile_counts(shape: ModelShape, t: int) -> dict[str, int]:
@@ -221,7 +231,11 @@ def activation_bytes(
         grads = (2 * shape.q_width + shape.kv_width) * B * t
         parts = {"loss": loss, "recomputed_layer": layer,
                  "layer_backward": max(grads, attn["staging"])}  # fmt: skip
-        transient = max(loss, layer + max(grads, attn["staging"]))
+        # by the attention's backward the layer's MLP half is done: its saved tensors
+        # (the MLP's intermediates when untiled, the second norm's input and output and
+        # the MLP output: about half of the six hidden-size tensors) are gone
+        after = (3 * D + (0 if tiles["mlp"] > 1 else 4 * F)) * B * t
+        transient = max(loss, layer, layer + max(grads, attn["staging"]) - after)
     else:
         layers = shape.layers * layer
         parts = {"loss": loss, "mlp_tile": mlp, "attention_staging": attn["staging"]}
