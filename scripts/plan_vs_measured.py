@@ -6,6 +6,7 @@ tensor allocated, ``scripts/profiling.py``'s ``LiveBytes``), ZeRO's collective b
 
     python scripts/plan_vs_measured.py            # ~2 min on 2 idle cores: docs/planner.md
     python scripts/plan_vs_measured.py --quick    # P = 1, 2 only
+    python scripts/plan_vs_measured.py --attention   # one attention layer, N 4096 and 8192
 
 Models: the reference decoder and the tiny Hugging Face Llama of benchmark_memory.py (2
 layers); P = 1, 2, 4 ranks as ulysses, ring and hybrid; memory features none / tiled (MLP
@@ -28,16 +29,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchlib import max_over_ranks, run_ranks
+from benchmark_attention_memory import HKV, HQ, VARIANTS, D, make_step
 from benchmark_memory import FEATURES, build, step_fn
 from profiling import LiveBytes, longest_fitting, peak_memory
 
 import ulysses_cp as ucp
 from ulysses_cp.config import HFModelConfig, ModelConfig
 from ulysses_cp.core.comm import stats
+from ulysses_cp.modes.ulysses import resolve_head_chunks
 from ulysses_cp.plan.comm import attention_bytes, zero_bytes
-from ulysses_cp.plan.memory import activation_bytes, static_bytes
+from ulysses_cp.plan.memory import activation_bytes, attention_layer_peak, static_bytes
 from ulysses_cp.plan.search import longest
-from ulysses_cp.plan.shapes import model_shape
+from ulysses_cp.plan.shapes import ModelShape, model_shape
 
 ROOT = Path(__file__).resolve().parent.parent
 HF_TINY = str(ROOT / "configs" / "hf" / "tiny_llama.json")
@@ -45,6 +48,7 @@ SPLITS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(4, 1), (1, 4), (2, 2)]}
 TOKENS_PER_RANK = 1024
 # DeepSpeed's gradient bucket (elements): its default 5e8 would be 2 GB per rank on CPU
 REDUCE_BUCKET = 1_000_000
+ATTENTION_MODES = {"ulysses 4": (4, 1), "hybrid 2x2": (2, 2)}
 
 
 def shape_of(kind: str, features: str):
@@ -144,6 +148,27 @@ def _train_step(engine, topo, N: int) -> None:
     engine.step()
 
 
+def measure_attention(rank, world, args, device) -> list[dict]:
+    """benchmark_attention_memory.py's layer (its inputs included) at every N of
+    ``args``: the peak per rank by the profiler (kernel scratch seen, as the benchmark) and
+    by live tensor bytes, slowest rank, for Ulysses 4 and hybrid 2x2 in its variants."""
+    rows = []
+    for mode, (u, r) in ATTENTION_MODES.items():
+        base = ucp.init_topology(u, r, backend="torch")
+        for name, options in VARIANTS.items():
+            topo = base.with_options(**options)
+            for N in args["seqs"]:
+                step, own = make_step(topo, N, device)
+                step()  # warm: the first call's checks
+                prof = peak_memory(step, device) + own
+                live = peak_memory(step, device, scratch=False) + own
+                rows.append({"mode": mode, "variant": name, "N": N,
+                             "profiler": max_over_ranks(prof, device),
+                             "live": max_over_ranks(live, device)})  # fmt: skip
+        base.destroy()
+    return rows
+
+
 # ---------------------------------------------------------------- predictions
 
 
@@ -152,6 +177,40 @@ def predicted_step(u: int, r: int, kind: str, features: str, N: int) -> dict:
     act = activation_bytes(shape, seq_len=N, batch=1, ulysses=u, ring=r)["total"]
     attn = attention_bytes(shape, seq_len=N, batch=1, ulysses=u, ring=r)["total"]
     return {"activation": act, "attention_bytes": attn}
+
+
+def attention_shape() -> ModelShape:
+    """benchmark_attention_memory.py's layer as the planner sees it (float32)."""
+    return ModelShape(family="reference", vocab=0, dim=HQ * D, layers=1, hq=HQ, hkv=HKV,
+                      head_dim=D, ffn=0, params=0, layer_params=0, dtype_bytes=4)  # fmt: skip
+
+
+def predicted_attention(mode: str, variant: str, N: int) -> int:
+    """The planner's peak of that layer, with the head chunks the run resolves."""
+    u, r = ATTENTION_MODES[mode]
+    options = VARIANTS[variant]
+    shape = attention_shape()
+    head = (N // r) * D * shape.dtype_bytes  # one head-sharded query head (b = 1)
+    chunks = resolve_head_chunks(options.get("head_chunks", 0), HQ, HKV, u, r > 1, head)
+    return attention_layer_peak(shape, seq_len=N, batch=1, ulysses=u, ring=r,
+                                head_chunks=chunks,
+                                redo=options.get("redo_all_to_all", False))  # fmt: skip
+
+
+def attention_table(seqs: list[int], out: Path) -> None:
+    """Measure the layer on 4 ranks and print it next to the planner's peak."""
+    rows = run_ranks(measure_attention, 4, {"seqs": seqs})
+    print(f"{'mode':<11} {'variant':<8} {'N':>6} {'planner MB':>11} {'profiler MB':>12} "
+          f"{'error':>7} {'live MB':>8} {'error':>7}")  # fmt: skip
+    for row in rows:
+        row["predicted"] = predicted_attention(row["mode"], row["variant"], row["N"])
+        p, m, live = (row[k] / 2**20 for k in ("predicted", "profiler", "live"))
+        err, err_live = (p - m) / m * 100, (p - live) / live * 100
+        print(f"{row['mode']:<11} {row['variant']:<8} {row['N']:>6} {p:>11.1f} {m:>12.1f} "
+              f"{err:>6.1f}% {live:>8.1f} {err_live:>6.1f}%")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan_vs_measured_attention.json").write_text(json.dumps({"rows": rows}, indent=1))
+    print(f"json: {out / 'plan_vs_measured_attention.json'}")
 
 
 def predicted_zero(world: int, stage: int, kind: str) -> dict:
@@ -239,7 +298,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="P = 1, 2 only, no length search")
     p.add_argument("--out", default="bench_results", help="folder for the JSON")
+    p.add_argument(
+        "--attention",
+        action="store_true",
+        help="only one attention layer against the planner's peak, at --seqs",
+    )
+    p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
     args = p.parse_args()
+    if args.attention:
+        attention_table(args.seqs, Path(args.out))
+        return
     rows = []
     for world in (1, 2) if args.quick else (1, 2, 4):
         done = run_ranks(_ranks_body, world, {"jobs": jobs_for(world, args.quick)})

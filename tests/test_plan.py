@@ -132,7 +132,9 @@ def test_head_chunks_shrink_only_the_ulysses_staging():
     shape = _tiny()
     one = attention_activation(shape, s_local=256, batch=1, ulysses=4, ring=1, head_chunks=1)
     four = attention_activation(shape, s_local=256, batch=1, ulysses=4, ring=1, head_chunks=4)
-    assert four["saved"] == one["saved"] and four["staging"] * 4 == one["staging"] > 0
+    # the saved copies stay; the chunk's working set shrinks, down to the end of the
+    # backward (the gradient pieces put together), which chunks do not change
+    assert four["saved"] == one["saved"] and 0 < four["staging"] < one["staging"]
 
 
 def test_attention_bytes_follow_the_modes():

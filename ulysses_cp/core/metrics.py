@@ -17,10 +17,10 @@ __all__ = ["attention_bytes_sent", "largest_peak_memory_mb", "peak_memory_mb", "
 
 
 def attention_bytes_sent() -> int:
-    """This rank's attention traffic since the last reset: all-to-all, ring and all-gather
-    KV exchange bytes (the input checks' few bytes are counted apart, under
-    ``all_gather``)."""
-    ops = ("all_to_all", "ring", "kv_allgather", "kv_reduce_scatter")
+    """This rank's attention traffic since the last reset: all-to-all (the backward's
+    redone all-to-alls too), ring and all-gather KV exchange bytes (the input checks' few
+    bytes are counted apart, under ``all_gather``)."""
+    ops = ("all_to_all", "all_to_all_redo", "ring", "kv_allgather", "kv_reduce_scatter")
     return sum(comm_stats.total(op) for op in ops)
 
 

@@ -44,6 +44,7 @@ def base_run(run: RunConfig) -> Run:
         activation_checkpointing=mc.activation_checkpointing,
         offload_activations=mc.offload_activations, tiled_mlp=mc.tiled_mlp,
         tiled_loss=mc.tiled_loss, offload_optimizer=off, kv_exchange=sp.kv_exchange,
+        redo_all_to_all=sp.redo_all_to_all,
     )  # fmt: skip
 
 

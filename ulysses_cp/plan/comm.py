@@ -63,12 +63,14 @@ def forward_comm_bytes(
 
 def attention_bytes(
     shape: ModelShape, *, seq_len: int, batch: int, ulysses: int, ring: int, micro_steps: int = 1,
-    kv_exchange: str = "ring",
+    kv_exchange: str = "ring", redo: bool = False,
 ) -> dict[str, int]:  # fmt: skip
     """All-to-all and ring bytes this rank sends in one step (every layer, forward and
     backward, ``micro_steps`` micro batches), as ``ulysses_cp.core.comm.stats`` counts.
     Activation checkpointing runs every layer's forward, and its attention traffic, again
-    in backward."""
+    in backward. ``redo`` (``redo_all_to_all``): the backward moves q, the output and the
+    kv again with the output gradient, the forward's all-to-all bytes once more
+    (``all_to_all_redo``)."""
     B = shape.dtype_bytes
     a2a, ring_fwd = forward_comm_bytes(
         batch=batch, seq_len=seq_len, hq=shape.hq, hkv=shape.hkv, head_dim=shape.head_dim,
@@ -78,14 +80,16 @@ def attention_bytes(
     shares = ring if kv_exchange == "ring" else ring - 1  # dk/dv blocks sent in backward
     ring_bwd = ring_fwd + (ring_fwd // (ring - 1) * shares * acc // B if ring > 1 else 0)
     n = shape.n_attention * micro_steps
+    redo_bytes = a2a * n if redo and ulysses > 1 else 0
     fwd = 2 if shape.activation_checkpointing else 1  # the recomputed forward
     mixer = mixer_bytes(shape, seq_len=seq_len, batch=batch, sp=ulysses * ring) * micro_steps
     return {
         "all_to_all": (fwd + 1) * a2a * n + mixer,
+        "all_to_all_redo": redo_bytes,
         "ring_forward": fwd * ring_fwd * n,
         "ring_backward": ring_bwd * n,
         "mixers": mixer,
-        "total": ((fwd + 1) * a2a + fwd * ring_fwd + ring_bwd) * n + mixer,
+        "total": ((fwd + 1) * a2a + fwd * ring_fwd + ring_bwd) * n + mixer + redo_bytes,
     }
 
 

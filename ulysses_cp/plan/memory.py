@@ -16,7 +16,9 @@ tensor bytes of a training step on CPU (``scripts/plan_vs_measured.py``): the te
 decoder layer saves for backward, times the layers (checkpointing: the layer input only,
 on the host with offload), plus the final norm and loss, plus the largest transient of the
 step (the loss backward, a tiled MLP piece, a recomputed layer, attention staging).
-:func:`attention_activation` is the one place that knows the attention modes. Hybrid
+:func:`attention_activation` is the one place that knows the attention modes: what
+Ulysses keeps for the backward beyond the layer's own tensors (none with
+``redo_all_to_all``) and the attention call's working set. Hybrid
 models: every layer is counted as an attention layer saves (an approximation for the
 mixer layers), and a mixer's exchange buffers (its input channels sent, received and
 reordered) join the step's transients.
@@ -31,7 +33,14 @@ from ..core.tiles import resolve_tiles
 from ..modes.ulysses import kv_replication
 from .shapes import ModelShape
 
-__all__ = ["Memory", "activation_bytes", "attention_activation", "static_bytes", "tile_counts"]
+__all__ = [
+    "Memory",
+    "activation_bytes",
+    "attention_activation",
+    "attention_layer_peak",
+    "static_bytes",
+    "tile_counts",
+]
 
 FP32 = 4
 
@@ -77,37 +86,94 @@ def static_bytes(
 
 def attention_activation(
     shape: ModelShape, *, s_local: int, batch: int, ulysses: int, ring: int,
-    head_chunks: int = 1, kv_exchange: str = "ring",
+    head_chunks: int = 1, kv_exchange: str = "ring", redo: bool = False,
 ) -> dict[str, int]:  # fmt: skip
-    """Attention's share of one layer: ``saved`` (kept for backward, every layer) and
-    ``staging`` (alive only inside the call: all-to-all send/receive/reorder buffers, ring
-    blocks in flight and fp32 accumulators), in bytes.
+    """Attention's share of one layer beyond what :func:`_layer_saved` counts (the caller's
+    q, k, v, output and lse, as local attention saves them), in bytes: ``kept`` (the
+    head-sharded copies kept from the forward to the backward), ``saved`` (what they add
+    to a model's layer: the caller's q, k, v, saved by nothing else, go when the copies
+    replace them; the output stays, the output projection's input) and ``staging`` (the
+    peak of the working set inside the call, on top of ``kept``).
 
-    Ulysses stages about twice the local q/k/v/out (the packed send buffer, the received
-    one, the reordered copy); with ``head_chunks`` c the all-to-all runs a head chunk at a
-    time and the staging shrinks by c, the saved tensors do not; so does the ring's inside
-    (hybrid mode: its kv blocks and fp32 accumulators, a chunk of heads at a time).
-    Replicated kv heads
-    (fewer kv heads than the degree) are saved head-sharded at their replicated width."""
+    Ulysses runs as ``modes/chunked.py`` does, in ``head_chunks`` c chunks of heads. Sizes
+    in bytes of the rank's tokens: a chunk's head-sharded q (or output, or output gradient)
+    ``qc = Q/c``; its kv chunk ``kc`` per tensor (k at its replicated width over the kv
+    chunks, ``min(c, kv heads per rank)``; several query chunks may share one).
+
+    - kept (the default): ``kept`` = every chunk's head-sharded q, k, v and output, as
+      many bytes as the caller's q, k (replicated width), v and output; ``saved`` = the
+      output's copy and the kv replication, ``Q + 2 (Kr - K)``.
+    - redo (``redo_all_to_all``): ``kept`` = ``saved`` = 0 (it saves the caller's q, k,
+      v and out, as local attention does); the
+      backward fetches dO, q, out and the kv chunk in one message (``3 qc + 2 kc``), alive
+      twice while it is unpacked (received buffer and copies), then once under the inner
+      backward; replicated k/v (fewer kv heads than the degree) are rebuilt for it.
+
+    ``staging``: the backward, chunk by chunk, at its largest: the kept copies not yet
+    freed (each chunk's after its use, a kv chunk's after its last query chunk), the
+    gradient pieces already sent back, the kv chunk's dk/dv so far, the chunk's dO, and
+    the inner backward: the local kernel's contiguous dO and its dq, dk, dv (``2 qc + 2
+    kc``), or in hybrid mode the ring's (kv blocks ours and in flight, all ``r`` under
+    ``"allgather"``; fp32 accumulators dq and dk/dv; one block's contiguous dO and kernel
+    gradients, released before the next block's exist); and the end, where the pieces
+    are put together. The forward's working set (one chunk's inbound and outbound
+    all-to-all buffers, the ring's fp32 output) is smaller and is not counted. Ring only:
+    nothing kept, staging the ring's over all heads. Checked against measured peaks of one
+    layer (``scripts/plan_vs_measured.py --attention``, ``tests/test_plan_attention.py``)."""
     B, t = shape.dtype_bytes, batch * s_local
-    Q, K, d = shape.q_width, shape.kv_width, shape.head_dim
+    acc = 8 if B == 8 else FP32  # the ring's accumulators
     u, r = ulysses, ring
-    saved = staging = 0
-    if u > 1:
-        k_rep = shape.hkv * kv_replication(shape.hq, shape.hkv, u) * d
-        saved += 2 * (k_rep - K) * t * B
-        staging += 2 * (Q + 2 * k_rep) * t * B // max(1, head_chunks)
-        K = k_rep // u * u  # the ring below sees the replicated heads
+    Q = shape.q_width * t * B  # the rank's q (or output, or dO) in bytes
+    rep = kv_replication(shape.hq, shape.hkv, u) if u > 1 else 1
+    Kr = shape.hkv * rep * shape.head_dim * t * B  # k (or v) at its replicated width
+    c = max(1, head_chunks) if u > 1 else 1
+    ck = min(c, shape.hkv * rep // u) if u > 1 else 1
+    qc, kc = Q // c, Kr // ck
     if r > 1:
-        # heads this rank attends after the all-to-all: Q/u and K/u over u*s_l tokens
-        kv_block = 2 * K * t * B  # (2, b, s_l * u, hk / u, d)
-        blocks = r if kv_exchange == "allgather" else 2  # the one in flight and ours
-        accum = (Q + 2 * K) * t * FP32 + shape.hq * t * FP32  # dq, dk, dv (or out, lse)
-        # with head chunks the ring runs a chunk of heads at a time: its blocks and
-        # accumulators shrink with them (hybrid counts are multiples of the kv chunks)
-        ring_staging = (blocks * kv_block + accum + 2 * K * t * FP32) // max(1, head_chunks)
-        staging = max(staging, ring_staging)
-    return {"saved": saved, "staging": staging}
+        blocks = r if kv_exchange == "allgather" else 2  # ours and the one in flight
+        dkv = (r if kv_exchange == "allgather" else 1) * 2 * kc * acc // B
+        inner = blocks * 2 * kc + dkv + qc * acc // B + qc + 2 * kc
+    else:
+        inner = 2 * qc + 2 * kc
+    if u == 1:
+        return {"saved": 0, "kept": 0, "staging": inner}
+    per_kv = c // ck
+    kept = 0 if redo else 2 * Q + 2 * Kr
+    # in a model the caller's q, k, v live only in the attention's saved tensors (the
+    # layer's own count has them) and go when kept copies replace them; its output stays
+    # (the output projection's input): kept adds the output's copy and the replication
+    saved = 0 if redo else Q + 2 * (Kr - shape.kv_width * t * B)
+    peak = 2 * Q + 4 * Kr  # the end: the gradient pieces and the tensors put together
+    for i in range(c):
+        new_kv = i % per_kv == 0
+        done = i * qc + i // per_kv * 2 * kc  # gradient pieces sent back
+        kv_acc = 0 if new_kv else 2 * kc  # this kv chunk's dk/dv of earlier query chunks
+        if redo:
+            fetched = 3 * qc + 2 * kc * new_kv
+            held = (0 if new_kv else 2 * kc) + (2 * Kr if rep > 1 else 0)
+            live = held + max(2 * fetched, fetched + inner)
+        else:
+            live = (c - i) * 2 * qc + (ck - i // per_kv) * 2 * kc + qc + inner
+        peak = max(peak, live + done + kv_acc)
+    return {"saved": saved, "kept": kept, "staging": peak - kept}
+
+
+def attention_layer_peak(
+    shape: ModelShape, *, seq_len: int, batch: int, ulysses: int, ring: int,
+    head_chunks: int = 1, kv_exchange: str = "ring", redo: bool = False,
+) -> int:  # fmt: skip
+    """The per-rank peak of one attention layer's forward and backward, inputs included:
+    the caller's q, k, v and output gradient, the output, its lse, and
+    :func:`attention_activation`'s ``saved`` and ``staging`` (what
+    ``scripts/benchmark_attention_memory.py`` measures)."""
+    s_l = seq_len // (ulysses * ring)
+    t, B = batch * s_l, shape.dtype_bytes
+    own = (3 * shape.q_width + 2 * shape.kv_width) * t * B + shape.hq * t * FP32
+    attn = attention_activation(
+        shape, s_local=s_l, batch=batch, ulysses=ulysses, ring=ring,
+        head_chunks=head_chunks, kv_exchange=kv_exchange, redo=redo,
+    )  # fmt: skip
+    return own + attn["kept"] + attn["staging"]
 
 
 def tile_counts(shape: ModelShape, t: int) -> dict[str, int]:
@@ -134,7 +200,7 @@ def _layer_saved(shape: ModelShape, t: int, mlp_tiles: int) -> int:
 
 def activation_bytes(
     shape: ModelShape, *, seq_len: int, batch: int, ulysses: int, ring: int,
-    head_chunks: int = 1, kv_exchange: str = "ring",
+    head_chunks: int = 1, kv_exchange: str = "ring", redo: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The activation peak of one training step on one rank, and its parts (bytes):
     ``layers`` (what every layer keeps), ``top`` (final norm), ``transient`` (the largest
@@ -145,7 +211,7 @@ def activation_bytes(
     B, D, V, F = shape.dtype_bytes, shape.dim, shape.vocab, shape.ffn
     attn = attention_activation(
         shape, s_local=seq_len // P, batch=batch, ulysses=ulysses, ring=ring,
-        head_chunks=head_chunks, kv_exchange=kv_exchange,
+        head_chunks=head_chunks, kv_exchange=kv_exchange, redo=redo,
     )  # fmt: skip
     tiles = tile_counts(shape, t)
     layer = _layer_saved(shape, t, tiles["mlp"]) + attn["saved"]
@@ -165,7 +231,11 @@ def activation_bytes(
         grads = (2 * shape.q_width + shape.kv_width) * B * t
         parts = {"loss": loss, "recomputed_layer": layer,
                  "layer_backward": max(grads, attn["staging"])}  # fmt: skip
-        transient = max(loss, layer + max(grads, attn["staging"]))
+        # by the attention's backward the layer's MLP half is done: its saved tensors
+        # (the MLP's intermediates when untiled, the second norm's input and output and
+        # the MLP output: about half of the six hidden-size tensors) are gone
+        after = (3 * D + (0 if tiles["mlp"] > 1 else 4 * F)) * B * t
+        transient = max(loss, layer, layer + max(grads, attn["staging"]) - after)
     else:
         layers = shape.layers * layer
         parts = {"loss": loss, "mlp_tile": mlp, "attention_staging": attn["staging"]}

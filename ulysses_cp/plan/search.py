@@ -82,6 +82,7 @@ class Run:
     tiled_loss: int | str = 0  # > 1: LM head + loss in this many pieces; "auto": by bytes
     offload_optimizer: bool = False
     kv_exchange: str = "ring"
+    redo_all_to_all: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -135,11 +136,11 @@ def predict(
         )  # fmt: skip
     act = activation_bytes(
         sh, seq_len=seq_len, batch=batch, ulysses=run.ulysses, ring=run.ring,
-        head_chunks=chunks, kv_exchange=run.kv_exchange,
+        head_chunks=chunks, kv_exchange=run.kv_exchange, redo=run.redo_all_to_all,
     )  # fmt: skip
     attn = attention_bytes(
         sh, seq_len=seq_len, batch=batch, ulysses=run.ulysses, ring=run.ring,
-        micro_steps=micro_steps, kv_exchange=run.kv_exchange,
+        micro_steps=micro_steps, kv_exchange=run.kv_exchange, redo=run.redo_all_to_all,
     )  # fmt: skip
     zero = zero_bytes(
         sh, stage=run.zero_stage, world=world, micro_steps=micro_steps,
@@ -231,7 +232,7 @@ def candidates(shape: ModelShape, base: Run, *, world: int, seq_len: int) -> lis
                 if seq_len % sequence_multiple(sp, layout):
                     continue
                 run = Run(u, r, layout, stage, c, ck, off, tl, tl, base.offload_optimizer,
-                          base.kv_exchange)  # fmt: skip
+                          base.kv_exchange, base.redo_all_to_all)  # fmt: skip
                 if run != base:
                     out.append(run)
     return out
