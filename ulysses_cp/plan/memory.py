@@ -233,9 +233,11 @@ def activation_bytes(
                  "layer_backward": max(grads, attn["staging"])}  # fmt: skip
         # by the attention's backward the layer's MLP half is done: its saved tensors
         # (the MLP's intermediates when untiled, the second norm's input and output and
-        # the MLP output: about half of the six hidden-size tensors) are gone
+        # the MLP output: about half of the six hidden-size tensors) are gone, so the
+        # attention's working set meets the layer less them; the gradients' term stays
+        # whole (matched at P = 1, where there is no staging: tests/test_plan.py)
         after = (3 * D + (0 if tiles["mlp"] > 1 else 4 * F)) * B * t
-        transient = max(loss, layer, layer + max(grads, attn["staging"]) - after)
+        transient = max(loss, layer + grads, layer + attn["staging"] - after)
     else:
         layers = shape.layers * layer
         parts = {"loss": loss, "mlp_tile": mlp, "attention_staging": attn["staging"]}
