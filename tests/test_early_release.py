@@ -15,7 +15,7 @@ import torch
 
 import ulysses_cp as ucp
 import ulysses_cp.modes.ring as ring_mod
-from tests.helpers import ROOT, topology
+from tests.helpers import ROOT, make_qkv, topology
 from ulysses_cp.core.comm import RingComm
 
 pytestmark = pytest.mark.distributed
@@ -30,21 +30,15 @@ def _tracker():
     return LiveBytes()
 
 
-def _inputs(seed: int, hq: int, hkv: int, s_l: int):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, s_l, hq, D, generator=g, requires_grad=True)
-    k = torch.randn(1, s_l, hkv, D, generator=g, requires_grad=True)
-    v = torch.randn(1, s_l, hkv, D, generator=g, requires_grad=True)
-    return q, k, v, torch.randn(1, s_l, hq, D, generator=g)
-
-
 def _live_at_dkv_posts(rank: int, hold: bool) -> tuple[list[int], int]:
     """Ring of 2, not causal (every step computes one full block on every rank): the live
     bytes each time the backward posts its dk/dv accumulator on (once per step, after the
     step's block gradients were added), and the peak. ``hold``: the block gradients of
     every step kept to the end (what the ring did before it released them)."""
     topo = topology(1, 2, "contiguous")
-    q, k, v, dout = _inputs(rank, HQ, HKV, S_L)
+    q, k, v, dout = make_qkv(rank, 1, S_L, HQ, HKV, D, torch.float32)
+    for t in (q, k, v):
+        t.requires_grad_()
     tracker, live_at, held = _tracker(), [], []
     send_recv, add_blocks = RingComm.send_recv, ring_mod._add_blocks
 

@@ -1,11 +1,10 @@
 """The planner's attention memory (``plan.memory.attention_activation``) against what one
-attention layer holds: the kept head-sharded copies or none (``redo_all_to_all``), and the
-peak of one forward+backward, measured two ways:
-
-- the table of docs/benchmarks.md ("Targets", N = 8192, profiler allocation events, so
-  kernel scratch and the lifetimes of communication buffers count): a unit test;
-- live tensor bytes (``scripts/profiling.py``'s ``LiveBytes``, what the planner counts) of
-  the same layer at N = 2048 on 4 ranks: a distributed test."""
+attention layer holds: the kept head-sharded copies or none (``redo_all_to_all``), by
+their formulas (unit tests), and the peak of one forward+backward of
+``scripts/benchmark_attention_memory.py``'s layer at N = 2048 on 4 ranks, in live tensor
+bytes (``scripts/profiling.py``'s ``LiveBytes``, what the planner counts): a distributed
+test. The profiler's peaks (kernel scratch, communication buffers) vary by run and are
+compared in ``scripts/plan_vs_measured.py --attention`` (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -15,16 +14,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-import ulysses_cp as ucp
 from tests.helpers import ROOT, topology
 from ulysses_cp.plan.memory import activation_bytes, attention_activation, attention_layer_peak
-from ulysses_cp.plan.shapes import ModelShape
 
-MiB = 2**20
-HQ, HKV, D = 8, 4, 64  # scripts/benchmark_attention_memory.py's layer, float32
-LAYER = ModelShape(family="reference", vocab=0, dim=HQ * D, layers=1, hq=HQ, hkv=HKV,
-                   head_dim=D, ffn=0, params=0, layer_params=0, dtype_bytes=4)  # fmt: skip
-MODES = {"ulysses 4": (4, 1), "hybrid 2x2": (2, 2)}
+sys.path.insert(0, str(ROOT / "scripts"))
+import plan_vs_measured as pvm
+from benchmark_attention_memory import HKV, HQ, D, make_step
+from profiling import peak_memory
+
+LAYER = pvm.attention_shape()  # the benchmark's layer, float32
+MODES = pvm.ATTENTION_MODES
 # variant: (head chunks, redo); "default" resolves to 2 chunks at N = 8192 in both modes
 VARIANTS = {"before": (1, False), "default": (2, False), "redo": (2, True)}
 
@@ -62,19 +61,8 @@ def test_replicated_kv_is_kept_at_its_replicated_width():
 def _live_peak(rank: int, topo, N: int) -> int:
     """The benchmark's layer at N tokens: live tensor bytes of one forward+backward, plus
     its inputs."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from profiling import peak_memory
-
-    g = torch.Generator().manual_seed(rank)
-    s_l = N // topo.sp_world_size
-    shapes = [(1, s_l, HQ, D), (1, s_l, HKV, D), (1, s_l, HKV, D), (1, s_l, HQ, D)]
-    ins = [torch.randn(s, generator=g) for s in shapes]
-    q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(ins))
-
-    def step():
-        ucp.attention(q, k, v, topo, backend="torch").backward(dout)
-
-    return peak_memory(step, scratch=False) + sum(t.numel() * t.element_size() for t in ins)
+    step, own = make_step(topo, N, torch.device("cpu"))
+    return peak_memory(step, scratch=False) + own
 
 
 def _live_peaks(rank: int, N: int) -> dict:
