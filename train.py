@@ -26,7 +26,7 @@ import ulysses_cp as ucp
 from ulysses_cp.config import RunConfig
 from ulysses_cp.core.log import get_logger
 from ulysses_cp.core.metrics import topology_info
-from ulysses_cp.core.zero_comm import zero_wire_bytes
+from ulysses_cp.core.zero_comm import full_numel, zero_wire_bytes
 from ulysses_cp.models.memory import LossPlan
 from ulysses_cp.plan.nodes import describe, gather_groups
 from ulysses_cp.training import checkpoint
@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
 
     torch.manual_seed(tc.seed)
     model = build_model(mc, topo, run)
-    # every parameter once (ZeRO-3 keeps a partitioned one's full size in ds_numel)
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    n_params = full_numel(model.parameters())  # every parameter once, at full size
     optimizer, ds_run = cpu_optimizer(run, model)
     engine = ucp.initialize(model=model, config=ds_run, topo=topo, optimizer=optimizer)
     info = topology_info(topo)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -107,6 +108,13 @@ def _entry(rank, body, world, args, init_file, result_file):
             Path(result_file).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a launcher's master port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_ranks(body, world: int, args):

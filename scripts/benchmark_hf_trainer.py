@@ -244,12 +244,11 @@ def summarise(variant: str, runs: list[dict], ref: dict | None) -> dict:
     return row
 
 
-def free_port() -> int:
-    import socket
+def _free_port() -> int:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from benchlib import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def run_all(args) -> list[dict]:
@@ -272,7 +271,7 @@ def run_all(args) -> list[dict]:
                 spec = {"variant": v, "world": args.world, "zero": zero,
                         "length": args.length, "steps": args.steps, "lr": args.lr,
                         "model": str(tmp / "model"), "out": str(folder),
-                        "port": free_port()}  # fmt: skip
+                        "port": _free_port()}  # fmt: skip
                 t0 = time.perf_counter()
                 runs[v].append(launch(spec, tmp, args.timeout))
                 status = runs[v][-1].get("error", "ok")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,9 @@ from ulysses_cp.config import ModelConfig, RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchlib import free_port  # noqa: E402  (one home: the scripts' launcher helpers)
+
 TOL64 = dict(rtol=1e-10, atol=1e-10)
 TINY = ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 # the tiny Hugging Face configs of the HF tests (4 heads, 2 kv heads, vocabulary 96)
@@ -241,12 +243,6 @@ def write_config(folder: Path, cfg: dict, name: str = "cfg") -> Path:
 
 
 # ---------------------------------------------------------------- programs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def deepspeed_cmd(

@@ -20,7 +20,7 @@ from ulysses_cp.config import ModelConfig, RunConfig
 from ulysses_cp.plan.cli import main, plan
 from ulysses_cp.plan.comm import attention_bytes, split_nodes, zero_bytes
 from ulysses_cp.plan.memory import activation_bytes, attention_activation
-from ulysses_cp.plan.search import Hardware, Run, ZeroKnobs, predict
+from ulysses_cp.plan.search import Hardware, Run, ZeroKnobs, candidates, predict
 from ulysses_cp.plan.shapes import model_shape
 
 TOKENS = 1024  # per rank (at 512 a fixed few hundred KB of the ring modes weighs 15%)
@@ -165,6 +165,18 @@ def test_intra_and_inter_node_bytes():
     att4 = attention_bytes(shape, seq_len=1024, batch=1, ulysses=4, ring=1)
     s4 = split_nodes(world=4, gpus_per_node=2, ulysses=4, ring=1, attention=att4, zero={})
     assert s4["inter"] == att4["all_to_all"] * 2 // 3
+    # redo_all_to_all's backward all-to-alls travel the same links (and so cost time)
+    redo = attention_bytes(shape, seq_len=1024, batch=1, ulysses=2, ring=2, redo=True)
+    sr = split_nodes(world=4, gpus_per_node=4, ulysses=2, ring=2, attention=redo, zero=z)
+    assert redo["all_to_all_redo"] > 0 and sr == {"intra": redo["total"] + zw, "inter": 0}
+
+
+def test_candidates_try_redo_with_ulysses_only():
+    shape = _tiny()
+    runs = candidates(shape, Run(2, 1, "zigzag", 3), world=4, seq_len=1024)
+    for u in (2, 4):
+        assert {r.redo_all_to_all for r in runs if r.ulysses == u} == {False, True}
+    assert {r.redo_all_to_all for r in runs if r.ulysses == 1} == {False}
 
 
 def test_zero_stages_order_static_memory():

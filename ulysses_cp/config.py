@@ -185,6 +185,7 @@ class HFModelConfig:
     tiled_mlp: int | Literal["auto"] = 0
     tiled_loss: int | Literal["auto"] = 0
     fused_loss: bool = False
+    lean_norms: bool = True  # RMSNorms keep only their input for backward (models/lean_norm.py)
     compile: bool = False  # torch.compile each decoder layer (models/compiled.py)
 
     @classmethod

@@ -18,7 +18,12 @@ ZeRO-1's all-reduce.
 
 from __future__ import annotations
 
-__all__ = ["zero_collectives", "zero_wire_bytes"]
+__all__ = ["full_numel", "zero_collectives", "zero_wire_bytes"]
+
+
+def full_numel(params) -> int:
+    """Elements of ``params`` at full size (a ZeRO-3 partitioned parameter's ``ds_numel``)."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
 
 
 def zero_collectives(

@@ -44,6 +44,7 @@ from .hf_attention import (
 from .hf_guard import ProbeResult, decoder_layers, probe
 from .hf_head import HeadTransform, LMHead, head_module
 from .hf_mixers import install_mixers
+from .lean_norm import lean_norms
 from .memory import LossPlan, checkpointed, lm_loss, tile_mlps
 
 # shard_batch's home is ulysses_cp.core.batch, register_attention's models/hf_attention.py;
@@ -345,6 +346,8 @@ def wrap(model: Any, topo: Topology, mc: HFModelConfig, *, layout: str | None = 
     :class:`HFCausalLM` (not probed yet)."""
     # "auto" sizes the tiles from the MLP's intermediate width (core/tiles.py)
     tile_mlps(model, mc.tiled_mlp, width=ffn_width(model.config))
+    if mc.lean_norms:
+        lean_norms(model)
     return HFCausalLM(
         model,
         topo=topo,

@@ -161,9 +161,10 @@ def _row(c: dict, unit: int) -> str:
     auto = "auto" in (c["tiled_mlp"], c["tiled_loss"])  # "a": counts resolved at seq_len
     tiled = f"{c['tiles']['mlp']}/{c['tiles']['loss']}"
     tiled = f"a{tiled}" if auto else tiled if max(c["tiles"].values()) > 1 else "-"
+    chunks = f"c{c['head_chunks']}" + ("r" if c["redo_all_to_all"] else "")  # r: redo_all_to_all
     return (
         f"u{c['ulysses_degree']:<3}r{c['ring_degree']:<3} {c['layout']:<10} z{c['zero_stage']} "
-        f"c{c['head_chunks']:<2} {mem:<8} {tiled:<9} {_gib(c['static_bytes_per_rank']):>8} "
+        f"{chunks:<4} {mem:<8} {tiled:<9} {_gib(c['static_bytes_per_rank']):>8} "
         f"{_gib(c['activation_bytes_per_rank']):>8} {_gib(c['peak_bytes_per_rank']):>8} "
         f"{_gib(c['host_bytes_per_rank']):>8} {c['intra_node_bytes'] / 1e9:>8.3g} "
         f"{c['inter_node_bytes'] / 1e9:>8.3g} "
@@ -176,7 +177,7 @@ def table(result: dict, top: int = 10) -> str:
     i, hw = result["inputs"], result["hardware"]
     unit, name = (GiB, "GiB") if result["config"]["peak_bytes_per_rank"] >= GiB else (2**20, "MiB")
     head = (
-        f"{'split':<9} {'layout':<10} {'zero':<4} {'chk':<3} {'act mem':<8} {'tiles m/l':<9} "
+        f"{'split':<9} {'layout':<10} {'zero':<4} {'chk':<4} {'act mem':<8} {'tiles m/l':<9} "
         f"{'static':>8} {'activ.':>8} {'peak':>8} {'host':>8} {'intra GB':>8} {'inter GB':>8} "
         f"{'step s':>8} {'fits':>4} {'max seq':>9}"
     )

@@ -131,7 +131,8 @@ def split_nodes(
     mine = lambda groups: next(g for g in groups if 0 in g)  # noqa: E731
     intra = inter = 0
     mixers = attention.get("mixers", 0)  # all-to-alls over the whole SP group
-    for group, sent in ((mine(plan.ulysses_groups), attention["all_to_all"] - mixers),
+    ulysses_sent = attention["all_to_all"] - mixers + attention.get("all_to_all_redo", 0)
+    for group, sent in ((mine(plan.ulysses_groups), ulysses_sent),
                         (mine(plan.sp_groups), mixers)):  # fmt: skip
         if len(group) > 1:
             off = sum(node[r] != node[0] for r in group)  # peers on other nodes

@@ -195,7 +195,8 @@ def _layer_saved(shape: ModelShape, t: int, mlp_tiles: int) -> int:
     B, D, Q, K, F = shape.dtype_bytes, shape.dim, shape.q_width, shape.kv_width, shape.ffn
     q_coef, k_coef, rope = (3, 3, 4 * shape.head_dim) if shape.family == "reference" else (2, 2, 0)
     mlp = 0 if mlp_tiles > 1 else 4 * F
-    return t * (B * (6 * D + q_coef * Q + k_coef * K + mlp) + FP32 * (rope + shape.hq + 2))
+    hidden = 4 if shape.lean_norms else 6  # lean norms keep no normalised copy (2 norms)
+    return t * (B * (hidden * D + q_coef * Q + k_coef * K + mlp) + FP32 * (rope + shape.hq + 2))
 
 
 def activation_bytes(
@@ -216,7 +217,8 @@ def activation_bytes(
     tiles = tile_counts(shape, t)
     layer = _layer_saved(shape, t, tiles["mlp"]) + attn["saved"]
     rope_top = 2 * shape.head_dim * FP32 * t if shape.family == "hf" else 0
-    top = t * (3 * D * B + FP32) + rope_top  # final norm: input, normalised, output
+    lean = 1 if shape.lean_norms else 0  # a lean norm keeps no normalised copy
+    top = t * ((3 - lean) * D * B + FP32) + rope_top  # final norm: input, normalised, output
     c_loss = tiles["loss"]
     loss = 3 * V * FP32 * t // c_loss  # fp32 log-softmax, and two gradients of it
     c_mlp = tiles["mlp"]
@@ -236,7 +238,7 @@ def activation_bytes(
         # the MLP output: about half of the six hidden-size tensors) are gone, so the
         # attention's working set meets the layer less them; the gradients' term stays
         # whole (matched at P = 1, where there is no staging: tests/test_plan.py)
-        after = (3 * D + (0 if tiles["mlp"] > 1 else 4 * F)) * B * t
+        after = ((3 - lean) * D + (0 if tiles["mlp"] > 1 else 4 * F)) * B * t
         transient = max(loss, layer + grads, layer + attn["staging"] - after)
     else:
         layers = shape.layers * layer

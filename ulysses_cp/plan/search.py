@@ -209,7 +209,8 @@ def candidates(shape: ModelShape, base: Run, *, world: int, seq_len: int) -> lis
     whose product divides ``world`` and whose Ulysses degree splits the heads, both layouts
     when there is a ring, ZeRO 1/2/3, head chunks that divide the local heads, no
     checkpointing / checkpointing / checkpointing + offload, untiled / tiles by bytes
-    (``"auto"``) / the config's own tile counts."""
+    (``"auto"``) / the config's own tile counts, and with a Ulysses degree above 1 the
+    head-sharded copies kept or the all-to-all redone in backward (``redo_all_to_all``)."""
     out = [base]
     tiles: list[int | str] = [0, "auto"]
     for own in (base.tiled_mlp, base.tiled_loss):
@@ -226,13 +227,14 @@ def candidates(shape: ModelShape, base: Run, *, world: int, seq_len: int) -> lis
             layouts = ("zigzag", "contiguous") if r > 1 else (base.layout,)
             chunks = [c for c in head_chunk_choices(shape.hq, shape.hkv, u, r > 1) if c <= 8]
             mem = ((False, False), (True, False), (True, True))
-            for layout, stage, c, (ck, off), tl in itertools.product(
-                layouts, (1, 2, 3), chunks, mem, tiles
+            redos = (False, True) if u > 1 else (base.redo_all_to_all,)
+            for layout, stage, c, (ck, off), tl, redo in itertools.product(
+                layouts, (1, 2, 3), chunks, mem, tiles, redos
             ):
                 if seq_len % sequence_multiple(sp, layout):
                     continue
                 run = Run(u, r, layout, stage, c, ck, off, tl, tl, base.offload_optimizer,
-                          base.kv_exchange, base.redo_all_to_all)  # fmt: skip
+                          base.kv_exchange, redo)  # fmt: skip
                 if run != base:
                     out.append(run)
     return out

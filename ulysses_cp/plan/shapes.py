@@ -62,6 +62,7 @@ class ModelShape:
     attention_layers: int | None = None  # layers with attention (None: every layer)
     mixers: tuple[MixerShape, ...] = ()  # hybrid models' token-mixer layers
     weights_file_bytes: int = 0  # the largest file of model.hf_weights (0: none)
+    lean_norms: bool = False  # RMSNorms keep no normalised copy (models/lean_norm.py)
 
     def persistent(self, threshold: float) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (tensors of at most ``threshold``
@@ -109,6 +110,7 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
             **_count(model, model.layers), **feats,
         )  # fmt: skip
     from ..models.hf import _transformers, ffn_width, heads, load_config
+    from ..models.lean_norm import lean_norms
 
     cfg = load_config(mc.hf_config)
     hq, hkv = heads(cfg)
@@ -120,6 +122,7 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
         "hf", cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, hq, hkv, d,
         ffn_width(cfg), dtype_bytes=dtype_bytes or DTYPE_BYTES[mc.dtype],
         **_count(model, layers), **feats, **_hybrid(cfg, model),
+        lean_norms=bool(mc.lean_norms and lean_norms(model)),  # probed on the meta model
     )  # fmt: skip
 
 

@@ -31,7 +31,7 @@ from ...core.comm import stats as comm_stats
 from ...core.log import get_logger
 from ...core.metrics import attention_bytes_sent, largest_peak_memory_mb, topology_info
 from ...core.topology import Topology
-from ...core.zero_comm import zero_wire_bytes
+from ...core.zero_comm import full_numel, zero_wire_bytes
 
 __all__ = [
     "RUN_ID_FILE",
@@ -51,10 +51,9 @@ def zero_bytes_per_step(model: Any, deepspeed_config: dict, *, world: int, micro
     params = list(model.parameters())
     if not params or not all(p.requires_grad for p in params):
         return None
-    numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: the full size
     return zero_wire_bytes(
-        deepspeed_config, params=numel, element_bytes=params[0].element_size(), world=world,
-        micro_steps=micro_steps,
+        deepspeed_config, params=full_numel(params), element_bytes=params[0].element_size(),
+        world=world, micro_steps=micro_steps,
     )  # fmt: skip
 
 

@@ -1,0 +1,171 @@
+"""RMSNorm that keeps one tensor for backward instead of two (Hugging Face models).
+
+transformers' RMSNorm runs as plain autograd ops: ``x.pow(2)`` keeps ``x``, and
+``weight * normed`` keeps ``normed``, a second activation of ``x``'s size (in float32 for a
+bf16 model: twice ``x``'s bytes). The layer that follows keeps the norm's output as well.
+:func:`lean_norms` gives each such norm a forward that is the same operations in the same
+order (the output equal to the bit) under one autograd function that keeps ``x`` and the
+per-token ``rstd`` only and recomputes ``normed`` in backward, one elementwise product
+(``model.lean_norms``, default true).
+``x`` is the residual stream, which is kept anyway, so each norm's saved activation is
+gone: per decoder layer two hidden states in the recomputed layer of a checkpointed model,
+and the final norm's ``normed`` kept through the whole backward when the loss is fused.
+
+Which norms: a module whose class name ends in ``RMSNorm``, with one parameter, ``weight``
+of one dimension, and an ``eps`` or ``variance_epsilon``. Its own forward is run on a
+random input and a random weight (on a stand-in object, no hooks, so ZeRO-3's partitioned
+weights are not touched; again for each new pair of input and weight dtypes, e.g. after
+DeepSpeed casts the model to bf16) and must equal, to the bit, one of the three forms transformers
+uses: ``weight * normed.to(dtype)`` (Llama and most), ``(weight * normed).to(dtype)``
+(OLMo 2, GPT-OSS, Helium) or ``(normed * (1 + weight.float())).to(dtype)`` (Gemma). Any
+other norm keeps its own forward.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["FORMS", "lean_norms", "rms_norm"]
+
+FORMS = ("llama", "olmo", "gemma")
+_MODULE_STATE = {"_parameters", "_buffers", "_modules"}
+
+
+def _normed(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.to(torch.float32)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf * rstd, rstd
+
+
+def _apply(form: str, normed: torch.Tensor, weight: torch.Tensor, dtype) -> torch.Tensor:
+    if form == "llama":
+        return weight * normed.to(dtype)
+    if form == "olmo":
+        return (weight * normed).to(dtype)
+    return (normed * (1.0 + weight.float())).to(dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, form: str):
+        normed, rstd = _normed(x, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.form = form
+        return _apply(form, normed, weight, x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        # in place where the operand is ours: the backward's transients are two tensors of
+        # x's size (normed and dn), as few as autograd's own backward of the plain norm
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.to(torch.float32) * rstd
+        dims = tuple(range(g.dim() - 1))
+        if ctx.form == "llama":  # out = weight * normed.to(dtype), in out's dtype
+            dw = (g * normed.to(x.dtype)).sum(dims) if ctx.needs_input_grad[1] else None
+            dn = (g * weight).to(torch.float32)
+        else:  # the product in float32 (weight promoted), then cast
+            g32 = g.to(torch.float32)
+            dw = (g32 * normed).sum(dims) if ctx.needs_input_grad[1] else None
+            dn = g32 * (weight.float() + 1.0 if ctx.form == "gemma" else weight.float())
+        # dx = rstd * (dn - normed * mean(dn * normed)), the mean as a batched dot product
+        dot = torch.matmul(dn.unsqueeze(-2), normed.unsqueeze(-1)).squeeze(-1)
+        dx = dn.sub_(normed.mul_(dot.div_(x.shape[-1]))).mul_(rstd)
+        return dx.to(x.dtype), None if dw is None else dw.to(weight.dtype), None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dimension in one of :data:`FORMS`, keeping ``x`` and
+    ``rstd`` for backward only."""
+    if form not in FORMS:
+        raise ValueError(f"rms_norm form must be one of {FORMS}, got {form!r}")
+    return _RMSNorm.apply(x, weight, eps, form)
+
+
+def _eps(module: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, float | int) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _weight_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(weight, "ds_shape", weight.shape))  # ZeRO-3 keeps the full shape
+
+
+def _form_of(module: Any, eps: float, dtype: torch.dtype) -> str | None:
+    """The form whose output equals ``module``'s own forward to the bit for an input of
+    ``dtype`` and the module's weight dtype, or None."""
+    weight = module.weight
+    (width,) = _weight_shape(weight)
+    g = torch.Generator().manual_seed(width)
+    probe_w = (torch.rand(width, generator=g) + 0.5).to(weight.dtype)
+    x = torch.randn(2, 3, width, generator=g).to(dtype)
+    cls: type[nn.Module] = type(module)
+    stand_in = cls.__new__(cls)
+    nn.Module.__init__(stand_in)
+    for key, value in vars(module).items():
+        if key not in _MODULE_STATE and not key.startswith("_"):
+            stand_in.__dict__[key] = value
+    stand_in.weight = nn.Parameter(probe_w, requires_grad=False)
+    try:
+        with torch.no_grad():
+            want = cls.forward(stand_in, x)
+    except Exception:  # a forward that needs more than the stand-in has: not ours to take
+        return None
+    if not isinstance(want, torch.Tensor) or want.shape != x.shape:
+        return None
+    with torch.no_grad():
+        normed, _ = _normed(x, eps)
+        for form in FORMS:
+            got = _apply(form, normed, probe_w, x.dtype)
+            if got.dtype == want.dtype and torch.equal(got, want):
+                return form
+    return None
+
+
+def _form_for(module: Any, dtype: torch.dtype) -> str | None:
+    """The probed form for inputs of ``dtype`` and the weight's dtype now (a model cast
+    after :func:`lean_norms`, e.g. by DeepSpeed's bf16, is probed again); None: the
+    norm's own forward. Never probes while torch.compile traces."""
+    key = (module.weight.dtype, dtype)
+    forms: dict[tuple[torch.dtype, torch.dtype], str | None] = module._lean_forms
+    if key not in forms:
+        if torch.compiler.is_compiling():
+            return None
+        forms[key] = _form_of(module, module._lean_eps, dtype)
+    return forms[key]
+
+
+def _lean_forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    form = None if args or kwargs else _form_for(self, hidden_states.dtype)
+    if form is None:  # a call or dtype that did not match: the norm's own forward
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    return rms_norm(hidden_states, self.weight, self._lean_eps, form)
+
+
+def lean_norms(model: nn.Module) -> dict[str, str]:
+    """Give every RMSNorm of ``model`` that matches one of :data:`FORMS` the lean forward
+    (see the module docstring); returns ``{module name: form}`` of those taken."""
+    taken: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not type(module).__name__.endswith("RMSNorm") or "_lean_forms" in vars(module):
+            continue
+        params = dict(module.named_parameters(recurse=False))
+        eps = _eps(module)
+        weight = params.get("weight")
+        if eps is None or len(params) != 1 or weight is None or len(_weight_shape(weight)) != 1:
+            continue
+        if list(module.children()) or list(module.buffers(recurse=False)):
+            continue
+        form = _form_of(module, eps, module.weight.dtype)
+        if form is None:
+            continue
+        module._lean_eps, module._lean_forms = eps, {(module.weight.dtype,) * 2: form}
+        module.forward = types.MethodType(_lean_forward, module)
+        taken[name] = form
+    return taken
