@@ -17,6 +17,7 @@ of Ulysses on this machine's CPU (gloo). Variants:
 - ``ours_mem``: ``tiled_mlp`` and ``tiled_loss`` with the SAME tile counts as ALST's, layer
   activation checkpointing, and ``fused_loss`` (``ulysses_cp/models/fused_loss.py``).
 - ``ours_tiled``: ``ours_mem`` without ``fused_loss`` (the tiled loss, recomputed).
+- ``ours_plain_norms``: ``ours_mem`` with ``lean_norms`` off (transformers' own RMSNorm).
 
 Loss tiles: ALST sizes them at 1 GiB of fp32 logits per tile, which at this model's size
 is one tile (the full logits) at every length measured; both sides here use
@@ -61,7 +62,7 @@ CONFIG = dict(
     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
     max_position_embeddings=1 << 18, tie_word_embeddings=False, attention_dropout=0.0,
 )  # fmt: skip
-VARIANTS = ("alst", "alst_mem", "alst_fused", "ours", "ours_mem", "ours_tiled")
+VARIANTS = ("alst", "alst_mem", "alst_fused", "ours", "ours_mem", "ours_tiled", "ours_plain_norms")
 MEMORY = ("alst_mem", "ours_mem")  # the variants whose longest length is searched
 
 
@@ -179,10 +180,11 @@ class Ours:
         model = hf.from_config(hf.load_config(dict(CONFIG)))
         model.load_state_dict(state)
         mc = HFModelConfig(hf_config=dict(CONFIG), tiled_mlp=2 if mem else 0,
-                           activation_checkpointing=mem)  # fmt: skip
+                           activation_checkpointing=mem,
+                           lean_norms=name != "ours_plain_norms")  # fmt: skip
         self.model = hf.wrap(model, topo, mc).to(device).train()
         self.model.probe()
-        self.mem, self.fused = mem, name == "ours_mem"
+        self.mem, self.fused = mem, name in ("ours_mem", "ours_plain_norms")
 
     def loss(self, full: dict) -> torch.Tensor:
         from ulysses_cp.models.memory import TiledMLP
@@ -327,9 +329,11 @@ def worker(rank, world, args, device):
 
 
 def ratios(rows: list[dict]) -> None:
-    """Each ours row against its ALST counterpart (the exact one for the memory rows)."""
+    """Each ours row against its ALST counterpart (the exact one for the memory rows;
+    ``ours_plain_norms`` against ``ours_mem``, the lean norms' effect)."""
     by = {r["variant"]: r for r in rows}
     peer = {"ours": "alst", "ours_mem": "alst_mem", "ours_tiled": "alst_mem",
+            "ours_plain_norms": "ours_mem",
             "alst_fused": "alst_mem"}  # fmt: skip
     for r in rows:
         p = by.get(peer.get(r["variant"], ""))
