@@ -109,3 +109,14 @@ def test_another_form_keeps_its_own_forward():
     model = nn.ModuleDict({"a": OffsetRMSNorm(64), "b": nn.LayerNorm(64)})
     assert lean_norms(model) == {}
     assert "forward" not in vars(model["a"])
+
+
+def test_a_call_by_keyword_runs_the_norms_own_forward():
+    own = norm_of("gemma", "GemmaRMSNorm", torch.float32)  # forward(self, x)
+    lean = copy.deepcopy(own)
+    lean_norms(nn.ModuleDict({"n": lean}))
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    out = lean(x=x)  # not the probed call: Gemma's own ops
+    assert torch.equal(out, own(x=x))
+    assert "_RMSNorm" not in type(out.grad_fn).__name__
+    assert "_RMSNorm" in type(lean(x).grad_fn).__name__

@@ -141,11 +141,15 @@ def _form_for(module: Any, dtype: torch.dtype) -> str | None:
     return forms[key]
 
 
-def _lean_forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    form = None if args or kwargs else _form_for(self, hidden_states.dtype)
-    if form is None:  # a call or dtype that did not match: the norm's own forward
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    return rms_norm(hidden_states, self.weight, self._lean_eps, form)
+def _lean_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    # only a call with one positional tensor was probed; any other call (a keyword input,
+    # more arguments) and a dtype that did not match run the norm's own forward
+    form = None
+    if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+        form = _form_for(self, args[0].dtype)
+    if form is None:
+        return type(self).forward(self, *args, **kwargs)
+    return rms_norm(args[0], self.weight, self._lean_eps, form)
 
 
 def lean_norms(model: nn.Module) -> dict[str, str]:
