@@ -218,7 +218,7 @@ def activation_bytes(
     layer = _layer_saved(shape, t, tiles["mlp"]) + attn["saved"]
     rope_top = 2 * shape.head_dim * FP32 * t if shape.family == "hf" else 0
     lean = 1 if shape.lean_norms else 0  # a lean norm keeps no normalised copy
-    top = t * ((3 - lean) * D * B + FP32) + rope_top  # final norm: input, normalised, output
+    top = t * ((3 - lean) * D * B + FP32) + rope_top  # final norm: input, output (normalised)
     c_loss = tiles["loss"]
     loss = 3 * V * FP32 * t // c_loss  # fp32 log-softmax, and two gradients of it
     c_mlp = tiles["mlp"]
@@ -235,7 +235,7 @@ def activation_bytes(
                  "layer_backward": max(grads, attn["staging"])}  # fmt: skip
         # by the attention's backward the layer's MLP half is done: its saved tensors
         # (the MLP's intermediates when untiled, the second norm's input and output and
-        # the MLP output: about half of the six hidden-size tensors) are gone, so the
+        # the MLP output: about half of the layer's hidden-size tensors) are gone, so the
         # attention's working set meets the layer less them; the gradients' term stays
         # whole (matched at P = 1, where there is no staging: tests/test_plan.py)
         after = ((3 - lean) * D + (0 if tiles["mlp"] > 1 else 4 * F)) * B * t
