@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -108,6 +109,14 @@ def _entry(rank, body, world, args, init_file, result_file):
             Path(result_file).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    # Done, and the result is on disk: leave without the interpreter's teardown. Process
+    # groups still referenced elsewhere (DeepSpeed's partitioned parameters hold theirs)
+    # are otherwise freed while the interpreter finalises, and gloo's threads there once
+    # aborted a rank after its work was done ("terminate called without an active
+    # exception", SIGABRT). An exception above skips this and reaches mp.spawn as usual.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:

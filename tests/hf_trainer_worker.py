@@ -4,7 +4,7 @@ file with the run's settings; writes ``<out>/result.json`` (training and eval lo
 
 Optional spec keys: ``zero`` (DeepSpeed stage), ``sp`` (the sequence_parallel block),
 ``lora`` (peft LoRA on q/v), ``save`` (save_model's folder: the adapter under LoRA),
-``batches`` (every rank writes ``<out>/batches_<rank>.json``: the row sums of its first
+``model_block`` (the DeepSpeed config's ``"model"`` block), ``batches`` (every rank writes ``<out>/batches_<rank>.json``: the row sums of its first
 epoch's training batches, to see which data each rank gets)."""
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ def main(spec_path: str) -> None:
         }
         if sp is not None:
             ds_config["sequence_parallel"] = {**sp, "attention_backend": "torch"}
+        if spec.get("model_block") is not None:
+            ds_config["model"] = spec["model_block"]
     common = dict(
         output_dir=str(out),
         per_device_train_batch_size=spec["batch"],
@@ -137,6 +139,8 @@ def main(spec_path: str) -> None:
         "loss": [h["loss"] for h in history if "loss" in h],
         "eval_loss": [h["eval_loss"] for h in history if "eval_loss" in h],
         "sp": trainer.sequence_parallel is not None,
+        # the RMSNorms that took the lean forward (models/lean_norm.py)
+        "lean_norms": sum("_lean_forms" in vars(m) for m in model.modules()),
         "history": history,
     }
     if spec.get("wandb") and int(os.environ.get("RANK", "0")) == 0:

@@ -93,6 +93,17 @@ def assert_same_losses(ref: dict, sp: dict) -> None:
     assert ref["loss"][0] != ref["loss"][-1]  # the steps changed the model
 
 
+# the tiny Llama's RMSNorms: two per decoder layer and the final one
+LLAMA_NORMS = 2 * HF_TINY["num_hidden_layers"] + 1
+
+
+def assert_lean_norms(sp: dict, ref: dict, *, taken: int) -> None:
+    """``taken`` RMSNorms of the SP run had the lean forward (so the losses above were
+    compared with them); the plain Trainer's had none."""
+    assert sp["lean_norms"] == taken, sp["lean_norms"]
+    assert ref["lean_norms"] == 0
+
+
 def assert_plain_folders(ref_dir: Path, sp_dir: Path) -> None:
     """The SP run's saved folder is a plain transformers model with the reference's logits."""
     import transformers
@@ -116,7 +127,9 @@ def test_trainer_u2_zero2_equals_one_process(assets, tmp_path):
     ref = spec("trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"))
     sp = spec("trainer", "llama", assets, tmp_path / "sp", zero=2, save=str(tmp_path / "sp_model"),
               sp={"ulysses_degree": 2, "ring_degree": 1})  # fmt: skip
-    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=2))
+    ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=2)
+    assert_same_losses(ref_result, sp_result)
+    assert_lean_norms(sp_result, ref_result, taken=LLAMA_NORMS)
     assert_plain_folders(tmp_path / "ref_model", tmp_path / "sp_model")
 
 
@@ -125,8 +138,11 @@ def test_sft_packed_u2_zero2_equals_one_process(assets, tmp_path):
     Qwen3, Ulysses 2, ZeRO-2: losses and eval loss equal one process."""
     ref = spec("sft", "qwen3", assets, tmp_path / "ref")
     sp = spec("sft", "qwen3", assets, tmp_path / "sp", zero=2,
-              sp={"ulysses_degree": 2, "ring_degree": 1})  # fmt: skip
-    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=2))
+              sp={"ulysses_degree": 2, "ring_degree": 1},
+              model_block={"lean_norms": False})  # fmt: skip
+    ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=2)
+    assert_same_losses(ref_result, sp_result)
+    assert_lean_norms(sp_result, ref_result, taken=0)  # switched off in the DeepSpeed JSON
 
 
 @pytest.mark.slow
@@ -137,7 +153,9 @@ def test_trainer_u2r2_zero3_equals_one_process(assets, tmp_path):
     ref = spec("trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"))
     sp = spec("trainer", "llama", assets, tmp_path / "sp", zero=3, save=str(tmp_path / "sp_model"),
               sp=U2R2)  # fmt: skip
-    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=4))
+    ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=4)
+    assert_same_losses(ref_result, sp_result)
+    assert_lean_norms(sp_result, ref_result, taken=LLAMA_NORMS)  # probed on ZeRO-3 partitions
     assert_plain_folders(tmp_path / "ref_model", tmp_path / "sp_model")
 
 

@@ -12,6 +12,7 @@ from ulysses_cp.core.topology import init_topology
 from ulysses_cp.integrations.hf_trainer.run import (
     _end_padding_only,
     _packed_bounds,
+    lean_norms_option,
     sequence_parallel_block,
     sequence_parallel_loss,
 )
@@ -28,6 +29,23 @@ def test_block_from_dict_path_or_none(tmp_path):
     assert sequence_parallel_block(None) is None
     with pytest.raises(ValueError, match="must be an object"):
         sequence_parallel_block({"sequence_parallel": 2})
+
+
+def test_lean_norms_option_from_the_model_block(tmp_path):
+    """On unless ``"model": {"lean_norms": false}``; any other model key (train.py's, which
+    the Trainer would skip) and a non-boolean are refused with the key named."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"sequence_parallel": BLOCK, "model": {"lean_norms": False}}))
+    assert lean_norms_option(str(path)) is False
+    assert lean_norms_option({"sequence_parallel": BLOCK}) is True
+    assert lean_norms_option({"model": {"lean_norms": True}}) is True
+    assert lean_norms_option(None) is True
+    with pytest.raises(ValueError, match=r"only\s+lean_norms.*\['tiled_mlp'\]"):
+        lean_norms_option({"model": {"lean_norms": True, "tiled_mlp": 2}})
+    with pytest.raises(ValueError, match="lean_norms must be true or false, got 'no'"):
+        lean_norms_option({"model": {"lean_norms": "no"}})
+    with pytest.raises(ValueError, match="model must be an object"):
+        lean_norms_option({"model": 3})
 
 
 def test_right_padding_drops_targets_left_padding_is_refused():

@@ -4,8 +4,9 @@ before the parent (``class SequenceParallelTrainer(SequenceParallelMixin, Traine
 Every override is the parent's own method when the DeepSpeed config has no
 ``"sequence_parallel"`` block. With one:
 
-- ``__init__``: builds the topology (:class:`.run.SequenceParallelRun`) and switches the
-  model's attention to ``"ulysses_cp"``;
+- ``__init__``: builds the topology (:class:`.run.SequenceParallelRun`), switches the
+  model's attention to ``"ulysses_cp"`` and gives its RMSNorms the lean forward (unless
+  the DeepSpeed config says ``"model": {"lean_norms": false}``);
 - ``_get_dataloader``: the data-parallel replicas get distinct batches, the SP ranks of
   one replica the same (Accelerate's batch sampler shards over the replicas, not over
   every process);
@@ -37,7 +38,12 @@ from .metrics import (
     resumed_wandb_run,
     zero_bytes_per_step,
 )
-from .run import SequenceParallelRun, sequence_parallel_block, sequence_parallel_loss
+from .run import (
+    SequenceParallelRun,
+    lean_norms_option,
+    sequence_parallel_block,
+    sequence_parallel_loss,
+)
 
 __all__ = ["SequenceParallelMixin"]
 
@@ -61,8 +67,9 @@ class SequenceParallelMixin:
         self.sequence_parallel: SequenceParallelRun | None = None
         if block is None:
             return
+        lean = lean_norms_option(self.args.deepspeed)
         self.sequence_parallel = SequenceParallelRun.from_block(block)
-        self.sequence_parallel.attach(self.model)
+        self.sequence_parallel.attach(self.model, lean=lean)
         self.gather_function = self._gather_for_metrics
         ds_config = getattr(getattr(self.args, "hf_deepspeed_config", None), "config", None)
         zero = zero_bytes_per_step(

@@ -30,11 +30,13 @@ from ...core.topology import Topology, init_topology, validate_degrees
 from ...core.varlen import cu_seqlens_from_position_ids
 from ...models.hf import HFCausalLM, register_attention
 from ...models.hf_attention import KEY
+from ...models.lean_norm import lean_norms
 from ...models.loss import local_loss_term, sequence_parallel_loss_from_sums
 
 __all__ = [
     "IGNORED_KEYS",
     "SequenceParallelRun",
+    "lean_norms_option",
     "sequence_parallel_block",
     "sequence_parallel_loss",
 ]
@@ -60,19 +62,22 @@ IGNORED_KEYS = frozenset(
 )
 
 
+def _deepspeed_config(deepspeed: Any) -> dict:
+    """``args.deepspeed`` (a JSON path or a dict) as a dict; empty without one."""
+    if deepspeed is None or deepspeed is False:
+        return {}
+    if isinstance(deepspeed, dict):
+        return deepspeed
+    path = Path(deepspeed)
+    if not path.is_file():
+        return {}  # the Trainer reports a missing DeepSpeed config itself
+    return json.loads(path.read_text())
+
+
 def sequence_parallel_block(deepspeed: Any) -> dict | None:
     """The ``"sequence_parallel"`` block of ``args.deepspeed`` (a JSON path or a dict), or
     None when there is none (or no DeepSpeed config at all)."""
-    if deepspeed is None or deepspeed is False:
-        return None
-    if isinstance(deepspeed, dict):
-        cfg = deepspeed
-    else:
-        path = Path(deepspeed)
-        if not path.is_file():
-            return None  # the Trainer reports a missing DeepSpeed config itself
-        cfg = json.loads(path.read_text())
-    block = cfg.get("sequence_parallel")
+    block = _deepspeed_config(deepspeed).get("sequence_parallel")
     if block is None:
         return None
     if not isinstance(block, dict):
@@ -80,6 +85,27 @@ def sequence_parallel_block(deepspeed: Any) -> dict | None:
             f"the DeepSpeed config's sequence_parallel must be an object, got {block!r}"
         )
     return block
+
+
+def lean_norms_option(deepspeed: Any) -> bool:
+    """``"model": {"lean_norms": ...}`` of ``args.deepspeed`` (default true), the one key of
+    ``train.py``'s model block a Trainer run reads; any other key there is refused, since
+    the Trainer builds the model itself and would silently skip it."""
+    block = _deepspeed_config(deepspeed).get("model", {})
+    if not isinstance(block, dict):
+        raise ValueError(f"the DeepSpeed config's model must be an object, got {block!r}")
+    other = sorted(k for k in block if k != "lean_norms")
+    if other:
+        raise ValueError(
+            f"under SequenceParallelTrainer the DeepSpeed config's model block takes only "
+            f"lean_norms; it also has {other}, which train.py reads but the Trainer does not "
+            f"(it trains the model it is given: use TrainingArguments' own options, e.g. "
+            f"gradient_checkpointing): remove them"
+        )
+    lean = block.get("lean_norms", True)
+    if not isinstance(lean, bool):
+        raise ValueError(f"model.lean_norms must be true or false, got {lean!r}")
+    return lean
 
 
 def sequence_parallel_loss(
@@ -153,11 +179,15 @@ class SequenceParallelRun:
 
     # ------------------------------------------------------------ the model
 
-    def attach(self, model: Any) -> None:
+    def attach(self, model: Any, *, lean: bool = True) -> None:
         """Switch a transformers model (a PEFT model's base model included) to ulysses_cp
-        attention and wrap it; the guard and the probe run at :meth:`probe`."""
+        attention and wrap it; ``lean``: its RMSNorms keep only their input for backward
+        (:func:`~ulysses_cp.models.lean_norm.lean_norms`). The guard and the probe run at
+        :meth:`probe`."""
         register_attention(self.topo)
         base = _transformers_model(model)
+        if lean:
+            lean_norms(base)
         self.original_attention = base.config._attn_implementation
         base.set_attn_implementation(KEY)
         if base.config._attn_implementation != KEY:
