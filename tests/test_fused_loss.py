@@ -23,6 +23,8 @@ from tests.helpers import (
 from ulysses_cp.config import HFModelConfig, ModelConfig
 from ulysses_cp.models.fused_loss import fused_cross_entropy
 from ulysses_cp.models.hf_head import HeadTransform, LMHead
+from ulysses_cp.models.lean_norm import lean_norms
+from ulysses_cp.models.lean_norm import norm_backward as lean_norm_backward
 
 TOL = dict(rtol=1e-9, atol=1e-10)
 
@@ -59,6 +61,73 @@ def test_fused_equals_plain_autograd(transform, bias, chunks):
     torch.testing.assert_close(value, results[0][0], rtol=1e-12, atol=1e-12)
 
 
+NORMS = [  # transformers' RMSNorm of each lean form (models/lean_norm.py)
+    ("llama", "LlamaRMSNorm"),
+    ("olmo2", "Olmo2RMSNorm"),
+    ("gemma", "GemmaRMSNorm"),
+]
+
+
+def _final_norm(module: str, cls: str, width: int) -> torch.nn.Module:
+    import importlib
+
+    C = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
+    norm = C(width, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    return norm
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("module,cls", NORMS, ids=[n[0] for n in NORMS])
+def test_fused_folds_a_lean_final_norm(module, cls, chunks, monkeypatch):
+    """``hidden = final_norm(x)`` with a lean norm: the fused loss takes the norm's backward
+    into its forward (once per piece) and keeps ``d x`` only. Loss and the gradients of
+    ``x``, the norm's weight and the head's weight and bias equal plain autograd through
+    the family's own norm (float32, as the norms compute; a logit scale and softcap,
+    incoming gradient 2.5), and nothing keeps ``x`` once the loss is computed (the plain
+    norm's node does)."""
+    import weakref
+
+    from ulysses_cp.models import fused_loss
+
+    topo = ucp.init_topology(1, 1)
+    torch.manual_seed(0)
+    own = _final_norm(module, cls, 8)
+    lean = _final_norm(module, cls, 8)
+    assert list(lean_norms(torch.nn.ModuleDict({"norm": lean}))) == ["norm"]
+    linear = torch.nn.Linear(8, 11, bias=True)
+    head = LMHead(linear, HeadTransform(0.7, 3.0))
+    base = torch.randn(2, 13, 8, requires_grad=True)
+    labels = torch.randint(11, (2, 13))
+    labels[0, :5] = -100
+    folds = []
+    monkeypatch.setattr(
+        fused_loss, "norm_backward",
+        lambda *a, **k: folds.append(1) or lean_norm_backward(*a, **k),
+    )  # fmt: skip
+    results, kept = [], []
+    for fused, norm in ((False, own), (True, lean)):
+        base.grad = None
+        for p in (*linear.parameters(), norm.weight):
+            p.grad = None
+        x = base * 1.0  # the last layer's output: nothing but the norm keeps it
+        if fused:
+            loss = fused_cross_entropy(norm(x), head, labels, topo, chunks=chunks)
+        else:
+            loss = ucp.sequence_parallel_cross_entropy(head(norm(x)), labels, topo)
+        kept.append(weakref.ref(x))
+        del x
+        alive = kept[-1]() is not None
+        (2.5 * loss).backward()
+        grads = (base.grad, norm.weight.grad, *(p.grad for p in linear.parameters()))
+        results.append([loss.detach(), *grads, alive])
+    assert len(folds) == chunks  # folded, one piece at a time
+    assert results[0][-1] and not results[1][-1]  # x kept by the plain norm only
+    for plain, fused in zip(results[0][:-1], results[1][:-1]):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+
+
 def test_a_head_that_is_not_one_linear_is_refused():
     topo = ucp.init_topology(1, 1)
     head = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 7))
@@ -92,12 +161,14 @@ def _fused_equals_one_process(rank, u, r, family):
     cls, extra = HEADS[family]
     cfg = getattr(transformers, cls)(**{**HF_TINY, **extra})
     sp, ref = hf_pair(cfg, topo, reference_attention="eager")
+    # Gemma 2's final norm is lean here, so the fused loss folds its backward in
+    folded = "model.norm" in lean_norms(sp)
     ids = torch.randint(96, (2, 64), generator=torch.Generator().manual_seed(1))
     loss, ref_loss, grads = hf_loss_and_grads(sp, ref, topo, ids, fused_loss=True, tiled_loss=3)
     worst = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
     for name, (grad, want) in grads.items():
         worst[name] = (grad - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
-    return worst, sorted(grads)
+    return worst, sorted(grads), folded
 
 
 @pytest.mark.parametrize("u,r", [(2, 1), (2, 2)], ids=lambda x: str(x))
@@ -107,7 +178,8 @@ def test_fused_loss_under_sp_equals_one_process(pools, family, u, r):
     SP ranks, equal transformers' own model in one process; eager attention takes its
     softmax in float32, so the bound is 1e-5 of each gradient's largest entry (a 2x
     gradient is off by 1)."""
-    for worst, names in pools(u * r).run(_fused_equals_one_process, u, r, family):
+    for worst, names, folded in pools(u * r).run(_fused_equals_one_process, u, r, family):
+        assert folded == (family == "gemma2")  # Cohere's LayerNorm is no RMSNorm
         assert any("embed" in n for n in names)
         bad = {name: err for name, err in worst.items() if err > 1e-5}
         assert not bad, bad

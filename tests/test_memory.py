@@ -85,3 +85,48 @@ def test_tiled_pieces_match_untiled_without_processes():
         results.append([loss.detach(), x.grad.clone(), *(p.grad.clone() for p in mlp.parameters())])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("norm_class", ["LlamaRMSNorm", "Olmo2RMSNorm", "GemmaRMSNorm"])
+def test_tiled_loss_folds_a_lean_final_norm(norm_class):
+    """``hidden = final_norm(x)`` with a lean norm: the tiled loss runs the norm again per
+    piece on its part of ``x``, so after the forward nothing keeps ``hidden`` (the plain
+    norm's output is kept by the pieces' checkpoints); loss and the gradients of ``x``,
+    the norm's weight and the head equal the plain norm's, tiled the same way."""
+    import importlib
+    import weakref
+
+    pytest.importorskip("transformers")
+    from ulysses_cp.models.lean_norm import lean_norms
+
+    family = {"LlamaRMSNorm": "llama", "Olmo2RMSNorm": "olmo2", "GemmaRMSNorm": "gemma"}
+    mod = importlib.import_module(
+        f"transformers.models.{family[norm_class]}.modeling_{family[norm_class]}"
+    )
+    topo = ucp.init_topology(1, 1)
+    torch.manual_seed(1)
+    norms = [getattr(mod, norm_class)(8, eps=1e-6) for _ in range(2)]
+    for n in norms:
+        with torch.no_grad():
+            n.weight.uniform_(-0.5, 1.5, generator=torch.Generator().manual_seed(2))
+    assert list(lean_norms(torch.nn.ModuleDict({"norm": norms[1]}))) == ["norm"]
+    head = torch.nn.Linear(8, 11)
+    base = torch.randn(2, 13, 8, requires_grad=True)
+    labels = torch.randint(11, (2, 13))
+    labels[0, :5] = -100
+    results = []
+    for norm in norms:
+        base.grad = None
+        for p in (*head.parameters(), norm.weight):
+            p.grad = None
+        hidden = norm(base * 1.0)
+        loss = tiled_cross_entropy(hidden, head, labels, topo, chunks=3)
+        kept = weakref.ref(hidden)
+        del hidden
+        alive = kept() is not None
+        (2.5 * loss).backward()
+        grads = [base.grad, norm.weight.grad, *(p.grad for p in head.parameters())]
+        results.append([loss.detach(), *grads, alive])
+    assert results[0][-1] and not results[1][-1]  # kept by the plain norm's pieces only
+    for plain, lean in zip(results[0][:-1], results[1][:-1]):
+        torch.testing.assert_close(lean, plain, rtol=1e-5, atol=1e-6)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..core.topology import Topology
 from .hf_head import HeadTransform
+from .lean_norm import norm_backward, norm_input
 from .loss import sequence_parallel_loss_from_sums
 
 __all__ = ["fused_cross_entropy"]
@@ -48,14 +49,25 @@ class _FusedHeadLoss(torch.autograd.Function):
     ``(d hidden, d weight, d bias)`` of that sum computed in forward.
 
     hidden ``(T, D)``, weight ``(V, D)``, bias ``(V,)`` or None, labels ``(T,)``; ``spec``:
-    ``(scale, softcap, chunks, ignore_index, grads)`` (``grads``: compute the gradients)."""
+    ``(scale, softcap, chunks, ignore_index, grads)`` (``grads``: compute the gradients).
+
+    Folded final norm: with ``x`` ``(T, D)``, ``norm_weight``, ``rstd`` ``(T, 1)`` and
+    ``form``, ``hidden`` is ``rms_norm(x)`` (:mod:`.lean_norm`, given detached): each
+    piece's ``d hidden`` goes through the norm's backward right away, and the gradients
+    returned are ``x``'s and the norm weight's (``hidden``'s is None), so neither ``x`` nor
+    ``d hidden`` is kept, only ``d x``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, spec):
+    def forward(ctx, hidden, weight, bias, labels, spec, x=None, norm_weight=None, rstd=None,
+                form=None):  # fmt: skip
         scale, softcap, chunks, ignore_index, grads = spec
         work = _work_dtype(hidden, weight)
         w = weight.to(work)  # no copy for float32/float64 weights
-        d_hidden = torch.empty_like(hidden) if grads else None
+        folded = x is not None
+        d_hidden = torch.empty_like(x if folded else hidden) if grads else None
+        d_norm = None  # the norm weight's gradient, accumulated in float32 / float64
+        if grads and folded:
+            d_norm = torch.zeros(norm_weight.shape, dtype=work, device=norm_weight.device)
         d_weight = torch.zeros_like(w) if grads else None  # (V, D) in float32 / float64
         d_bias = None
         if grads and bias is not None:
@@ -86,23 +98,32 @@ class _FusedHeadLoss(torch.autograd.Function):
                 g.mul_(t.square_().neg_().add_(1))  # d(cap tanh(u / cap))/du = 1 - tanh^2
             if scale != 1.0:
                 g.mul_(scale)
-            d_hidden[start : start + len(y)] = (g @ w).to(hidden.dtype)  # (t, D)
+            dh = (g @ w).to(hidden.dtype)  # (t, D)
+            if folded:  # through the final norm now: d x of the piece
+                rows = slice(start, start + len(y))
+                dh, dn = norm_backward(dh, x[rows], norm_weight, rstd[rows], form)
+                d_norm += dn.to(work)
+            d_hidden[start : start + len(y)] = dh
             d_weight.addmm_(g.t(), h.to(work))  # (V, D) += (V, t) @ (t, D)
             if d_bias is not None:
                 d_bias += g.sum(0)
             start += len(y)
-        ctx.save_for_backward(d_hidden, d_weight, d_bias)
+        ctx.save_for_backward(d_hidden, d_weight, d_bias, d_norm)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.folded = (norm_weight.dtype,) if folded else None
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        d_hidden, d_weight, d_bias = ctx.saved_tensors
+        d_hidden, d_weight, d_bias, d_norm = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
         g_hidden = d_hidden * grad.to(d_hidden.dtype)
         g_weight = (d_weight * grad).to(w_dtype)
         g_bias = None if d_bias is None else (d_bias * grad).to(b_dtype)
-        return g_hidden, g_weight, g_bias, None, None
+        if ctx.folded is None:
+            return g_hidden, g_weight, g_bias, None, None, None, None, None, None
+        g_norm = (d_norm * grad).to(ctx.folded[0])
+        return None, g_weight, g_bias, None, None, g_hidden, g_norm, None, None
 
 
 def _head_parts(head: nn.Module) -> tuple[nn.Linear, HeadTransform]:
@@ -156,10 +177,27 @@ def fused_cross_entropy(
     flat_h = hidden.reshape(-1, hidden.shape[-1])  # (b*s, D), batch rows one after another
     flat_y = labels.reshape(-1)
     n = max(1, min(int(chunks), flat_y.numel()))
+    grads = torch.is_grad_enabled()
+    spec = (transform.scale, transform.softcap, n, ignore_index, grads)
+    norm = norm_input(hidden) if grads else None
+    if norm is None:
 
-    def run(h):
-        spec = (transform.scale, transform.softcap, n, ignore_index, torch.is_grad_enabled())
-        return _FusedHeadLoss.apply(h, linear.weight, linear.bias, flat_y, spec)
+        def run(h):
+            return _FusedHeadLoss.apply(h, linear.weight, linear.bias, flat_y, spec)
 
-    total = _inside_module_call(linear, run, flat_h)
+        total = _inside_module_call(linear, run, flat_h)
+    else:  # hidden is a lean final norm's output: its backward folded in (module docstring)
+        module, D = norm.module, hidden.shape[-1]
+        x, rstd = norm.x.reshape(-1, D), norm.rstd.reshape(-1, 1)
+        del hidden  # the caller's reference and the norm's node go when the loss returns
+
+        def run_folded(h):
+            return _FusedHeadLoss.apply(h.detach(), linear.weight, linear.bias, flat_y, spec,
+                                        x, module.weight, rstd, norm.form)  # fmt: skip
+
+        # inside the norm's call too: ZeRO-3 gathers its weight for this forward and again
+        # before the backward, as for the head's
+        total = _inside_module_call(
+            module, lambda h: _inside_module_call(linear, run_folded, h), flat_h
+        )
     return sequence_parallel_loss_from_sums(total, (labels != ignore_index).sum(), topo)

@@ -24,12 +24,14 @@ other norm keeps its own forward.
 from __future__ import annotations
 
 import types
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-__all__ = ["FORMS", "lean_norms", "rms_norm"]
+__all__ = ["FORMS", "NormInput", "lean_norms", "norm_backward", "norm_input", "rms_norm"]
 
 FORMS = ("llama", "olmo", "gemma")
 _MODULE_STATE = {"_parameters", "_buffers", "_modules"}
@@ -59,22 +61,65 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        # in place where the operand is ours: the backward's transients are two tensors of
-        # x's size (normed and dn), as few as autograd's own backward of the plain norm
         x, weight, rstd = ctx.saved_tensors
-        normed = x.to(torch.float32) * rstd
-        dims = tuple(range(g.dim() - 1))
-        if ctx.form == "llama":  # out = weight * normed.to(dtype), in out's dtype
-            dw = (g * normed.to(x.dtype)).sum(dims) if ctx.needs_input_grad[1] else None
-            dn = (g * weight).to(torch.float32)
-        else:  # the product in float32 (weight promoted), then cast
-            g32 = g.to(torch.float32)
-            dw = (g32 * normed).sum(dims) if ctx.needs_input_grad[1] else None
-            dn = g32 * (weight.float() + 1.0 if ctx.form == "gemma" else weight.float())
-        # dx = rstd * (dn - normed * mean(dn * normed)), the mean as a batched dot product
-        dot = torch.matmul(dn.unsqueeze(-2), normed.unsqueeze(-1)).squeeze(-1)
-        dx = dn.sub_(normed.mul_(dot.div_(x.shape[-1]))).mul_(rstd)
-        return dx.to(x.dtype), None if dw is None else dw.to(weight.dtype), None, None
+        dx, dw = norm_backward(g, x, weight, rstd, ctx.form, weight_grad=ctx.needs_input_grad[1])
+        return dx, None if dw is None else dw.to(weight.dtype), None, None
+
+
+def norm_backward(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    form: str,
+    *,
+    weight_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients of :func:`rms_norm` for the output gradient ``g``: ``(dx in x's dtype,
+    d weight or None)``, ``d weight`` summed over every dimension but the last, in the
+    dtype it is computed in (x's for the Llama form, float32 for the others)."""
+    # in place where the operand is ours: the transients are two tensors of x's size
+    # (normed and dn), as few as autograd's own backward of the plain norm
+    normed = x.to(torch.float32) * rstd
+    dims = tuple(range(g.dim() - 1))
+    if form == "llama":  # out = weight * normed.to(dtype), in out's dtype
+        dw = (g * normed.to(x.dtype)).sum(dims) if weight_grad else None
+        dn = (g * weight).to(torch.float32)
+    else:  # the product in float32 (weight promoted), then cast
+        g32 = g.to(torch.float32)
+        dw = (g32 * normed).sum(dims) if weight_grad else None
+        dn = g32 * (weight.float() + 1.0 if form == "gemma" else weight.float())
+    # dx = rstd * (dn - normed * mean(dn * normed)), the mean as a batched dot product
+    dot = torch.matmul(dn.unsqueeze(-2), normed.unsqueeze(-1)).squeeze(-1)
+    dx = dn.sub_(normed.mul_(dot.div_(x.shape[-1]))).mul_(rstd)
+    return dx.to(x.dtype), dw
+
+
+@dataclass(frozen=True)
+class NormInput:
+    """What a lean norm's output came from (:func:`norm_input`): its input ``x``, the
+    per-token ``rstd``, the module (its ``weight``) and the form."""
+
+    x: torch.Tensor
+    rstd: torch.Tensor
+    module: nn.Module
+    form: str
+
+
+def norm_input(out: torch.Tensor) -> NormInput | None:
+    """When ``out`` is the output of a lean norm's call (the lean forward of a module given
+    by :func:`lean_norms`, with autograd recording), what it came from; else None. A
+    consumer that computes ``out``'s gradient itself can take the norm's backward into its
+    own (:func:`norm_backward`) and keep ``dx`` instead of ``x`` and ``d out``."""
+    node = out.grad_fn
+    if not isinstance(node, _RMSNorm._backward_cls):  # type: ignore[attr-defined]
+        return None
+    ref = getattr(node, "norm_module", None)
+    module = ref() if ref is not None else None
+    if module is None:
+        return None
+    x, _weight, rstd = node.saved_tensors
+    return NormInput(x=x, rstd=rstd, module=module, form=node.form)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torch.Tensor:
@@ -149,7 +194,10 @@ def _lean_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         form = _form_for(self, args[0].dtype)
     if form is None:
         return type(self).forward(self, *args, **kwargs)
-    return rms_norm(args[0], self.weight, self._lean_eps, form)
+    out = rms_norm(args[0], self.weight, self._lean_eps, form)
+    if out.grad_fn is not None:
+        out.grad_fn.norm_module = weakref.ref(self)  # for norm_input (a consumer's fold)
+    return out
 
 
 def lean_norms(model: nn.Module) -> dict[str, str]:

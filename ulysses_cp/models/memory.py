@@ -6,7 +6,9 @@
   the untiled one.
 - :func:`tiled_cross_entropy`: the LM head and the loss run per piece of the sequence under
   checkpointing, so the full ``(b, s, vocab)`` fp32 logits never exist; the sum and the
-  token count go through the sequence-parallel loss as before.
+  token count go through the sequence-parallel loss as before. When the hidden states are
+  a lean final norm's output (:mod:`.lean_norm`), each piece runs that norm on its part of
+  the norm's input, so the checkpoints keep the input alone (one hidden-size tensor less).
 - :func:`checkpointed`: activation checkpointing of a layer, optionally with the saved
   layer input (the checkpointed hidden state) moved to CPU until backward.
 
@@ -33,6 +35,7 @@ from ..core.batch import BatchPlan
 from ..core.tiles import TileSetting, check_tiles, resolve_tiles
 from ..core.topology import Topology
 from .fused_loss import fused_cross_entropy
+from .lean_norm import norm_input
 from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss_from_sums
 
 __all__ = [
@@ -117,8 +120,14 @@ def loss_tiles(setting: TileSetting, head: nn.Module, input_ids: torch.Tensor) -
     return min(n, input_ids.shape[-1])
 
 
-def _ce_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int):
-    logits = head(hidden)
+def _ce_sum(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    pre: nn.Module | None = None,
+):
+    logits = head(hidden if pre is None else pre(hidden))
     logits = logits if logits.dtype == torch.float64 else logits.float()
     return F.cross_entropy(
         logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="sum"
@@ -143,10 +152,20 @@ def tiled_cross_entropy(
             f"(batch, seq)"
         )
     n = max(1, min(int(chunks), hidden.shape[1]))
+    tiled = n > 1 and torch.is_grad_enabled()
+    norm = norm_input(hidden) if tiled else None
+    if norm is not None:
+        # hidden is a lean final norm's output: each piece runs that norm again on its part
+        # of the norm's input (a per-token op: the same values), so the checkpoints keep
+        # that input alone, not the norm's output as well
+        del hidden
+        source, pre = norm.x, norm.module
+    else:
+        source, pre = hidden, None
     total = None
-    for h, y in zip(hidden.chunk(n, dim=1), labels.chunk(n, dim=1)):
-        if n > 1 and torch.is_grad_enabled():
-            part = checkpoint(_ce_sum, head, h, y, ignore_index, use_reentrant=False)
+    for h, y in zip(source.chunk(n, dim=1), labels.chunk(n, dim=1)):
+        if tiled:
+            part = checkpoint(_ce_sum, head, h, y, ignore_index, pre, use_reentrant=False)
         else:
             part = _ce_sum(head, h, y, ignore_index)
         total = part if total is None else total + part
