@@ -33,7 +33,7 @@ from profiling import longest_fitting, peak_memory
 import ulysses_cp as ucp
 from ulysses_cp.config import DataConfig, HFModelConfig, ModelConfig
 from ulysses_cp.models.decoder import Decoder
-from ulysses_cp.models.memory import tiled_cross_entropy
+from ulysses_cp.models.memory import LossPlan, lm_loss
 from ulysses_cp.training.data import KVRecall, global_batch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,15 +82,12 @@ def step_fn(model, features: dict, topo, N: int, device):
     local = {k: t.to(device) for k, t in ucp.shard_batch(full, topo).items()}
 
     def step():
-        args = (local["input_ids"], local["position_ids"], local["batch"])
-        if features["tiled_loss"] > 1:
-            hidden = model(*args, return_hidden=True)
-            chunks = features["tiled_loss"]
-            loss = tiled_cross_entropy(
-                hidden, model.head, local["shift_labels"], topo, chunks=chunks
-            )
-        else:
-            loss = ucp.sequence_parallel_cross_entropy(model(*args), local["shift_labels"], topo)
+        # the models' own loss path (what train.py runs): tiled when tiled_loss > 1
+        loss = lm_loss(
+            model, model.head, local["input_ids"], local["position_ids"],
+            local["shift_labels"], topo, batch=local["batch"],
+            plan=LossPlan(features["tiled_loss"]),
+        )  # fmt: skip
         loss.backward()
         for p in model.parameters():
             p.grad = None

@@ -4,8 +4,9 @@ file with the run's settings; writes ``<out>/result.json`` (training and eval lo
 
 Optional spec keys: ``zero`` (DeepSpeed stage), ``sp`` (the sequence_parallel block),
 ``lora`` (peft LoRA on q/v), ``save`` (save_model's folder: the adapter under LoRA),
-``model_block`` (the DeepSpeed config's ``"model"`` block), ``batches`` (every rank writes ``<out>/batches_<rank>.json``: the row sums of its first
-epoch's training batches, to see which data each rank gets)."""
+``model_block`` (the DeepSpeed config's ``"model"`` block), ``batches`` (every rank
+writes ``<out>/batches_<rank>.json``: the row sums of its first epoch's training batches,
+to see which data each rank gets)."""
 
 from __future__ import annotations
 

@@ -113,7 +113,7 @@ def test_fused_folds_a_lean_final_norm(module, cls, chunks, monkeypatch):
             p.grad = None
         x = base * 1.0  # the last layer's output: nothing but the norm keeps it
         if fused:
-            loss = fused_cross_entropy(norm(x), head, labels, topo, chunks=chunks)
+            loss = fused_cross_entropy(norm(x), head, labels, topo, chunks=chunks, fold_norm=True)
         else:
             loss = ucp.sequence_parallel_cross_entropy(head(norm(x)), labels, topo)
         kept.append(weakref.ref(x))

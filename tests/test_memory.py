@@ -120,7 +120,7 @@ def test_tiled_loss_folds_a_lean_final_norm(norm_class):
         for p in (*head.parameters(), norm.weight):
             p.grad = None
         hidden = norm(base * 1.0)
-        loss = tiled_cross_entropy(hidden, head, labels, topo, chunks=3)
+        loss = tiled_cross_entropy(hidden, head, labels, topo, chunks=3, fold_norm=True)
         kept = weakref.ref(hidden)
         del hidden
         alive = kept() is not None

@@ -163,11 +163,18 @@ def fused_cross_entropy(
     *,
     chunks: int = 1,
     ignore_index: int = -100,
+    fold_norm: bool = False,
 ) -> torch.Tensor:
     """``sequence_parallel_cross_entropy(head(hidden), labels, topo)`` with the head's and
     the loss's gradients computed in the forward, ``chunks`` pieces of the sequence at a
     time (the full logits never exist when ``chunks > 1``). hidden ``(b, s_local, D)``,
-    labels ``(b, s_local)``; ``head``: an ``nn.Linear`` or an ``LMHead`` around one."""
+    labels ``(b, s_local)``; ``head``: an ``nn.Linear`` or an ``LMHead`` around one.
+
+    ``fold_norm``: when ``hidden`` is a lean final norm's output (:mod:`.lean_norm`), the
+    norm's backward runs here too, piece by piece, and ``d x`` (its input's gradient) is
+    kept instead of ``d hidden`` and ``x``; for a caller that holds no reference to
+    ``hidden`` after this call (as :func:`~ulysses_cp.models.memory.lm_loss`), since
+    while ``hidden`` lives the norm's own autograd node keeps ``x``."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must agree in "
@@ -179,7 +186,7 @@ def fused_cross_entropy(
     n = max(1, min(int(chunks), flat_y.numel()))
     grads = torch.is_grad_enabled()
     spec = (transform.scale, transform.softcap, n, ignore_index, grads)
-    norm = norm_input(hidden) if grads else None
+    norm = norm_input(hidden) if grads and fold_norm else None
     if norm is None:
 
         def run(h):

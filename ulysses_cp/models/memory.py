@@ -8,7 +8,8 @@
   checkpointing, so the full ``(b, s, vocab)`` fp32 logits never exist; the sum and the
   token count go through the sequence-parallel loss as before. When the hidden states are
   a lean final norm's output (:mod:`.lean_norm`), each piece runs that norm on its part of
-  the norm's input, so the checkpoints keep the input alone (one hidden-size tensor less).
+  the norm's input, so the checkpoints keep the input alone (one hidden-size tensor less;
+  ``fold_norm``, taken by :func:`lm_loss`).
 - :func:`checkpointed`: activation checkpointing of a layer, optionally with the saved
   layer input (the checkpointed hidden state) moved to CPU until backward.
 
@@ -142,10 +143,17 @@ def tiled_cross_entropy(
     *,
     chunks: int,
     ignore_index: int = -100,
+    fold_norm: bool = False,
 ) -> torch.Tensor:
     """``sequence_parallel_cross_entropy(head(hidden), labels, topo)`` without the full
     logits: ``head`` (the LM head) and the loss run on ``chunks`` pieces of the sequence,
-    each recomputed in backward. hidden ``(b, s_local, D)``, labels ``(b, s_local)``."""
+    each recomputed in backward. hidden ``(b, s_local, D)``, labels ``(b, s_local)``.
+
+    ``fold_norm``: when ``hidden`` is a lean final norm's output (:mod:`.lean_norm`), each
+    piece runs that norm again on its part of the norm's input (a per-token op: the same
+    values), so the checkpoints keep the input alone, not the output as well. Only for a
+    caller that holds no reference to ``hidden`` after this call (as :func:`lm_loss`):
+    while ``hidden`` lives, the norm's own autograd node keeps its input too."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must agree in "
@@ -153,11 +161,8 @@ def tiled_cross_entropy(
         )
     n = max(1, min(int(chunks), hidden.shape[1]))
     tiled = n > 1 and torch.is_grad_enabled()
-    norm = norm_input(hidden) if tiled else None
+    norm = norm_input(hidden) if tiled and fold_norm else None
     if norm is not None:
-        # hidden is a lean final norm's output: each piece runs that norm again on its part
-        # of the norm's input (a per-token op: the same values), so the checkpoints keep
-        # that input alone, not the norm's output as well
         del hidden
         source, pre = norm.x, norm.module
     else:
@@ -202,12 +207,13 @@ def lm_loss(
     loss's gradients are computed in the forward, in the same pieces
     (:func:`~ulysses_cp.models.fused_loss.fused_cross_entropy`), so nothing is recomputed."""
     chunks = loss_tiles(plan.tiles, head, input_ids)
+    # the hidden states are this call's alone: a lean final norm's backward is folded in
     if plan.fused:
         hidden = forward(input_ids, position_ids, batch, return_hidden=True)
-        return fused_cross_entropy(hidden, head, labels, topo, chunks=chunks)
+        return fused_cross_entropy(hidden, head, labels, topo, chunks=chunks, fold_norm=True)
     if chunks > 1:
         hidden = forward(input_ids, position_ids, batch, return_hidden=True)
-        return tiled_cross_entropy(hidden, head, labels, topo, chunks=chunks)
+        return tiled_cross_entropy(hidden, head, labels, topo, chunks=chunks, fold_norm=True)
     return sequence_parallel_cross_entropy(forward(input_ids, position_ids, batch), labels, topo)
 
 
