@@ -51,15 +51,15 @@ class _FusedHeadLoss(torch.autograd.Function):
     hidden ``(T, D)``, weight ``(V, D)``, bias ``(V,)`` or None, labels ``(T,)``; ``spec``:
     ``(scale, softcap, chunks, ignore_index, grads)`` (``grads``: compute the gradients).
 
-    Folded final norm: with ``x`` ``(T, D)``, ``norm_weight``, ``rstd`` ``(T, 1)`` and
-    ``form``, ``hidden`` is ``rms_norm(x)`` (:mod:`.lean_norm`, given detached): each
+    Folded final norm: with ``norm`` (:class:`~.lean_norm.NormInput`: ``x`` ``(T, D)``,
+    the module, the form) and its ``norm_weight``, ``hidden`` is ``rms_norm(x)``
+    (:mod:`.lean_norm`, given detached): each
     piece's ``d hidden`` goes through the norm's backward right away, and the gradients
     returned are ``x``'s and the norm weight's (``hidden``'s is None), so neither ``x`` nor
     ``d hidden`` is kept, only ``d x``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, spec, x=None, norm_weight=None, rstd=None,
-                form=None):  # fmt: skip
+    def forward(ctx, hidden, weight, bias, labels, spec, x=None, norm_weight=None, norm=None):
         scale, softcap, chunks, ignore_index, grads = spec
         work = _work_dtype(hidden, weight)
         w = weight.to(work)  # no copy for float32/float64 weights
@@ -101,7 +101,8 @@ class _FusedHeadLoss(torch.autograd.Function):
             dh = (g @ w).to(hidden.dtype)  # (t, D)
             if folded:  # through the final norm now: d x of the piece
                 rows = slice(start, start + len(y))
-                dh, dn = norm_backward(dh, x[rows], norm_weight, rstd[rows], form)
+                xs = x[rows]
+                dh, dn = norm_backward(dh, xs, norm_weight, norm.rstd(xs), norm.form)
                 d_norm += dn.to(work)
             d_hidden[start : start + len(y)] = dh
             d_weight.addmm_(g.t(), h.to(work))  # (V, D) += (V, t) @ (t, D)
@@ -121,9 +122,9 @@ class _FusedHeadLoss(torch.autograd.Function):
         g_weight = (d_weight * grad).to(w_dtype)
         g_bias = None if d_bias is None else (d_bias * grad).to(b_dtype)
         if ctx.folded is None:
-            return g_hidden, g_weight, g_bias, None, None, None, None, None, None
+            return g_hidden, g_weight, g_bias, None, None, None, None, None
         g_norm = (d_norm * grad).to(ctx.folded[0])
-        return None, g_weight, g_bias, None, None, g_hidden, g_norm, None, None
+        return None, g_weight, g_bias, None, None, g_hidden, g_norm, None
 
 
 def _head_parts(head: nn.Module) -> tuple[nn.Linear, HeadTransform]:
@@ -195,12 +196,12 @@ def fused_cross_entropy(
         total = _inside_module_call(linear, run, flat_h)
     else:  # hidden is a lean final norm's output: its backward folded in (module docstring)
         module, D = norm.module, hidden.shape[-1]
-        x, rstd = norm.x.reshape(-1, D), norm.rstd.reshape(-1, 1)
+        x = norm.x.reshape(-1, D)
         del hidden  # the caller's reference and the norm's node go when the loss returns
 
         def run_folded(h):
             return _FusedHeadLoss.apply(h.detach(), linear.weight, linear.bias, flat_y, spec,
-                                        x, module.weight, rstd, norm.form)  # fmt: skip
+                                        x, module.weight, norm)  # fmt: skip
 
         # inside the norm's call too: ZeRO-3 gathers its weight for this forward and again
         # before the backward, as for the head's

@@ -98,28 +98,36 @@ def norm_backward(
 @dataclass(frozen=True)
 class NormInput:
     """What a lean norm's output came from (:func:`norm_input`): its input ``x``, the
-    per-token ``rstd``, the module (its ``weight``) and the form."""
+    module (its ``weight`` and ``_lean_eps``) and the form."""
 
     x: torch.Tensor
-    rstd: torch.Tensor
     module: nn.Module
     form: str
 
+    def rstd(self, x: torch.Tensor) -> torch.Tensor:
+        """The per-token ``rstd`` of ``x`` (a piece of :attr:`x`), as the forward has it."""
+        return _normed(x, self.module._lean_eps)[1]
+
 
 def norm_input(out: torch.Tensor) -> NormInput | None:
-    """When ``out`` is the output of a lean norm's call (the lean forward of a module given
-    by :func:`lean_norms`, with autograd recording), what it came from; else None. A
-    consumer that computes ``out``'s gradient itself can take the norm's backward into its
-    own (:func:`norm_backward`) and keep ``dx`` instead of ``x`` and ``d out``."""
-    node = out.grad_fn
-    if not isinstance(node, _RMSNorm._backward_cls):  # type: ignore[attr-defined]
+    """When ``out`` is the output of the latest call of a lean norm (the lean forward of a
+    module given by :func:`lean_norms`, with autograd recording) and that call's input is
+    still alive, what it came from; else None. A consumer that computes ``out``'s gradient
+    itself can take the norm's backward into its own (:func:`norm_backward`), or run the
+    norm again on pieces of ``x``, and keep ``out`` nowhere. Reads no saved tensor (inside
+    a checkpointed region that would recompute the region)."""
+    if torch.compiler.is_compiling():
         return None
-    ref = getattr(node, "norm_module", None)
+    ref = getattr(out.grad_fn, "norm_module", None)
     module = ref() if ref is not None else None
-    if module is None:
+    last = getattr(module, "_lean_last", None)
+    if last is None:
         return None
-    x, _weight, rstd = node.saved_tensors
-    return NormInput(x=x, rstd=rstd, module=module, form=node.form)
+    out_ref, x_ref, form = last
+    x = x_ref()
+    if out_ref() is not out or x is None:
+        return None
+    return NormInput(x=x, module=module, form=form)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torch.Tensor:
@@ -195,8 +203,10 @@ def _lean_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
     if form is None:
         return type(self).forward(self, *args, **kwargs)
     out = rms_norm(args[0], self.weight, self._lean_eps, form)
-    if out.grad_fn is not None:
-        out.grad_fn.norm_module = weakref.ref(self)  # for norm_input (a consumer's fold)
+    if out.grad_fn is not None and not torch.compiler.is_compiling():
+        # for norm_input (a consumer's fold): weak references only, nothing kept alive
+        out.grad_fn.norm_module = weakref.ref(self)
+        self._lean_last = (weakref.ref(out), weakref.ref(args[0]), form)
     return out
 
 

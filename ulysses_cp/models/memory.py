@@ -3,7 +3,9 @@
 - :class:`TiledMLP`: the MLP runs on ``chunks`` pieces of the sequence, each under
   non-reentrant activation checkpointing, so its ``(b, s, ffn)`` intermediates exist for
   one piece at a time, in forward and in backward. The MLP is per token, so the result is
-  the untiled one.
+  the untiled one. When its input is a lean norm's output (:mod:`.lean_norm`), each piece
+  runs the norm too, so the norm's output is never kept whole (one hidden-size tensor
+  less per layer).
 - :func:`tiled_cross_entropy`: the LM head and the loss run per piece of the sequence under
   checkpointing, so the full ``(b, s, vocab)`` fp32 logits never exist; the sum and the
   token count go through the sequence-parallel loss as before. When the hidden states are
@@ -76,8 +78,21 @@ class TiledMLP(nn.Module):
         n = self.pieces(x) if torch.is_grad_enabled() else 1
         if n <= 1:
             return self.mlp(x)
-        pieces = x.chunk(n, dim=1)
-        return torch.cat([checkpoint(self.mlp, p, use_reentrant=False) for p in pieces], dim=1)
+        norm = norm_input(x)
+        if norm is None:
+            pieces = x.chunk(n, dim=1)
+            return torch.cat([checkpoint(self.mlp, p, use_reentrant=False) for p in pieces], 1)
+        # x is a lean norm's output (the decoder layer's mlp(post_attention_layernorm(h))):
+        # each piece runs that norm on its part of h, so the checkpoints keep h (which the
+        # norm's node keeps anyway while x lives) and x is never kept whole
+        del x
+        pieces = norm.x.chunk(n, dim=1)
+        return torch.cat(
+            [checkpoint(self._normed_piece, norm.module, p, use_reentrant=False) for p in pieces], 1
+        )
+
+    def _normed_piece(self, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(norm(h))
 
 
 def tile_mlps(

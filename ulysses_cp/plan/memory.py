@@ -196,6 +196,8 @@ def _layer_saved(shape: ModelShape, t: int, mlp_tiles: int) -> int:
     q_coef, k_coef, rope = (3, 3, 4 * shape.head_dim) if shape.family == "reference" else (2, 2, 0)
     mlp = 0 if mlp_tiles > 1 else 4 * F
     hidden = 4 if shape.lean_norms else 6  # lean norms keep no normalised copy (2 norms)
+    if shape.lean_norms and mlp_tiles > 1:
+        hidden -= 1  # the tiled MLP's pieces run the lean norm before it: its output unkept
     return t * (B * (hidden * D + q_coef * Q + k_coef * K + mlp) + FP32 * (rope + shape.hq + 2))
 
 
@@ -238,7 +240,8 @@ def activation_bytes(
         # the MLP output: about half of the layer's hidden-size tensors) are gone, so the
         # attention's working set meets the layer less them; the gradients' term stays
         # whole (matched at P = 1, where there is no staging: tests/test_plan.py)
-        after = ((3 - lean) * D + (0 if tiles["mlp"] > 1 else 4 * F)) * B * t
+        fold = lean if tiles["mlp"] > 1 else 0  # the MLP's pieces run the second norm
+        after = ((3 - lean - fold) * D + (0 if tiles["mlp"] > 1 else 4 * F)) * B * t
         transient = max(loss, layer + grads, layer + attn["staging"] - after)
     else:
         layers = shape.layers * layer
