@@ -130,3 +130,43 @@ def test_tiled_loss_folds_a_lean_final_norm(norm_class):
     assert results[0][-1] and not results[1][-1]  # kept by the plain norm's pieces only
     for plain, lean in zip(results[0][:-1], results[1][:-1]):
         torch.testing.assert_close(lean, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_tiled_mlp_runs_a_lean_norm_before_it_per_piece():
+    """``mlp(norm(h))`` with a lean norm and a tiled MLP: each piece runs the norm on its
+    part of ``h``, so after the forward nothing keeps the norm's output (with the plain
+    norm the pieces' checkpoints keep it); output and the gradients of ``h``, the norm's
+    weight and the MLP equal the plain norm's."""
+    import weakref
+
+    transformers = pytest.importorskip("transformers")
+    from ulysses_cp.models.lean_norm import lean_norms
+
+    torch.manual_seed(3)
+    norms = [transformers.models.llama.modeling_llama.LlamaRMSNorm(8) for _ in range(2)]
+    for n in norms:
+        with torch.no_grad():
+            n.weight.uniform_(-0.5, 1.5, generator=torch.Generator().manual_seed(4))
+    assert list(lean_norms(torch.nn.ModuleDict({"norm": norms[1]}))) == ["norm"]
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    tiled = TiledMLP(mlp, 3)
+    base = torch.randn(2, 13, 8, requires_grad=True)
+    g = torch.randn(2, 13, 8)
+    results = []
+    for norm in norms:
+        base.grad = None
+        for p in (*mlp.parameters(), norm.weight):
+            p.grad = None
+        h = base * 1.0  # the residual stream (kept by the caller, as a decoder layer does)
+        normed = norm(h)
+        out = tiled(normed)
+        kept = weakref.ref(normed)
+        del normed
+        alive = kept() is not None
+        out.backward(g)
+        grads = [base.grad, norm.weight.grad, *(p.grad for p in mlp.parameters())]
+        results.append([out.detach(), *grads, alive])
+        del h
+    assert results[0][-1] and not results[1][-1]  # kept by the plain norm's pieces only
+    for plain, lean in zip(results[0][:-1], results[1][:-1]):
+        torch.testing.assert_close(lean, plain, rtol=1e-5, atol=1e-6)

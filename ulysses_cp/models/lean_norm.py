@@ -203,7 +203,7 @@ def _lean_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
     if form is None:
         return type(self).forward(self, *args, **kwargs)
     out = rms_norm(args[0], self.weight, self._lean_eps, form)
-    if out.grad_fn is not None and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and out.grad_fn is not None:
         # for norm_input (a consumer's fold): weak references only, nothing kept alive
         out.grad_fn.norm_module = weakref.ref(self)
         self._lean_last = (weakref.ref(out), weakref.ref(args[0]), form)

@@ -206,9 +206,11 @@ def activation_bytes(
     head_chunks: int = 1, kv_exchange: str = "ring", redo: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The activation peak of one training step on one rank, and its parts (bytes):
-    ``layers`` (what every layer keeps), ``top`` (final norm), ``transient`` (the largest
-    of ``transient_parts``: the loss of one tile, and the recomputed layer with its
-    backward under checkpointing, else a tiled MLP piece or the attention staging)."""
+    ``layers`` (what every layer keeps), ``top`` (the final norm's tensors at the peak:
+    its input and output in the loss's phase, the gradient into the last layer after it),
+    ``transient`` (the largest of ``transient_parts`` with its ``top``: the loss of one
+    tile, and the recomputed layer with its backward under checkpointing, else a tiled MLP
+    piece or the attention staging)."""
     P = ulysses * ring
     t = batch * (seq_len // P)
     B, D, V, F = shape.dtype_bytes, shape.dim, shape.vocab, shape.ffn
@@ -220,8 +222,14 @@ def activation_bytes(
     layer = _layer_saved(shape, t, tiles["mlp"]) + attn["saved"]
     rope_top = 2 * shape.head_dim * FP32 * t if shape.family == "hf" else 0
     lean = 1 if shape.lean_norms else 0  # a lean norm keeps no normalised copy
-    top = t * ((3 - lean) * D * B + FP32) + rope_top  # final norm: input, output (normalised)
     c_loss = tiles["loss"]
+    if lean and c_loss > 1:  # lm_loss's tiled loss runs the lean final norm per piece
+        top = t * D * B + rope_top
+    else:  # final norm: input, output (and the normalised copy), rstd
+        top = t * ((3 - lean) * D * B + FP32) + rope_top
+    # after the final norm's backward: the gradient into the last layer (and the rotary
+    # tables), what the layers' backward meets instead of ``top``
+    after_top = t * D * B + rope_top
     loss = 3 * V * FP32 * t // c_loss  # fp32 log-softmax, and two gradients of it
     c_mlp = tiles["mlp"]
     mlp = (5 * F * B * t // c_mlp + 2 * D * B * t) if c_mlp > 1 else 0  # one piece again
@@ -242,10 +250,16 @@ def activation_bytes(
         # whole (matched at P = 1, where there is no staging: tests/test_plan.py)
         fold = lean if tiles["mlp"] > 1 else 0  # the MLP's pieces run the second norm
         after = ((3 - lean - fold) * D + (0 if tiles["mlp"] > 1 else 4 * F)) * B * t
-        transient = max(loss, layer + grads, layer + attn["staging"] - after)
+        in_layers = max(layer + grads, layer + attn["staging"] - after)
     else:
         layers = shape.layers * layer
         parts = {"loss": loss, "mlp_tile": mlp, "attention_staging": attn["staging"]}
-        transient = max(loss, mlp, attn["staging"])
+        in_layers = max(mlp, attn["staging"])
+    # the peak is in the loss (the final norm's tensors alive) or in the layers' backward
+    # (they are gone by then): ``top`` is the final norm's share at whichever is larger
+    if top + loss >= after_top + in_layers:
+        transient = loss
+    else:
+        top, transient = after_top, in_layers
     return {"layers": layers, "top": top, "transient": transient,
             "total": layers + top + transient, "transient_parts": parts}  # fmt: skip
