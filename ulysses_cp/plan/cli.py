@@ -223,8 +223,8 @@ def breakdown(p: dict) -> list[str]:
         f"{g(p['peak_bytes_per_rank'])} GiB per rank, parts in GiB:",
         f"  static {g(p['static_bytes_per_rank'])}: "
         + ", ".join(f"{k} {g(v)}" for k, v in st.items()),
-        f"  activation {g(act['total'])}: kept by the layers {g(act['layers'])}, final norm "
-        f"{g(act['top'])}, largest transient {g(act['transient'])} of "
+        f"  activation {g(act['total'])}: kept by the layers {g(act['layers'])}, top of the "
+        f"stack {g(act['top'])}, largest transient {g(act['transient'])} of "
         + ", ".join(f"{k} {g(v)}" for k, v in tp.items()),
         f"  ({t} tokens per rank: {act['total'] / max(t, 1) / 1024:.1f} KiB of activation "
         "per token)",
