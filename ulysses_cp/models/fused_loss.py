@@ -103,6 +103,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                 rows = slice(start, start + len(y))
                 xs = x[rows]
                 dh, dn = norm_backward(dh, xs, norm_weight, norm.rstd(xs), norm.form)
+                assert d_norm is not None and dn is not None
                 d_norm += dn.to(work)
             d_hidden[start : start + len(y)] = dh
             d_weight.addmm_(g.t(), h.to(work))  # (V, D) += (V, t) @ (t, D)

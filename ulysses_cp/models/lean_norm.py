@@ -106,7 +106,8 @@ class NormInput:
 
     def rstd(self, x: torch.Tensor) -> torch.Tensor:
         """The per-token ``rstd`` of ``x`` (a piece of :attr:`x`), as the forward has it."""
-        return _normed(x, self.module._lean_eps)[1]
+        eps: float = self.module._lean_eps  # type: ignore[assignment]
+        return _normed(x, eps)[1]
 
 
 def norm_input(out: torch.Tensor) -> NormInput | None:
@@ -125,7 +126,7 @@ def norm_input(out: torch.Tensor) -> NormInput | None:
         return None
     out_ref, x_ref, form = last
     x = x_ref()
-    if out_ref() is not out or x is None:
+    if out_ref() is not out or x is None or module is None:
         return None
     return NormInput(x=x, module=module, form=form)
 
@@ -205,7 +206,7 @@ def _lean_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
     out = rms_norm(args[0], self.weight, self._lean_eps, form)
     if not torch.compiler.is_compiling() and out.grad_fn is not None:
         # for norm_input (a consumer's fold): weak references only, nothing kept alive
-        out.grad_fn.norm_module = weakref.ref(self)
+        out.grad_fn.norm_module = weakref.ref(self)  # type: ignore[attr-defined]
         self._lean_last = (weakref.ref(out), weakref.ref(args[0]), form)
     return out
 
