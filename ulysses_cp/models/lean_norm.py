@@ -19,6 +19,11 @@ DeepSpeed casts the model to bf16) and must equal, to the bit, one of the three 
 uses: ``weight * normed.to(dtype)`` (Llama and most), ``(weight * normed).to(dtype)``
 (OLMo 2, GPT-OSS, Helium) or ``(normed * (1 + weight.float())).to(dtype)`` (Gemma). Any
 other norm keeps its own forward.
+
+:func:`norm_input` lets a consumer of a lean norm's output recognise it (weak references
+left by the lean forward) and run the norm itself on pieces of its input, or take its
+backward in (:func:`norm_backward`): the tiled MLP, the tiled and the fused loss
+(:mod:`.memory`, :mod:`.fused_loss`).
 """
 
 from __future__ import annotations
