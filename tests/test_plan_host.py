@@ -57,25 +57,37 @@ def test_offloaded_optimizer_bytes_equal_deepspeeds(pools, stage):
         assert want["training"] == got  # nothing else is offloaded in this run
 
 
-def test_offloaded_activations_bytes_equal_what_the_checkpoints_keep():
-    mc = replace(TINY, activation_checkpointing=True, offload_activations=True)
-    torch.manual_seed(0)
-    model = Decoder(mc, sdpa_attention)
-    b, s = 2, 24
-    ids = torch.randint(0, mc.vocab_size, (b, s))
-    out = model(ids, torch.arange(s).expand(b, s), None)
-    kept, seen, todo = 0, set(), [out.grad_fn]
-    while todo:  # every offloaded checkpoint in the graph, and the input it keeps on CPU
+def _offloaded_inputs(out: torch.Tensor) -> list[torch.Tensor]:
+    """The input every offloaded checkpoint in ``out``'s graph keeps on CPU."""
+    kept, seen, todo = [], set(), [out.grad_fn]
+    while todo:
         fn = todo.pop()
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
         if type(fn).__name__ == "_OffloadedCheckpointBackward":
             assert fn.x_cpu.device.type == "cpu"
-            kept += _nbytes([fn.x_cpu])
+            kept.append(fn.x_cpu)
         todo += [f for f, _ in fn.next_functions]
+    return kept
+
+
+@pytest.mark.parametrize("offload, layers", [(True, 3), (2, 2), (1, 1)])
+def test_offloaded_activations_bytes_equal_what_the_checkpoints_keep(offload, layers):
+    """``offload_activations`` true (every layer) or a count (the first n layers): the
+    inputs on CPU are exactly those layers', and the planner counts their bytes."""
+    mc = replace(TINY, n_layers=3, activation_checkpointing=True, offload_activations=offload)
+    torch.manual_seed(0)
+    model = Decoder(mc, sdpa_attention)
+    b, s = 2, 24
+    ids = torch.randint(0, mc.vocab_size, (b, s))
+    out = model(ids, torch.arange(s).expand(b, s), None)
+    kept = _offloaded_inputs(out)
+    assert len(kept) == layers
     want = host_bytes(model_shape(mc), zero_stage=0, world=1, tokens=b * s)
-    assert kept > 0 and kept == want["activations"], (kept, want)
+    assert _nbytes(kept) > 0 and _nbytes(kept) == want["activations"], (kept, want)
+    # the first layers: the embedding's output is the first layer's input
+    assert any(torch.equal(x, model.embed(ids)) for x in kept)
     plain = host_bytes(model_shape(TINY), zero_stage=0, world=1, tokens=b * s)
     assert plain["activations"] == 0
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from .core.offload import check_offload, offloaded_layers
 from .core.options import Backend, KVExchange, Layout, Packing
 from .core.tiles import check_tiles
 from .schema import at_least, check_top_level_keys, from_block, resolve_paths
@@ -126,11 +127,7 @@ def check_memory_options(block: ModelConfig | HFModelConfig) -> None:
     """The ALST switches shared by the reference decoder and Hugging Face models."""
     for n in ("tiled_mlp", "tiled_loss"):
         check_tiles(getattr(block, n), f"model.{n}")
-    if block.offload_activations and not block.activation_checkpointing:
-        raise ValueError(
-            "model.offload_activations moves the checkpointed layer inputs to CPU: it needs "
-            "model.activation_checkpointing: true"
-        )
+    check_offload(block.offload_activations, block.activation_checkpointing)
 
 
 @dataclass
@@ -146,7 +143,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     activation_checkpointing: bool = False
-    offload_activations: bool = False  # checkpointed layer inputs wait on CPU (needs the above)
+    # checkpointed layer inputs wait on CPU (needs the above): true (every layer), false,
+    # or how many of the first layers do (the rest keep theirs on the device)
+    offload_activations: bool | int = False
     # > 1: the MLP in this many sequence pieces (models/memory.py); "auto": sized by bytes
     # (core/tiles.py)
     tiled_mlp: int | Literal["auto"] = 0
@@ -161,6 +160,7 @@ class ModelConfig:
     def check(self) -> None:
         check_memory_options(self)
         at_least("model", self, ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads"), 1)
+        offloaded_layers(self.offload_activations, self.n_layers)
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or self.head_dim % 2:
             raise ValueError(
                 f"model: dim ({self.dim}) must split into n_heads ({self.n_heads}) "
@@ -181,7 +181,7 @@ class HFModelConfig:
     hf_weights: str | None = None  # local folder for from_pretrained; None: random init
     dtype: HFDtype = "float32"
     activation_checkpointing: bool = False
-    offload_activations: bool = False
+    offload_activations: bool | int = False  # as in ModelConfig
     tiled_mlp: int | Literal["auto"] = 0
     tiled_loss: int | Literal["auto"] = 0
     fused_loss: bool = False

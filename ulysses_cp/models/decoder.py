@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..core.batch import BatchPlan
+from ..core.offload import offloaded_layers
 from .memory import TiledMLP, checkpointed
 
 __all__ = [
@@ -110,10 +111,11 @@ class Decoder(nn.Module):
         ``self.head``)."""
         x = self.embed(input_ids)  # (b, s, D)
         attn = self.attn if batch is None else partial(self.attn, batch=batch)
-        for layer in self.layers:
+        offloaded = offloaded_layers(self.cfg.offload_activations, len(self.layers))
+        for i, layer in enumerate(self.layers):
             if self.cfg.activation_checkpointing and self.training:
                 run = partial(layer, position_ids=position_ids, attn=attn)
-                x = checkpointed(run, x, offload=self.cfg.offload_activations)
+                x = checkpointed(run, x, offload=i < offloaded)
             else:
                 x = layer(x, position_ids, attn)
         x = self.norm(x)

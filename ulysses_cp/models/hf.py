@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from ..config import HFDtype, HFModelConfig
 from ..core.batch import BatchPlan, shard_batch
+from ..core.offload import offloaded_layers
 from ..core.sharding import layout_of
 from ..core.topology import Topology
 from .hf_attention import (
@@ -110,7 +111,7 @@ class HFCausalLM(nn.Module):
         topo: Topology | None = None,
         layout: str | None = None,
         activation_checkpointing: bool = False,
-        offload_activations: bool = False,
+        offload_activations: bool | int = False,
         probe: bool = True,
     ) -> None:
         super().__init__()
@@ -136,8 +137,10 @@ class HFCausalLM(nn.Module):
         # hybrid layers' SP forwards (or a refusal); a model of mixers alone calls no attention
         self._mixers = 0 if topo is None else install_mixers(model, topo)
         if activation_checkpointing:
-            for layer in self.decoder_layers():
-                layer.forward = partial(_checkpointed_layer, layer.forward, offload_activations)
+            layers = self.decoder_layers()
+            offloaded = offloaded_layers(offload_activations, len(layers))
+            for i, layer in enumerate(layers):
+                layer.forward = partial(_checkpointed_layer, layer.forward, i < offloaded)
 
     def decoder_layers(self) -> list[nn.Module]:
         return list(decoder_layers(self.model)[1])

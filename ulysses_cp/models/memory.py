@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -78,18 +79,17 @@ class TiledMLP(nn.Module):
         n = self.pieces(x) if torch.is_grad_enabled() else 1
         if n <= 1:
             return self.mlp(x)
-        norm = norm_input(x)
-        if norm is None:
-            pieces = x.chunk(n, dim=1)
-            return torch.cat([checkpoint(self.mlp, p, use_reentrant=False) for p in pieces], 1)
-        # x is a lean norm's output (the decoder layer's mlp(post_attention_layernorm(h))):
-        # each piece runs that norm on its part of h, so the checkpoints keep h (which the
-        # norm's node keeps anyway while x lives) and x is never kept whole
+        fn: Callable[[torch.Tensor], torch.Tensor] = self.mlp
+        source, norm = x, norm_input(x)
         del x
-        pieces = norm.x.chunk(n, dim=1)
-        return torch.cat(
-            [checkpoint(self._normed_piece, norm.module, p, use_reentrant=False) for p in pieces], 1
-        )
+        if norm is not None:
+            # the input is a lean norm's output (the decoder layer's
+            # mlp(post_attention_layernorm(h))): each piece runs that norm on its part of h,
+            # so the checkpoints keep h (which the norm's node keeps anyway while the output
+            # lives) and the norm's output is never kept whole
+            fn, source = partial(self._normed_piece, norm.module), norm.x
+        pieces = source.chunk(n, dim=1)
+        return torch.cat([checkpoint(fn, p, use_reentrant=False) for p in pieces], 1)
 
     def _normed_piece(self, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
         return self.mlp(norm(h))

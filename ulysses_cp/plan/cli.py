@@ -116,6 +116,7 @@ def plan(
     if longest_n:
         at_longest = {"seq_len": longest_n, "tokens_per_rank": batch * longest_n // base.sp,
                       **at(base, longest_n)}  # fmt: skip
+    split = _offload_split(base, shape.layers, written["max_seq_len"], one)
     cands = [one(r) for r in candidates(shape, base, world=world, seq_len=N)]
     cands.sort(key=lambda c: (not c["fits"], c["predicted_step_s"], -c["max_seq_len"]))
     if max_candidates is not None:
@@ -128,9 +129,24 @@ def plan(
         "hardware": asdict(hw),
         "config": written,
         "config_at_max_seq_len": at_longest,
+        "offload_split": split,
         "candidates": cands,
         "chosen": chosen,
     }  # fmt: skip
+
+
+def _offload_split(base: Run, layers: int, written: int, one) -> dict | None:
+    """With checkpointing: the count of offloaded layer inputs (``offload_activations: n``,
+    the first ``n`` layers) that reaches the longest sequence, the fewest layers among
+    equals (the least host traffic), when it beats the config as written; else None."""
+    if not base.activation_checkpointing:
+        return None
+    best = None
+    for n in range(layers + 1):
+        got = one(replace(base, offload_activations=n))["max_seq_len"]
+        if got > written and (best is None or got > best["max_seq_len"]):
+            best = {"offload_activations": n, "layers": layers, "max_seq_len": got}
+    return best
 
 
 def _largest_weights_file(mc) -> int:
@@ -155,16 +171,17 @@ def _row(c: dict, unit: int) -> str:
     def _gib(n: float) -> str:
         return f"{n / unit:.1f}"
 
-    mem = (
-        "ckpt+off" if c["offload_activations"] else "ckpt" if c["activation_checkpointing"] else "-"
-    )
+    off = c["offload_activations"]
+    mem = "ckpt" if c["activation_checkpointing"] else "-"
+    if off is True or (off and c["activation_checkpointing"]):  # n: the first n layers
+        mem = "ckpt+off" if off is True else f"ckpt+off{off}"
     auto = "auto" in (c["tiled_mlp"], c["tiled_loss"])  # "a": counts resolved at seq_len
     tiled = f"{c['tiles']['mlp']}/{c['tiles']['loss']}"
     tiled = f"a{tiled}" if auto else tiled if max(c["tiles"].values()) > 1 else "-"
     chunks = f"c{c['head_chunks']}" + ("r" if c["redo_all_to_all"] else "")  # r: redo_all_to_all
     return (
         f"u{c['ulysses_degree']:<3}r{c['ring_degree']:<3} {c['layout']:<10} z{c['zero_stage']} "
-        f"{chunks:<4} {mem:<8} {tiled:<9} {_gib(c['static_bytes_per_rank']):>8} "
+        f"{chunks:<4} {mem:<10} {tiled:<9} {_gib(c['static_bytes_per_rank']):>8} "
         f"{_gib(c['activation_bytes_per_rank']):>8} {_gib(c['peak_bytes_per_rank']):>8} "
         f"{_gib(c['host_bytes_per_rank']):>8} {c['intra_node_bytes'] / 1e9:>8.3g} "
         f"{c['inter_node_bytes'] / 1e9:>8.3g} "
@@ -177,7 +194,7 @@ def table(result: dict, top: int = 10) -> str:
     i, hw = result["inputs"], result["hardware"]
     unit, name = (GiB, "GiB") if result["config"]["peak_bytes_per_rank"] >= GiB else (2**20, "MiB")
     head = (
-        f"{'split':<9} {'layout':<10} {'zero':<4} {'chk':<4} {'act mem':<8} {'tiles m/l':<9} "
+        f"{'split':<9} {'layout':<10} {'zero':<4} {'chk':<4} {'act mem':<10} {'tiles m/l':<9} "
         f"{'static':>8} {'activ.':>8} {'peak':>8} {'host':>8} {'intra GB':>8} {'inter GB':>8} "
         f"{'step s':>8} {'fits':>4} {'max seq':>9}"
     )
@@ -205,6 +222,14 @@ def table(result: dict, top: int = 10) -> str:
         )
     if result.get("config_at_max_seq_len"):
         lines += breakdown(result["config_at_max_seq_len"])
+    split = result.get("offload_split")
+    if split:
+        lines.append(
+            f'"offload_activations": {split["offload_activations"]} (the inputs of the first '
+            f"{split['offload_activations']} of {split['layers']} layers on the host, the rest "
+            f"on the GPU) reaches {split['max_seq_len']} tokens, against "
+            f"{result['config']['max_seq_len']} as written"
+        )
     lines.append(
         "every number above is a prediction of the planner's cost model (docs/planner.md), "
         "not a measurement"

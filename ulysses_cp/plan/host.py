@@ -8,8 +8,9 @@ with ``part = ceil(psi / n)`` parameters in the rank's ZeRO partition (``n``: al
   bytes per element), Adam's two fp32 moments (8); ZeRO-3 also keeps its flat gradient
   partition buffer in the gradient-accumulation dtype (the model's: ``B``) on the host,
   16 + B bytes per element in all;
-- ``activations`` (``offload_activations`` with checkpointing): the input of every decoder
-  layer of the micro-batch, ``layers * dim * B`` per token the rank holds;
+- ``activations`` (``offload_activations`` with checkpointing): the input of every
+  offloaded decoder layer of the micro-batch (all of them, or the first ``n``),
+  ``offloaded_layers * dim * B`` per token the rank holds;
 - ``load``: the peak while the model is built and its weights read, before training.
   Partitioned (ZeRO-3 Hugging Face models, ``training/loading.py``): the rank's slice
   ``psi * B / n`` plus the largest piece held whole meanwhile: the largest safetensors
@@ -45,8 +46,7 @@ def host_bytes(
     optimizer = 0
     if offload_optimizer:
         optimizer = part * (4 * FP32 + (B if zero_stage == 3 else 0))
-    offloaded = shape.activation_checkpointing and shape.offload_activations
-    activations = shape.layers * shape.dim * B * tokens if offloaded else 0
+    activations = shape.offloaded_layers * shape.dim * B * tokens
     piece = shape.weights_file_bytes or max(shape.layer_params, shape.vocab * shape.dim) * B
     built = -(-psi * B // n) if partitioned_load else psi * B
     load = built + piece

@@ -188,6 +188,12 @@ def tile_counts(shape: ModelShape, t: int) -> dict[str, int]:
     }
 
 
+def _mlp_norm_fold(shape: ModelShape, mlp_tiles: int) -> int:
+    """1 when the tiled MLP's pieces run the lean norm before it (its output is never kept
+    whole: ``models.memory.TiledMLP``), else 0."""
+    return 1 if shape.lean_norms and mlp_tiles > 1 else 0
+
+
 def _layer_saved(shape: ModelShape, t: int, mlp_tiles: int) -> int:
     """Bytes one decoder layer saves for backward, local attention (measured: the
     reference decoder keeps the fused qkv output, the roped q/k and a contiguous copy of
@@ -195,9 +201,9 @@ def _layer_saved(shape: ModelShape, t: int, mlp_tiles: int) -> int:
     B, D, Q, K, F = shape.dtype_bytes, shape.dim, shape.q_width, shape.kv_width, shape.ffn
     q_coef, k_coef, rope = (3, 3, 4 * shape.head_dim) if shape.family == "reference" else (2, 2, 0)
     mlp = 0 if mlp_tiles > 1 else 4 * F
-    hidden = 4 if shape.lean_norms else 6  # lean norms keep no normalised copy (2 norms)
-    if shape.lean_norms and mlp_tiles > 1:
-        hidden -= 1  # the tiled MLP's pieces run the lean norm before it: its output unkept
+    # lean norms keep no normalised copy (2 norms), and the second one's output is not
+    # kept when the MLP's pieces run it
+    hidden = (4 if shape.lean_norms else 6) - _mlp_norm_fold(shape, mlp_tiles)
     return t * (B * (hidden * D + q_coef * Q + k_coef * K + mlp) + FP32 * (rope + shape.hq + 2))
 
 
@@ -237,8 +243,8 @@ def activation_bytes(
         staging = 3 * t * m.channels(P)[0] * B
         attn = {**attn, "staging": max(attn["staging"], staging)}
     if shape.activation_checkpointing:
-        kept = 0 if shape.offload_activations else D * B * t  # the layer input
-        layers = shape.layers * kept
+        # the layer input, on the host for the offloaded layers
+        layers = (shape.layers - shape.offloaded_layers) * D * B * t
         # the loss backward, or the last layer recomputed and its attention backward
         grads = (2 * shape.q_width + shape.kv_width) * B * t
         parts = {"loss": loss, "recomputed_layer": layer,
@@ -248,7 +254,7 @@ def activation_bytes(
         # the MLP output: about half of the layer's hidden-size tensors) are gone, so the
         # attention's working set meets the layer less them; the gradients' term stays
         # whole (matched at P = 1, where there is no staging: tests/test_plan.py)
-        fold = lean if tiles["mlp"] > 1 else 0  # the MLP's pieces run the second norm
+        fold = _mlp_norm_fold(shape, tiles["mlp"])  # the MLP's pieces run the second norm
         after = ((3 - lean - fold) * D + (0 if tiles["mlp"] > 1 else 4 * F)) * B * t
         in_layers = max(layer + grads, layer + attn["staging"] - after)
     else:

@@ -77,7 +77,7 @@ class Run:
     zero_stage: int
     head_chunks: int = 1
     activation_checkpointing: bool = False
-    offload_activations: bool = False
+    offload_activations: bool | int = False  # every layer, none, or the first n
     tiled_mlp: int | str = 0  # > 1: the MLP in this many pieces; "auto": by bytes
     tiled_loss: int | str = 0  # > 1: LM head + loss in this many pieces; "auto": by bytes
     offload_optimizer: bool = False
@@ -151,9 +151,7 @@ def predict(
         ring=run.ring, attention=attn, zero=zero,
     )  # fmt: skip
     t = batch * seq_len // run.sp
-    host = (
-        2 * sh.layers * sh.dim * sh.dtype_bytes * t * micro_steps if run.offload_activations else 0
-    )
+    host = 2 * sh.offloaded_layers * sh.dim * sh.dtype_bytes * t * micro_steps
     if run.offload_optimizer:
         host += 2 * -(-sh.params // world) * sh.dtype_bytes
     host_mem = host_bytes(

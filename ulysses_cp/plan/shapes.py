@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..config import HFModelConfig, ModelConfig
+from ..core.offload import offloaded_layers
 
 __all__ = ["MixerShape", "ModelShape", "model_shape"]
 
@@ -55,7 +56,7 @@ class ModelShape:
     layer_params: int
     dtype_bytes: int  # parameters and activations
     activation_checkpointing: bool = False
-    offload_activations: bool = False
+    offload_activations: bool | int = False  # every layer, none, or the first n (core/offload.py)
     tiled_mlp: int | str = 0  # a count, or "auto" (resolved per length: plan.memory.tile_counts)
     tiled_loss: int | str = 0
     param_numels: tuple[int, ...] = ()  # every parameter tensor's size (ZeRO-3 persistence)
@@ -68,6 +69,13 @@ class ModelShape:
         """Parameters ZeRO-3 keeps whole on every rank (tensors of at most ``threshold``
         elements: DeepSpeed's ``stage3_param_persistence_threshold``, default 1e5)."""
         return sum(n for n in self.param_numels if n <= threshold)
+
+    @property
+    def offloaded_layers(self) -> int:
+        """How many layers keep their checkpointed input on the host."""
+        if not self.activation_checkpointing:
+            return 0
+        return offloaded_layers(self.offload_activations, self.layers)
 
     @property
     def n_attention(self) -> int:
