@@ -171,10 +171,9 @@ def _row(c: dict, unit: int) -> str:
     def _gib(n: float) -> str:
         return f"{n / unit:.1f}"
 
-    off = c["offload_activations"]
-    mem = "ckpt" if c["activation_checkpointing"] else "-"
-    if off is True or (off and c["activation_checkpointing"]):  # n: the first n layers
-        mem = "ckpt+off" if off is True else f"ckpt+off{off}"
+    off, mem = c["offload_activations"], "-"
+    if c["activation_checkpointing"]:  # ckpt+offN: the first N layers' inputs offloaded
+        mem = "ckpt+off" if off is True else f"ckpt+off{off}" if off else "ckpt"
     auto = "auto" in (c["tiled_mlp"], c["tiled_loss"])  # "a": counts resolved at seq_len
     tiled = f"{c['tiles']['mlp']}/{c['tiles']['loss']}"
     tiled = f"a{tiled}" if auto else tiled if max(c["tiles"].values()) > 1 else "-"
