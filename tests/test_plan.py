@@ -85,7 +85,7 @@ def test_longest_sequence_within_one_search_step(pools):
     """benchmark_memory.py's search (measured peaks) and the planner's (predicted peaks)
     land within one step (2P*64 tokens) of each other, at P = 1 and 4 (u2 x r2)."""
     for world, (u, r) in ((1, (1, 1)), (4, (2, 2))):
-        cases = [dict(u=u, r=r, kind=kind, features=f, budget=6 * 2**20)
+        cases = [dict(u=u, r=r, kind=kind, features=f, budget=8 * 2**20)
                  for kind in ("reference", "hf") for f in ("none", "tiled+ckpt")]  # fmt: skip
         for kw, measured in zip(cases, pools(world).run(_longest, cases)[0]):
             pred = pvm.predicted_longest(**kw)

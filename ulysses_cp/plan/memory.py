@@ -257,6 +257,9 @@ def activation_bytes(
         fold = _mlp_norm_fold(shape, tiles["mlp"])  # the MLP's pieces run the second norm
         after = ((3 - lean - fold) * D + (0 if tiles["mlp"] > 1 else 4 * F)) * B * t
         in_layers = max(layer + grads, layer + attn["staging"] - after)
+        if c_mlp > 1:  # a tiled MLP's piece recomputed and its backward, inside the
+            # recomputed layer (its saved tensors all alive; measured: the peak at P = 1)
+            in_layers = max(in_layers, layer + mlp)
     else:
         layers = shape.layers * layer
         parts = {"loss": loss, "mlp_tile": mlp, "attention_staging": attn["staging"]}
