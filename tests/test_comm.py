@@ -102,3 +102,31 @@ def test_traffic_set_aside_is_not_counted():
         assert s.total() == 112  # counted inside the block, as ever
     assert s.total() == 100 and s.calls[("all_to_all", "forward")] == 1
     assert ("ring", "backward") not in s.bytes
+
+
+def _release(rank):
+    from ulysses_cp.core.comm import PendingAllToAll
+
+    topo = topology(2, 1)
+    out = []
+    for release in (False, True):
+        send = torch.arange(8.0).view(2, 4) + 10 * rank  # row j goes to rank j
+        pending = PendingAllToAll(topo.ulysses_group)
+        pending.post(send, "forward", release=release)
+        recv = pending.wait("forward")
+        want = torch.stack([torch.arange(4.0) + 4 * rank + 10 * j for j in range(2)])
+        assert torch.equal(recv, want)
+        out.append(send.untyped_storage().nbytes())
+    view = torch.zeros(4, 4)[:2]  # part of a larger storage: never freed by release
+    pending = PendingAllToAll(topo.ulysses_group)
+    pending.post(view, "forward", release=True)
+    pending.wait("forward")
+    return [*out, view.untyped_storage().nbytes()]
+
+
+def test_a_released_send_buffer_is_freed_once_sent(pools):
+    """``release=True``: the send buffer's storage is freed when the wait returns (the
+    backend's reference can outlive the wait), the received data intact; a send that is
+    only part of its storage, or not released, is kept."""
+    for kept, freed, view in pools(2).run(_release):
+        assert (kept, freed, view) == (32, 0, 64)

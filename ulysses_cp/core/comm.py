@@ -195,6 +195,11 @@ class _AllToAll(torch.autograd.Function):
         return ctx.bwd(grad, ctx.group, "backward"), None, None, None
 
 
+def _whole_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is all of its storage (no other tensor can view a part of it)."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 class PendingAllToAll:
     """One all-to-all over dim 0 that is posted now and waited for later, in the forward and
     again (for the gradient) in the backward, so that compute can run while it moves:
@@ -217,9 +222,16 @@ class PendingAllToAll:
         self._work = None
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def post(self, send: torch.Tensor, phase: str, op: str | None = "all_to_all") -> torch.Tensor:
+    def post(
+        self, send: torch.Tensor, phase: str, op: str | None = "all_to_all", *,
+        release: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         """Post the all-to-all of ``send`` (dim 0 = destination rank); its bytes counted
-        under ``op`` (None: the caller counts them)."""
+        under ``op`` (None: the caller counts them). ``release``: the caller will not use
+        ``send`` again, so :meth:`wait` frees its storage once the transfer is done (the
+        backend's own reference to it can outlive the wait for a while, which made the
+        peak depend on its thread's timing)."""
+        self._release = release
         send = send.contiguous()
         recv = torch.empty_like(send)
         with collective("all_to_all", phase, self.group):
@@ -234,7 +246,9 @@ class PendingAllToAll:
         assert self._work is not None and self._buffers is not None, "wait before post"
         with collective("all_to_all", phase, self.group):
             self._work.wait()
-        recv = self._buffers[1]
+        send, recv = self._buffers
+        if self._release and _whole_storage(send):
+            send.untyped_storage().resize_(0)
         self._work = self._buffers = None
         return recv
 

@@ -91,9 +91,12 @@ class _Plan:
         P = self.P
         return x.unflatten(2, (P, c, x.shape[2] // (P * c)))[:, :, :, i].permute(2, 0, 1, 3, 4)
 
-    def post(self, parts: list[tuple[torch.Tensor, str]], phase: str) -> PendingAllToAll:
+    def post(
+        self, parts: list[tuple[torch.Tensor, str]], phase: str, release: bool = False
+    ) -> PendingAllToAll:
         """One all-to-all of ``parts`` ``(P, b, s_l, h_i, d)`` packed along the heads; each
-        part's bytes counted under its op."""
+        part's bytes counted under its op. The packed send buffer is freed once sent; one
+        contiguous part goes as it is, freed only with ``release`` (the caller's tensor)."""
         # (P, b, s_l, sum h_i, d); one contiguous part goes as it is
         one = len(parts) == 1 and parts[0][0].is_contiguous()
         send = parts[0][0] if one else torch.cat([t for t, _ in parts], dim=3)
@@ -103,7 +106,7 @@ class _Plan:
         for op, nbytes in sent.items():
             stats.add(op, phase, nbytes)
         pending = PendingAllToAll(self.group)
-        pending.post(send, phase, op=None)
+        pending.post(send, phase, op=None, release=release or not one)
         return pending
 
     def unpack(self, pending: PendingAllToAll, sizes: list[int], phase: str) -> list[torch.Tensor]:
@@ -113,17 +116,21 @@ class _Plan:
         for n in sizes:
             out.append(_from_ranks(recv[:, :, :, at : at + n], self.P, self.order).contiguous())
             at += n
+        ptr = recv.untyped_storage().data_ptr()
+        if all(o.untyped_storage().data_ptr() != ptr for o in out):  # all copied out of it
+            recv.untyped_storage().resize_(0)
         return out
 
-    def send_back(self, x: torch.Tensor, phase: str) -> PendingAllToAll:
-        """Head-sharded ``(b, s, h', d)`` back to sequence-sharded: posted."""
+    def send_back(self, x: torch.Tensor, phase: str, release: bool = False) -> PendingAllToAll:
+        """Head-sharded ``(b, s, h', d)`` back to sequence-sharded: posted (``release``: the
+        caller lets go of ``x``, freed once sent)."""
         # (b, s, h', d) -> (P, b, s_l, h', d): dim 0 = destination rank (sequence chunk)
-        return self.post([(_to_ranks(x, self.P, self.order), "all_to_all")], phase)
+        return self.post([(_to_ranks(x, self.P, self.order), "all_to_all")], phase, release)
 
     def back(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`send_back` in the backward, waited for: ``(b, s_l, P, h', d)`` (dim 2 =
         the rank whose heads these are). ``x`` is released by the caller."""
-        return self.send_back(x, "backward").wait("backward").permute(1, 2, 0, 3, 4)
+        return self.send_back(x, "backward", True).wait("backward").permute(1, 2, 0, 3, 4)
 
 
 class _Chunked(torch.autograd.Function):
