@@ -180,6 +180,21 @@ def attend_and_check(pools, u, r, layout="zigzag", *, seed, hq, hkv, bounds=None
 _TOPOS: dict = {}
 
 
+def offloaded_inputs(out: torch.Tensor) -> list[torch.Tensor]:
+    """The input every offloaded checkpoint in ``out``'s graph keeps on CPU."""
+    kept, seen, todo = [], set(), [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if type(fn).__name__ == "_OffloadedCheckpointBackward":
+            assert fn.x_cpu.device.type == "cpu"
+            kept.append(fn.x_cpu)
+        todo += [f for f, _ in fn.next_functions]
+    return kept
+
+
 def topology(u: int, r: int, layout: str = "zigzag", **options):
     """One set of process groups per degrees per process (group creation is collective and
     slow), with the run's ``layout`` and other ``options`` (``ucp.RunOptions`` fields)."""

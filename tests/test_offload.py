@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import ulysses_cp as ucp
-from tests.helpers import ROOT, TINY
-from tests.test_plan_host import _offloaded_inputs
+from tests.helpers import ROOT, TINY, offloaded_inputs
 from ulysses_cp.config import HFModelConfig, ModelConfig, RunConfig
 from ulysses_cp.core.offload import offloaded_layers
 from ulysses_cp.models.decoder import Decoder
@@ -51,7 +50,7 @@ def test_partial_offload_is_exact_and_offloads_the_first_layers():
         torch.manual_seed(0)
         model = Decoder(mc, ucp.Attention(topo, backend="math")).double()
         logits = model(ids, pos)
-        kept = _offloaded_inputs(logits)
+        kept = offloaded_inputs(logits)
         assert len(kept) == want
         if want:  # the first layer's input (the embedding's output) is among them
             assert any(torch.equal(x, model.embed(ids)) for x in kept)
@@ -75,7 +74,7 @@ def test_hugging_face_layers_take_the_count():
         model = hf.build_model(topo, mc, backend="math")
         model.train()
         logits = model(ids, torch.arange(32)[None])
-        assert len(_offloaded_inputs(logits)) == want
+        assert len(offloaded_inputs(logits)) == want
     mc = replace(mc, offload_activations=3)
     with pytest.raises(ValueError, match="3 layers asked for, the model has 2"):
         hf.build_model(topo, mc, backend="math")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import TINY, run_config, sdpa_attention, topology_for
+from tests.helpers import TINY, offloaded_inputs, run_config, sdpa_attention, topology_for
 from ulysses_cp.models.decoder import Decoder
 from ulysses_cp.plan.host import host_bytes
 from ulysses_cp.plan.shapes import model_shape
@@ -57,21 +57,6 @@ def test_offloaded_optimizer_bytes_equal_deepspeeds(pools, stage):
         assert want["training"] == got  # nothing else is offloaded in this run
 
 
-def _offloaded_inputs(out: torch.Tensor) -> list[torch.Tensor]:
-    """The input every offloaded checkpoint in ``out``'s graph keeps on CPU."""
-    kept, seen, todo = [], set(), [out.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        if type(fn).__name__ == "_OffloadedCheckpointBackward":
-            assert fn.x_cpu.device.type == "cpu"
-            kept.append(fn.x_cpu)
-        todo += [f for f, _ in fn.next_functions]
-    return kept
-
-
 @pytest.mark.parametrize("offload, layers", [(True, 3), (2, 2), (1, 1)])
 def test_offloaded_activations_bytes_equal_what_the_checkpoints_keep(offload, layers):
     """``offload_activations`` true (every layer) or a count (the first n layers): the
@@ -82,7 +67,7 @@ def test_offloaded_activations_bytes_equal_what_the_checkpoints_keep(offload, la
     b, s = 2, 24
     ids = torch.randint(0, mc.vocab_size, (b, s))
     out = model(ids, torch.arange(s).expand(b, s), None)
-    kept = _offloaded_inputs(out)
+    kept = offloaded_inputs(out)
     assert len(kept) == layers
     want = host_bytes(model_shape(mc), zero_stage=0, world=1, tokens=b * s)
     assert _nbytes(kept) > 0 and _nbytes(kept) == want["activations"], (kept, want)

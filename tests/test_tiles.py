@@ -162,16 +162,12 @@ def test_the_8b_config_is_predicted_to_reach_the_goals(config, gib, goal):
     pytest.importorskip("transformers")
     from ulysses_cp.config import RunConfig
     from ulysses_cp.plan.cli import base_run
-    from ulysses_cp.plan.search import GiB, longest
+    from ulysses_cp.plan.search import GiB, filled, longest
     from ulysses_cp.plan.shapes import model_shape
 
     run = RunConfig.load(ROOT / "configs" / config)
     assert run.model.tiled_mlp == run.model.tiled_loss == "auto"
-    shape, base, hw = model_shape(run.model, dtype_bytes=2), base_run(run), Hardware()
-    host_budget = hw.host_mem_gb * GiB / hw.gpus_per_node
-
-    def fill(n: int) -> float:  # the GPU peak, or the host bytes scaled to the GPU budget
-        p = predict(shape, base, seq_len=n, batch=1, micro_steps=1, world=8, hw=hw)
-        return max(p["peak_bytes_per_rank"], p["host_bytes_per_rank"] * gib * GiB / host_budget)
-
+    shape, base, hw = model_shape(run.model, dtype_bytes=2), base_run(run), Hardware(gib)
+    fill = lambda n: filled(  # noqa: E731  (the GPU peak, or the host's share if fuller)
+        predict(shape, base, seq_len=n, batch=1, micro_steps=1, world=8, hw=hw), hw)  # fmt: skip
     assert longest(fill, 16 * 1024, gib * GiB) >= goal

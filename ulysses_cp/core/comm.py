@@ -221,6 +221,7 @@ class PendingAllToAll:
         self.group = group
         self._work = None
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._release = False  # free the send buffer once sent (post's ``release``)
 
     def post(
         self, send: torch.Tensor, phase: str, op: str | None = "all_to_all", *,

@@ -20,7 +20,7 @@ from ..config import ModelConfig, RunConfig
 from ..core.sharding import sequence_multiple
 from ..core.topology import validate_degrees
 from ..modes.ulysses import kv_replication, resolve_head_chunks
-from .search import GiB, Hardware, Run, ZeroKnobs, candidates, longest, predict
+from .search import GiB, Hardware, Run, ZeroKnobs, candidates, filled, longest, predict
 from .shapes import model_shape
 
 __all__ = ["base_run", "breakdown", "main", "parse_args", "plan", "plan_for_launch", "table"]
@@ -89,11 +89,6 @@ def plan(
     knobs = ZeroKnobs.of(raw.get("zero_optimization") or {})
     budget = hw.gpu_mem_gb * GiB
     shape = replace(shape, weights_file_bytes=_largest_weights_file(run_config.model))
-    host_budget = hw.host_mem_gb * GiB / hw.gpus_per_node  # a node's host memory, per rank
-
-    def _fill(p: dict) -> float:
-        """The GPU peak, or the host bytes scaled to the GPU budget when those fill more."""
-        return max(p["peak_bytes_per_rank"], p["host_bytes_per_rank"] * budget / host_budget)
 
     def at(r: Run, n: int) -> dict:
         return predict(shape, r, seq_len=n, batch=batch, micro_steps=gas, world=world, hw=hw,
@@ -106,8 +101,8 @@ def plan(
             * seq_step
             // _gcd(sequence_multiple(r.sp, r.layout), seq_step)
         )
-        peak = lambda n: _fill(at(r, n))  # noqa: E731
-        return {**_describe(r), "fits": _fill(pred) <= budget,
+        peak = lambda n: filled(at(r, n), hw)  # noqa: E731
+        return {**_describe(r), "fits": filled(pred, hw) <= budget,
                 "max_seq_len": longest(peak, unit, budget), **pred}  # fmt: skip
 
     written = one(base)

@@ -187,6 +187,14 @@ def predict(
     }
 
 
+def filled(pred: dict, hw: Hardware) -> float:
+    """What a prediction fills of ``hw.gpu_mem_gb``: the GPU peak, or the host bytes
+    scaled to the GPU budget when those fill more of the node's host memory per rank."""
+    host_budget = hw.host_mem_gb * GiB / hw.gpus_per_node
+    gpu_budget = hw.gpu_mem_gb * GiB
+    return max(pred["peak_bytes_per_rank"], pred["host_bytes_per_rank"] * gpu_budget / host_budget)
+
+
 def longest(peak_at, unit: int, budget: float, limit: int = 2**26) -> int:
     """The largest multiple of ``unit`` (up to ``limit``) with ``peak_at(n) <= budget``:
     doubling, then bisection on multiples of ``unit`` (``scripts/profiling.py``'s search,
