@@ -156,6 +156,12 @@ def train(args: argparse.Namespace) -> list[float]:
         train_dataset=datasets.Dataset.from_list(chats),
         processing_class=tokenizer,
     )
+    return train_and_save(trainer, tokenizer, args, f"training on {len(chats)} chats")
+
+
+def train_and_save(trainer, tokenizer, args: argparse.Namespace, what: str) -> list[float]:
+    """Say which run this is, train, save the model and tokenizer to ``OUTPUT_DIR/final``
+    and the training losses to ``OUTPUT_DIR/train_losses.json`` (also the DPO example's)."""
     sp = trainer.sequence_parallel
     if trainer.is_world_process_zero():
         t = None if sp is None else sp.topo
@@ -166,7 +172,7 @@ def train(args: argparse.Namespace) -> list[float]:
             f"{t.dp_degree} data-parallel replica(s), layout {t.layout}, packing "
             f"{t.options.packing}"
         )
-        print(f"training on {len(chats)} chats from {args.data}: {where}", flush=True)
+        print(f"{what} from {args.data}: {where}", flush=True)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     trainer.save_model(str(args.output_dir / "final"))

@@ -1,12 +1,15 @@
-"""Writes what ``examples/hf_trainer_sft.py`` needs to run anywhere, offline, in seconds:
-a tiny random Qwen3 (``DIR/model``), a word-level tokenizer with a chat template
-(``DIR/tokenizer``) and a JSONL of random chats (``DIR/chats.jsonl``, one
-``{"messages": [{"role": ..., "content": ...}, ...]}`` per line, of uneven lengths).
+"""Writes what ``examples/hf_trainer_sft.py`` and ``examples/dpo_long.py`` need to run
+anywhere, offline, in seconds: a tiny random Qwen3 (``DIR/model``), a word-level tokenizer
+with a chat template (``DIR/tokenizer``), a JSONL of random chats (``DIR/chats.jsonl``,
+one ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line, of uneven lengths)
+and one of preference pairs (``DIR/pairs.jsonl``, one ``{"prompt": ..., "chosen": ...,
+"rejected": ...}`` per line).
 
-    python examples/make_tiny_assets.py DIR [--chats 48] [--seed 0]
+    python examples/make_tiny_assets.py DIR [--chats 48] [--pairs 32] [--seed 0]
 
-The model learns nothing useful: it stands in for a real checkpoint so that the example
-and its test (tests/test_examples_hf.py) run in seconds on CPU ranks.
+The model learns nothing useful: it stands in for a real checkpoint so that the examples
+and their tests (tests/test_examples_hf.py, tests/test_examples_dpo.py) run in seconds on
+CPU ranks.
 """
 
 from __future__ import annotations
@@ -76,18 +79,34 @@ def chats(n: int, seed: int) -> list[dict]:
     return out
 
 
+def pairs(n: int, seed: int) -> list[dict]:
+    """``n`` preference pairs: a prompt of 2-10 words, two answers of 1-16 words each."""
+    rng = random.Random(seed + 1)
+    vocab = words()
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choices(vocab, k=rng.randint(lo, hi)))
+
+    return [{"prompt": text(2, 10), "chosen": text(1, 16), "rejected": text(1, 16)}
+            for _ in range(n)]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help="where model/, tokenizer/, chats.jsonl go")
     parser.add_argument("--chats", type=int, default=48, help="chats in chats.jsonl (48)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and chats (0)")
+    parser.add_argument("--pairs", type=int, default=32, help="pairs in pairs.jsonl (32)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and texts (0)")
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
     save_model(args.folder / "model", args.seed)
     save_tokenizer(args.folder / "tokenizer")
     lines = (json.dumps(c) for c in chats(args.chats, args.seed))
     (args.folder / "chats.jsonl").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.folder}/model, {args.folder}/tokenizer, {args.folder}/chats.jsonl")
+    lines = (json.dumps(p) for p in pairs(args.pairs, args.seed))
+    (args.folder / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.folder}/model, {args.folder}/tokenizer, {args.folder}/chats.jsonl, "
+          f"{args.folder}/pairs.jsonl")  # fmt: skip
 
 
 if __name__ == "__main__":

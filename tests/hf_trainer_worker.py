@@ -4,7 +4,8 @@ file with the run's settings; writes ``<out>/result.json`` (training and eval lo
 
 Optional spec keys: ``zero`` (DeepSpeed stage), ``sp`` (the sequence_parallel block),
 ``lora`` (peft LoRA on q/v), ``save`` (save_model's folder: the adapter under LoRA),
-``model_block`` (the DeepSpeed config's ``"model"`` block), ``batches`` (every rank
+``model_block`` (the DeepSpeed config's ``"model"`` block), ``predict`` (``trainer.predict``
+on the eval rows after training: the predictions' shape and values), ``batches`` (every rank
 writes ``<out>/batches_<rank>.json``: the row sums of its first epoch's training batches,
 to see which data each rank gets)."""
 
@@ -148,6 +149,10 @@ def main(spec_path: str) -> None:
         import wandb
 
         result["wandb_run_id"] = wandb.run.id if wandb.run is not None else None
+    if spec.get("predict"):  # after the evaluation above: transformers' second loop
+        pred = trainer.predict(evals)
+        result["predict"] = {"shape": list(pred.predictions.shape),
+                             "logits": pred.predictions.tolist()}  # fmt: skip
     if spec.get("save"):
         trainer.save_model(spec["save"])
     rank = int(os.environ.get("RANK", "0"))

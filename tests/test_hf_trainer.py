@@ -121,14 +121,26 @@ def assert_plain_folders(ref_dir: Path, sp_dir: Path) -> None:
     torch.testing.assert_close(sp_logits, ref_logits, rtol=1e-4, atol=1e-5)
 
 
+def assert_same_predictions(ref: dict, sp: dict) -> None:
+    """``trainer.predict`` after an evaluation returns every row once (the second loop of
+    transformers), with the one-process logits."""
+    got, want = sp["predict"], ref["predict"]
+    assert got["shape"] == want["shape"], (got["shape"], want["shape"])
+    torch.testing.assert_close(
+        torch.tensor(got["logits"]), torch.tensor(want["logits"]), rtol=1e-4, atol=1e-5
+    )
+
+
 def test_trainer_u2_zero2_equals_one_process(assets, tmp_path):
-    """Trainer, tiny Llama, Ulysses 2, ZeRO-2, gradient accumulation 2: losses, eval loss
-    and the saved folder equal one process."""
-    ref = spec("trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"))
+    """Trainer, tiny Llama, Ulysses 2, ZeRO-2, gradient accumulation 2: losses, eval loss,
+    ``predict`` after the evaluation and the saved folder equal one process."""
+    ref = spec("trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"),
+               predict=True)  # fmt: skip
     sp = spec("trainer", "llama", assets, tmp_path / "sp", zero=2, save=str(tmp_path / "sp_model"),
-              sp={"ulysses_degree": 2, "ring_degree": 1})  # fmt: skip
+              sp={"ulysses_degree": 2, "ring_degree": 1}, predict=True)  # fmt: skip
     ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=2)
     assert_same_losses(ref_result, sp_result)
+    assert_same_predictions(ref_result, sp_result)
     assert_lean_norms(sp_result, ref_result, taken=LLAMA_NORMS)
     assert_plain_folders(tmp_path / "ref_model", tmp_path / "sp_model")
 
@@ -177,10 +189,12 @@ def test_trainer_qwen3_u2_dp2_zero1_equals_one_process(assets, tmp_path):
     """Trainer, tiny Qwen3, Ulysses 2 x data parallel 2 (4 ranks), ZeRO-1: each replica
     takes one row per micro-batch, so the global batch is the one-process run's two rows
     x gradient accumulation 2; the replicas read distinct rows, the SP ranks the same."""
-    ref = spec("trainer", "qwen3", assets, tmp_path / "ref")
+    ref = spec("trainer", "qwen3", assets, tmp_path / "ref", predict=True)
     sp = spec("trainer", "qwen3", assets, tmp_path / "sp", zero=1, batch=1, batches=True,
-              sp={"ulysses_degree": 2, "ring_degree": 1})  # fmt: skip
-    assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=4))
+              sp={"ulysses_degree": 2, "ring_degree": 1}, predict=True)  # fmt: skip
+    ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=4)
+    assert_same_losses(ref_result, sp_result)
+    assert_same_predictions(ref_result, sp_result)
     assert_data_parallel_batches(tmp_path / "sp", world=4, sp_size=2, rows=24)
 
 

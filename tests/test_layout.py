@@ -25,9 +25,10 @@ MANY_PARAMS = {("modes/attention.py", "attention")}
 REEXPORTS = {
     ("models/hf.py", "shard_batch"),
     ("models/hf.py", "register_attention"),
-    # the Trainer classes' public home, loaded on first use (trl only when the SFT one is)
+    # the Trainer classes' public home, loaded on first use (trl only when a TRL one is)
     ("integrations/hf_trainer/__init__.py", "SequenceParallelTrainer"),
     ("integrations/hf_trainer/__init__.py", "SequenceParallelSFTTrainer"),
+    ("integrations/hf_trainer/__init__.py", "SequenceParallelDPOTrainer"),
 }
 
 

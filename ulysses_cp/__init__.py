@@ -26,6 +26,7 @@ from .kernels.backends import Kernel
 from .kernels.blocks import work as work_stats
 from .kernels.dispatch import KernelCall, attn_backward, attn_forward, local_attention
 from .kernels.spec import AttentionSpec, Scores
+from .models.log_probs import kl_to_reference, sequence_log_probs, sequence_sums, token_log_probs
 from .models.loss import local_loss_term, replicated_loss_term, sequence_parallel_cross_entropy
 from .modes.attention import Attention, attention
 from .modes.ulysses import kv_replication
@@ -64,6 +65,7 @@ __all__ = [
     "init_distributed",
     "init_topology",
     "initialize",
+    "kl_to_reference",
     "kv_replication",
     "layout_indices",
     "layout_of",
@@ -75,11 +77,14 @@ __all__ = [
     "plan_groups",
     "replicated_loss_term",
     "run_options",
+    "sequence_log_probs",
     "sequence_multiple",
     "sequence_parallel_cross_entropy",
+    "sequence_sums",
     "set_rotate_method",
     "shard_batch",
     "shard_sequence",
+    "token_log_probs",
     "topology_from_config",
     "validate_degrees",
     "work_stats",

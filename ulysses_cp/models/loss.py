@@ -43,11 +43,25 @@ class _SumKeepGrad(torch.autograd.Function):
         return grad, None
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward, the gradient times ``factor`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
 def scale_gradient(loss: torch.Tensor, factor: float) -> torch.Tensor:
-    """Same value, gradient multiplied by ``factor``."""
-    if factor == 1:
+    """The same value, bit for bit (``x * f - x * (f - 1)`` would round), with its gradient
+    multiplied by ``factor``."""
+    if factor == 1 or not loss.requires_grad:
         return loss
-    return loss * factor - loss.detach() * (factor - 1)
+    return _ScaleGrad.apply(loss, factor)
 
 
 def sequence_parallel_cross_entropy(

@@ -3,13 +3,18 @@
 ``"sequence_parallel"`` block, and these drop-in subclasses read it.
 
 ``SequenceParallelTrainer`` needs transformers and accelerate; ``SequenceParallelSFTTrainer``
-also TRL, imported only when that name is used."""
+and ``SequenceParallelDPOTrainer`` also TRL, imported only when
+those names are used."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SequenceParallelSFTTrainer", "SequenceParallelTrainer"]
+__all__ = [
+    "SequenceParallelDPOTrainer",
+    "SequenceParallelSFTTrainer",
+    "SequenceParallelTrainer",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +26,8 @@ def __getattr__(name: str) -> Any:
         from .sft import SequenceParallelSFTTrainer
 
         return SequenceParallelSFTTrainer
+    if name == "SequenceParallelDPOTrainer":
+        from .dpo import SequenceParallelDPOTrainer
+
+        return SequenceParallelDPOTrainer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,8 +14,9 @@ Every override is the parent's own method when the DeepSpeed config has no
   sequence, packed rows document by document), runs the model on the shard and takes the
   loss over the whole SP group with the Trainer's token count (``num_items_in_batch``);
 - ``_get_num_items_in_batch`` / ``get_total_train_batch_size``: count each replica once;
-- ``gather_function`` (evaluation): one copy per replica, so ``eval_loss`` is the
-  one-process value;
+- ``gather_function`` (evaluation, ``predict``; set again by ``evaluation_loop``, since
+  transformers resets it after each loop): one copy per replica, so ``eval_loss`` and
+  ``predict``'s rows are the one-process ones;
 - ``_save``: the saved ``config.json`` names the model's original attention, so the folder
   is a plain Hugging Face model;
 - ``log`` / ``evaluate`` / ``train``: training log lines get the sequence-parallel metrics
@@ -183,6 +184,14 @@ class SequenceParallelMixin:
             return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     # ------------------------------------------------------------ evaluation
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The parent's loop, with our gather: transformers resets ``gather_function`` to
+        Accelerate's after every loop, so a second evaluation or a ``predict`` would
+        otherwise gather every row once per SP rank."""
+        if self.sequence_parallel is not None:
+            self.gather_function = self._gather_for_metrics
+        return super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
 
     def _gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
         """``accelerator.gather_for_metrics`` over the replicas: the SP ranks of a replica

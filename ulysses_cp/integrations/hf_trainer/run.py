@@ -184,17 +184,23 @@ class SequenceParallelRun:
         attention and wrap it; ``lean``: its RMSNorms keep only their input for backward
         (:func:`~ulysses_cp.models.lean_norm.lean_norms`). The guard and the probe run at
         :meth:`probe`."""
-        register_attention(self.topo)
         base = _transformers_model(model)
         if lean:
             lean_norms(base)
         self.original_attention = base.config._attn_implementation
-        base.set_attn_implementation(KEY)
-        if base.config._attn_implementation != KEY:
+        self.wrapper = self.wrap_model(base)
+
+    def wrap_model(self, model: Any) -> HFCausalLM:
+        """A transformers model switched to ulysses_cp attention on this run's topology and
+        wrapped (not probed yet): the policy's :meth:`attach`, and a second model (a
+        reference model) run under the same topology."""
+        register_attention(self.topo)
+        model.set_attn_implementation(KEY)
+        if model.config._attn_implementation != KEY:
             # a family that cannot switch (its attention bypasses the interface, as
             # Bloom's): named anyway, so that the probe gives the Hugging Face path's refusal
-            base.config._attn_implementation = KEY
-        self.wrapper = HFCausalLM(base, topo=self.topo)
+            model.config._attn_implementation = KEY
+        return HFCausalLM(model, topo=self.topo)
 
     def probe(self) -> None:
         """The guard and the probe of :mod:`ulysses_cp.models.hf_guard`, once, collective

@@ -1,0 +1,151 @@
+"""Preference training (DPO) with TRL under sequence parallelism: pairs from a local JSONL,
+a local model and tokenizer; the reference model is the starting policy.
+
+One process (no sequence parallelism; the reference)::
+
+    python examples/dpo_long.py --model_path M --tokenizer_path T --data pairs.jsonl \\
+        --output_dir out
+
+Sequence parallel on 2 ranks (Ulysses 2, ZeRO-2), either launcher (README, "Hugging Face
+Trainer and TRL")::
+
+    accelerate launch --config_file examples/accelerate_config.yaml examples/dpo_long.py ...
+    deepspeed --num_gpus 2 examples/dpo_long.py --deepspeed examples/ds_zero2_u2.json ...
+
+``--data``: one JSON object a line, ``{"prompt": "...", "chosen": "...", "rejected":
+"..."}`` (TRL's standard preference format). Each pair becomes two rows, prompt + chosen
+and prompt + rejected, of at most ``--max_length`` tokens. The DeepSpeed JSON's
+``"sequence_parallel"`` block turns sequence parallelism on
+(:class:`ulysses_cp.integrations.hf_trainer.SequenceParallelDPOTrainer`): both rows of a
+pair, and the reference model's forward, are split over the ranks. Prints the Trainer's log
+lines, then the training losses; writes them to ``OUTPUT_DIR/train_losses.json`` and the
+model (a plain Hugging Face folder) to ``OUTPUT_DIR/final``.
+
+On GPUs, for long pairs: a real checkpoint, ``--bf16``, ``--max_length 65536`` (or more:
+the planner, ``python -m ulysses_cp.plan``, says what fits), the ``"sequence_parallel"``
+block's degrees set to the GPUs that share a sequence, ZeRO-3 for models that do not fit
+whole on one GPU; the defaults here are sized for a CPU check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from hf_trainer_sft import InputError, deepspeed_config, train_and_save
+
+KEYS = ("prompt", "chosen", "rejected")
+
+
+def read_pairs(path: Path) -> list[dict]:
+    """The preference pairs of a JSONL file, each ``{"prompt", "chosen", "rejected"}``."""
+    if not path.is_file():
+        raise InputError(f"--data {path}: no such file (a JSONL of preference pairs)")
+    pairs = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path} line {n}: not JSON ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in KEYS):
+            raise InputError(
+                f'{path} line {n}: every line is {{"prompt": "...", "chosen": "...", '
+                f'"rejected": "..."}} (strings), got {line[:80]!r}'
+            )
+        pairs.append({k: row[k] for k in KEYS})
+    if not pairs:
+        raise InputError(f"--data {path}: no pairs in the file")
+    return pairs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model_path", required=True, help="a local causal LM folder")
+    p.add_argument("--tokenizer_path", help="a local tokenizer (default: the model's)")
+    p.add_argument("--data", required=True, type=Path, help="JSONL, prompt/chosen/rejected")
+    p.add_argument("--deepspeed", help="DeepSpeed JSON; its sequence_parallel block turns SP on")
+    p.add_argument("--output_dir", required=True, type=Path)
+    p.add_argument("--max_length", type=int, default=256, help="tokens per row (256)")
+    p.add_argument("--max_steps", type=int, default=10, help="optimizer steps (10)")
+    p.add_argument("--batch_size", type=int, default=1, help="pairs per batch (1)")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--beta", type=float, default=0.1, help="DPO's beta (0.1)")
+    p.add_argument("--loss_type", default="sigmoid", help="a TRL DPO loss type (sigmoid)")
+    p.add_argument("--optim", default="adamw_torch", help="a TrainingArguments optim (adamw_torch)")
+    p.add_argument("--learning_rate", type=float, default=1e-6)
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="0: no clipping (1.0)")
+    p.add_argument("--bf16", action="store_true", help="train in bfloat16 (default float32)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
+    return p.parse_args(argv)
+
+
+def train(args: argparse.Namespace) -> list[float]:
+    pairs = read_pairs(args.data)  # every rank, before any collective
+    ds_path = deepspeed_config(args.deepspeed)
+    model_path = Path(args.model_path)
+    tokenizer_path = Path(args.tokenizer_path or args.model_path)
+    for what, folder in (("--model_path", model_path), ("--tokenizer_path", tokenizer_path)):
+        if not folder.is_dir():
+            raise InputError(f"{what} {folder}: no such folder (a local Hugging Face folder)")
+    import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import ulysses_cp as ucp
+
+        ucp.init_distributed()  # gloo on CPU, nccl on GPUs, before the Trainer's state
+    import datasets
+    import transformers
+    from trl import DPOConfig
+
+    from ulysses_cp.integrations.hf_trainer import SequenceParallelDPOTrainer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_path)
+    config = DPOConfig(
+        output_dir=str(args.output_dir),
+        max_length=args.max_length,
+        beta=args.beta,
+        loss_type=[args.loss_type],
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_steps=args.max_steps,
+        optim=args.optim,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        max_grad_norm=args.max_grad_norm,
+        bf16=args.bf16,
+        use_cpu=not torch.cuda.is_available(),
+        deepspeed=ds_path,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        data_seed=args.seed,
+        disable_tqdm=True,  # one printed line of logs per step
+    )
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    # after the DPOConfig: under ZeRO-3 the policy and the reference are built partitioned
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    trainer = SequenceParallelDPOTrainer(
+        model=model,
+        args=config,
+        train_dataset=datasets.Dataset.from_list(pairs),
+        processing_class=tokenizer,
+    )
+    return train_and_save(trainer, tokenizer, args, f"DPO on {len(pairs)} pairs")
+
+
+def main() -> None:
+    try:
+        train(parse_args())
+    except InputError as exc:
+        sys.exit(f"dpo_long.py: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""One DPOTrainer run for tests/test_dpo.py, started by torchrun (the sequence-parallel
+runs) or plain python (the one-process reference, plain ``trl.DPOTrainer`` behaviour: no
+DeepSpeed config). Argument: a JSON file with the run's settings; writes
+``<out>/result.json`` (the log history: losses and TRL's metrics).
+
+Spec keys: ``model``, ``tokenizer``, ``out``, ``batch``, ``ga``, ``steps``, ``eval_steps``,
+``lr``, ``n_train``, ``n_eval``; optional ``zero`` (DeepSpeed stage), ``sp`` (the
+sequence_parallel block), ``lora`` (peft LoRA on q/v: the reference is the adapter off),
+``loss_type`` (a list, TRL's names), ``ref`` (``"path"``: TRL builds the reference from
+the policy's path, the default; ``"given"``: a second model passed as ``ref_model``),
+``precompute`` (``precompute_ref_log_probs``), ``scale`` (multiplies the run's gradient
+scale: the seen-failing check), ``long`` (longer completions)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def preference_rows(n: int, seed: int, long: bool = False) -> list[dict]:
+    """Prompts and two completions of words ``t3`` .. ``t95`` with lengths that differ
+    (so rows pad at the end, and chosen and rejected differ in length)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def words(lo: int, hi: int) -> str:
+        k = int(torch.randint(lo, hi, (1,), generator=g))
+        return " ".join(f"t{int(i)}" for i in torch.randint(3, 96, (k,), generator=g))
+
+    hi = 24 if long else 10
+    return [
+        {"prompt": words(3, 9), "chosen": words(2, hi), "rejected": words(2, hi)} for _ in range(n)
+    ]
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    sp = spec.get("sp")
+    if sp is not None:
+        import ulysses_cp as ucp
+
+        ucp.init_distributed()
+    import datasets
+    import transformers
+    from trl import DPOConfig
+
+    ds_config = None
+    if spec.get("zero") is not None:
+        ds_config = {
+            "zero_optimization": {"stage": spec["zero"]},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "gradient_clipping": "auto",
+            "zero_allow_untested_optimizer": True,
+        }
+        if sp is not None:
+            ds_config["sequence_parallel"] = {**sp, "attention_backend": "torch"}
+    args = DPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=spec["batch"],
+        per_device_eval_batch_size=spec["batch"],
+        gradient_accumulation_steps=spec["ga"],
+        max_steps=spec["steps"],
+        learning_rate=spec.get("lr", 1.0),
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=spec["eval_steps"],
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        use_cpu=True,
+        bf16=False,
+        deepspeed=ds_config,
+        dataloader_drop_last=False,
+        disable_tqdm=True,
+        beta=0.5,
+        loss_type=spec.get("loss_type", ["sigmoid"]),
+        precompute_ref_log_probs=spec.get("precompute", False),
+        label_smoothing=spec.get("label_smoothing", 0.0),
+    )
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(spec["tokenizer"])
+    # after the TrainingArguments: under ZeRO-3 the models are built partitioned
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        spec["model"], dtype=torch.float32, attn_implementation="sdpa"
+    )
+    ref_model = None
+    if spec.get("ref") == "given":
+        ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+            spec["model"], dtype=torch.float32, attn_implementation="sdpa"
+        )
+    peft_config = None
+    if spec.get("lora"):
+        import peft
+
+        peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        transformers.set_seed(0)  # the adapter's initial weights: the same in every run
+    long = spec.get("long", False)
+    train = datasets.Dataset.from_list(preference_rows(spec["n_train"], 1, long))
+    evals = datasets.Dataset.from_list(preference_rows(spec["n_eval"], 2, long))
+    if spec.get("precompute"):
+        # TRL caches the reference log-probs next to the dataset's files, which an
+        # in-memory dataset keeps in a temporary folder of each process: save and load
+        rank = int(os.environ.get("RANK", "0"))
+        for name, ds in (("train", train), ("eval", evals)):
+            if rank == 0:
+                ds.save_to_disk(out / f"data_{name}")
+        if sp is not None:
+            import torch.distributed as dist
+
+            dist.barrier()
+        train, evals = (datasets.load_from_disk(out / f"data_{n}") for n in ("train", "eval"))
+    from ulysses_cp.integrations.hf_trainer import SequenceParallelDPOTrainer
+
+    trainer = SequenceParallelDPOTrainer(
+        model=model, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=evals,
+        processing_class=tok, peft_config=peft_config,
+    )  # fmt: skip
+    if spec.get("scale") and trainer.sequence_parallel is not None:
+        run = trainer.sequence_parallel
+        run.topo = run.topo.with_options(grad_scale=run.topo.grad_scale * spec["scale"])
+    trainer.train()
+    result = {"sp": trainer.sequence_parallel is not None, "history": trainer.state.log_history}
+    if int(os.environ.get("RANK", "0")) == 0:
+        (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,176 @@
+"""SequenceParallelDPOTrainer against one-process ``trl.DPOTrainer`` runs (the same tiny
+models, data and global batch, float32, SGD at a large learning rate so that a wrong
+gradient scale shows): every training and eval loss and every metric TRL logs
+(``rewards/*``, ``logps/*``, ``logits/*``, ``entropy``, ``mean_token_accuracy``,
+``num_tokens``) within 1e-5 relative (1e-5 absolute for values under 1). Each case runs
+tests/dpo_worker.py: torchrun for the sequence-parallel run, plain python for the
+reference, side by side."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import HF_TINY, finish, start, torchrun_cmd
+
+pytestmark = pytest.mark.launcher
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+WORKER = Path(__file__).with_name("dpo_worker.py")
+RTOL = 1e-5
+U2 = {"ulysses_degree": 2, "ring_degree": 1}
+U2R2 = {"ulysses_degree": 2, "ring_degree": 2}
+# what this package adds to a training log line, and timings: not compared
+OURS = {"tokens_per_s", "tokens_per_s_per_gpu", "peak_mem_mb", "attention_comm_bytes_per_step",
+        "comm_bytes_per_step"}  # fmt: skip
+# every loss TRL 1.16's DPOTrainer ships
+LOSS_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
+              "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
+              "sigmoid_norm"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+    """A tiny Llama (saved: every run starts from the same weights) and a word-level
+    tokenizer of its 96 tokens."""
+    import tokenizers
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("dpo_assets")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**HF_TINY)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "llama")
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, 96)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    ).save_pretrained(root / "tokenizer")
+    return {"model": str(root / "llama"), "tokenizer": str(root / "tokenizer")}
+
+
+def spec(assets: dict, out: Path, **extra) -> dict:
+    base = {"model": assets["model"], "tokenizer": assets["tokenizer"], "batch": 2, "ga": 2,
+            "steps": 3, "eval_steps": 3, "lr": 1.0, "n_train": 16, "n_eval": 4}  # fmt: skip
+    return {**base, "out": str(out), **extra}
+
+
+def side_by_side(tmp_path: Path, ref: dict, sp: dict, nproc: int) -> tuple[dict, dict]:
+    """The reference (one process) and the sequence-parallel run, at the same time."""
+    paths = []
+    for name, s in (("ref", ref), ("sp", sp)):
+        Path(s["out"]).mkdir(parents=True, exist_ok=True)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(s))
+        paths.append(path)
+    procs = [
+        start([sys.executable, str(WORKER), str(paths[0])]),
+        start(torchrun_cmd(WORKER, str(paths[1]), nproc=nproc), env={"DS_ACCELERATOR": "cpu"}),
+    ]
+    for code, out in finish(procs, timeout=900):
+        assert code == 0, out[-6000:]
+    return tuple(  # type: ignore[return-value]
+        json.loads((Path(s["out"]) / "result.json").read_text()) for s in (ref, sp)
+    )
+
+
+def _logged(history: list[dict]) -> list[dict]:
+    """The training and eval log lines, without timings and this package's metrics."""
+
+    def kept(key: str) -> bool:
+        timing = "runtime" in key or "per_second" in key
+        return key not in OURS and key not in ("learning_rate", "epoch") and not timing
+
+    lines = [h for h in history if "loss" in h or "eval_loss" in h]
+    return [{k: v for k, v in h.items() if kept(k)} for h in lines]
+
+
+def assert_same_logs(ref: dict, sp: dict) -> None:
+    """Every logged loss and TRL metric of the SP run equals the one-process run's."""
+    assert sp["sp"] and not ref["sp"]
+    ref_lines, sp_lines = _logged(ref["history"]), _logged(sp["history"])
+    assert len(ref_lines) == len(sp_lines) == 4  # 3 training lines, 1 evaluation
+    for step, (a, b) in enumerate(zip(ref_lines, sp_lines, strict=True)):
+        # grad_norm: DeepSpeed's ZeRO-0 engine under LoRA reports none
+        assert a.keys() - {"grad_norm"} == b.keys() - {"grad_norm"}, sorted(a.keys() ^ b.keys())
+        for key, want in a.items():
+            if key not in b:
+                continue
+            # abs: a difference of two O(1) float32 values (rewards/margins) is exact to
+            # their precision, not to its own
+            assert b[key] == pytest.approx(want, rel=RTOL, abs=RTOL), (step, key, b[key], want)
+    assert {"rewards/margins", "logps/chosen", "entropy", "num_tokens"} <= ref_lines[0].keys()
+    losses = [h["loss"] for h in ref_lines[:3]]
+    assert losses[0] != losses[-1]  # the steps changed the model
+    sp_metrics = [h for h in sp["history"] if "loss" in h]
+    assert all("attention_comm_bytes_per_step" in h for h in sp_metrics)
+
+
+def test_dpo_u2_zero2_equals_one_process(assets, tmp_path):
+    """Ulysses 2, ZeRO-2, gradient accumulation 2, the reference built by TRL from the
+    policy's path: losses and metrics equal one process."""
+    ref = spec(assets, tmp_path / "ref")
+    sp = spec(assets, tmp_path / "sp", zero=2, sp=U2)
+    assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=2))
+
+
+def test_dpo_seen_failing_with_a_doubled_gradient_scale(assets, tmp_path):
+    """The comparison above fails when the SP run's gradient scale is doubled."""
+    ref = spec(assets, tmp_path / "ref")
+    sp = spec(assets, tmp_path / "sp", zero=2, sp=U2, scale=2.0)
+    with pytest.raises(AssertionError):
+        assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=2))
+
+
+def test_dpo_every_loss_type_u2_zero1(assets, tmp_path):
+    """All of TRL's loss types at once (weighted sum), a reference model given as
+    ``ref_model``, longer completions: the same losses and metrics as one process."""
+    kw = dict(loss_type=LOSS_TYPES, label_smoothing=0.1, ref="given", long=True, lr=0.01)
+    ref = spec(assets, tmp_path / "ref", **kw)
+    sp = spec(assets, tmp_path / "sp", zero=1, sp=U2, **kw)
+    assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=2))
+
+
+def test_dpo_lora_u2_zero0_equals_one_process(assets, tmp_path):
+    """A peft LoRA adapter (the reference is the adapter switched off), ZeRO-0."""
+    ref = spec(assets, tmp_path / "ref", lora=True)
+    sp = spec(assets, tmp_path / "sp", zero=0, sp=U2, lora=True)
+    assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=2))
+
+
+def test_dpo_precomputed_reference_u2_zero2(assets, tmp_path):
+    """``precompute_ref_log_probs=True``: the reference log-probs computed before
+    training, the same as one process's."""
+    ref = spec(assets, tmp_path / "ref", precompute=True)
+    sp = spec(assets, tmp_path / "sp", zero=2, sp=U2, precompute=True)
+    assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=2))
+
+
+def test_dpo_u2_dp2_zero1_equals_one_process(assets, tmp_path):
+    """Ulysses 2 x data parallel 2 (4 ranks): each replica takes one pair per
+    micro-batch, the one-process run two."""
+    ref = spec(assets, tmp_path / "ref")
+    sp = spec(assets, tmp_path / "sp", zero=1, sp=U2, batch=1)
+    assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=4))
+
+
+@pytest.mark.slow
+def test_dpo_u2r2_zero3_equals_one_process(assets, tmp_path):
+    """Hybrid Ulysses 2 x ring 2 (4 ranks), ZeRO-3: the policy and TRL's reference
+    model built partitioned, the reference a DeepSpeed inference engine."""
+    ref = spec(assets, tmp_path / "ref")
+    sp = spec(assets, tmp_path / "sp", zero=3, sp=U2R2)
+    assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=4))
+
+
+@pytest.mark.slow
+def test_dpo_lora_u2r2_zero3_equals_one_process(assets, tmp_path):
+    """LoRA under hybrid Ulysses 2 x ring 2, ZeRO-3 (base model partitioned)."""
+    ref = spec(assets, tmp_path / "ref", lora=True)
+    sp = spec(assets, tmp_path / "sp", zero=3, sp=U2R2, lora=True)
+    assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=4))

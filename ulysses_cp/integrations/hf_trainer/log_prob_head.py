@@ -1,0 +1,131 @@
+"""TRL's fused LM head under sequence parallelism: the forward that TRL's preference and RL
+trainers call as ``model(input_ids=..., attention_mask=..., labels=..., fused_lm_head=True)``.
+
+TRL (>= 1.16) patches a model's ``forward`` (``trl.trainer.utils.add_fused_lm_head``) so
+that this call returns per-token log-probabilities (``FusedCausalLMOutput``: ``log_probs``,
+``entropy``, ``mean_logits``, ``is_top1``, ``log_sum_sq_probs``, ``(b, s - 1)`` each)
+instead of logits. :func:`install` replaces that forward on a transformers model with one
+that takes the same call on the FULL rows every SP rank of a replica holds and:
+
+1. shards them in the run's layout (:meth:`.run.SequenceParallelRun.shard`: global
+   positions, labels shifted on the full sequence, end padding to the layout's multiple);
+2. runs the decoder on this rank's tokens (ulysses_cp attention);
+3. computes the log-probs of this rank's tokens with the tiled head of
+   :func:`ulysses_cp.models.log_probs.sequence_log_probs` (no ``(tokens, V)`` logits kept)
+   and gathers them to full length on every SP rank.
+
+The trainer's own objective then runs unchanged on the gathered ``(b, s - 1)`` tensors,
+the same on every SP rank; each rank's gradient is its tokens' share times the run's
+``grad_scale`` (:mod:`ulysses_cp.models.log_probs`). A call without ``fused_lm_head``
+(the logits TRL recomputes for ``compute_metrics``) returns the full-length logits,
+gathered the same way. What cannot be sharded is refused by name on every rank.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from ...models.hf import HFCausalLM
+from ...models.log_probs import OUTPUTS, sequence_log_probs
+from .run import SequenceParallelRun
+
+__all__ = ["install"]
+
+IGNORE = -100
+# keyword arguments a caller may pass that change nothing here (PEFT passes some as None)
+_NEUTRAL = {"use_cache", "return_dict", "output_attentions", "output_hidden_states"}
+
+
+def _batch(kwargs: dict[str, Any], args: tuple) -> dict[str, Any]:
+    """The full rows of the call: ``input_ids`` and ``attention_mask``/``position_ids``
+    when given; anything else that would change the result is refused by name."""
+    if args:
+        kwargs = {"input_ids": args[0], **kwargs}
+        if len(args) > 1:
+            raise ValueError(
+                "under sequence parallelism the fused LM head takes keyword arguments only"
+            )
+    batch = {}
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        if kwargs.get(key) is not None:
+            batch[key] = kwargs.pop(key)
+    if kwargs.pop("output_router_logits", None):
+        raise ValueError(
+            "under sequence parallelism the MoE load-balancing loss (router_aux_loss_coef, "
+            "output_router_logits) is not computed over the whole sequence; set the "
+            "trainer's router_aux_loss_coef=0.0"
+        )
+    other = sorted(k for k, v in kwargs.items() if v is not None and k not in _NEUTRAL)
+    if other:
+        raise ValueError(
+            f"under sequence parallelism the model call shards input_ids, attention_mask "
+            f"and position_ids; it was also given {other}, which it cannot shard"
+        )
+    if "input_ids" not in batch:
+        raise ValueError("under sequence parallelism the model call needs input_ids")
+    return batch
+
+
+def _fused(run: SequenceParallelRun, wrapper: HFCausalLM, temperature: float, batch: dict,
+           labels, shift_labels, num_items_in_batch) -> Any:  # fmt: skip
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    if shift_labels is not None:  # already shifted on the full rows: (b, s) outputs
+        batch["shift_labels"], mask = shift_labels, shift_labels != IGNORE
+    elif labels is not None:
+        batch["labels"], mask = labels, labels[:, 1:] != IGNORE
+    else:
+        raise ValueError("fused_lm_head=True needs labels (or shift_labels)")
+    local = run.shard(batch)
+    hidden = wrapper(local["input_ids"], local["position_ids"], local["batch"], return_hidden=True)
+    full = sequence_log_probs(
+        hidden, wrapper.head, local["shift_labels"], run.topo,
+        cu_seqlens=local.get("cu_seqlens"), temperature=temperature, outputs=OUTPUTS,
+    )  # fmt: skip
+    n = mask.shape[1]  # the end padding the shard added, and the last token (no target), cut
+    out = {name: x[:, :n].masked_fill(~mask, 0) for name, x in full.items()}
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return FusedCausalLMOutput(
+        loss=-out["log_probs"].sum() / count,
+        log_probs=out["log_probs"],
+        entropy=out["entropy"],
+        log_sum_sq_probs=out["log_sum_sq_probs"],
+        mean_logits=out["mean_logits"],
+        is_top1=out["is_top1"],
+        label_mask=mask,
+        aux_loss=None,
+    )
+
+
+def _logits(run: SequenceParallelRun, wrapper: HFCausalLM, batch: dict) -> Any:
+    """The full rows' logits on every SP rank (what the model's own forward returns)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    batch["labels"] = batch["input_ids"]  # sharded alongside, unused
+    local = run.shard(batch)
+    logits = wrapper(local["input_ids"], local["position_ids"], local["batch"])
+    return CausalLMOutputWithPast(logits=run.full_logits(logits, local))
+
+
+def install(model: Any, run: SequenceParallelRun, wrapper: HFCausalLM, *,
+            temperature: float = 1.0) -> None:  # fmt: skip
+    """Give the transformers ``model`` (a PEFT model's base model) the sequence-parallel
+    forward of the module docstring, in place of the one it has (TRL's fused head). Call
+    after the model's probe (:meth:`HFCausalLM.probe`), which runs the model's own
+    forward."""
+
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
+                num_items_in_batch=None, **kwargs):  # fmt: skip
+        batch = _batch(kwargs, args)
+        if fused_lm_head:
+            return _fused(run, wrapper, temperature, batch, labels, shift_labels,
+                          num_items_in_batch)  # fmt: skip
+        if labels is not None or shift_labels is not None:
+            raise ValueError(
+                "under sequence parallelism a model call with labels needs fused_lm_head=True "
+                "(the trainer's loss computes its own per-token log-probs)"
+            )
+        return _logits(run, wrapper, batch)
+
+    model.forward = types.MethodType(forward, model)
