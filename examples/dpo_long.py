@@ -30,36 +30,32 @@ whole on one GPU; the defaults here are sized for a CPU check.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
-from hf_trainer_sft import InputError, deepspeed_config, train_and_save
+from hf_trainer_sft import (
+    InputError,
+    deepspeed_config,
+    jsonl_rows,
+    local_folders,
+    optimizer_args,
+    train_and_save,
+    training_options,
+)
 
 KEYS = ("prompt", "chosen", "rejected")
 
 
 def read_pairs(path: Path) -> list[dict]:
     """The preference pairs of a JSONL file, each ``{"prompt", "chosen", "rejected"}``."""
-    if not path.is_file():
-        raise InputError(f"--data {path}: no such file (a JSONL of preference pairs)")
     pairs = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path} line {n}: not JSON ({exc.msg}, column {exc.colno})") from None
+    for n, row in jsonl_rows(path, "preference pairs"):
         if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in KEYS):
             raise InputError(
                 f'{path} line {n}: every line is {{"prompt": "...", "chosen": "...", '
-                f'"rejected": "..."}} (strings), got {line[:80]!r}'
+                f'"rejected": "..."}} (strings), got {str(row)[:80]!r}'
             )
         pairs.append({k: row[k] for k in KEYS})
-    if not pairs:
-        raise InputError(f"--data {path}: no pairs in the file")
     return pairs
 
 
@@ -76,30 +72,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--beta", type=float, default=0.1, help="DPO's beta (0.1)")
     p.add_argument("--loss_type", default="sigmoid", help="a TRL DPO loss type (sigmoid)")
-    p.add_argument("--optim", default="adamw_torch", help="a TrainingArguments optim (adamw_torch)")
-    p.add_argument("--learning_rate", type=float, default=1e-6)
-    p.add_argument("--max_grad_norm", type=float, default=1.0, help="0: no clipping (1.0)")
-    p.add_argument("--bf16", action="store_true", help="train in bfloat16 (default float32)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
+    optimizer_args(p, learning_rate=1e-6)
     return p.parse_args(argv)
 
 
 def train(args: argparse.Namespace) -> list[float]:
     pairs = read_pairs(args.data)  # every rank, before any collective
     ds_path = deepspeed_config(args.deepspeed)
-    model_path = Path(args.model_path)
-    tokenizer_path = Path(args.tokenizer_path or args.model_path)
-    for what, folder in (("--model_path", model_path), ("--tokenizer_path", tokenizer_path)):
-        if not folder.is_dir():
-            raise InputError(f"{what} {folder}: no such folder (a local Hugging Face folder)")
-    import torch
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import ulysses_cp as ucp
-
-        ucp.init_distributed()  # gloo on CPU, nccl on GPUs, before the Trainer's state
+    model_path, tokenizer_path = local_folders(args)
     import datasets
+    import torch
     import transformers
     from trl import DPOConfig
 
@@ -111,22 +93,7 @@ def train(args: argparse.Namespace) -> list[float]:
         max_length=args.max_length,
         beta=args.beta,
         loss_type=[args.loss_type],
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        max_steps=args.max_steps,
-        optim=args.optim,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-        max_grad_norm=args.max_grad_norm,
-        bf16=args.bf16,
-        use_cpu=not torch.cuda.is_available(),
-        deepspeed=ds_path,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=args.seed,
-        data_seed=args.seed,
-        disable_tqdm=True,  # one printed line of logs per step
+        **training_options(args, ds_path),
     )
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     # after the DPOConfig: under ZeRO-3 the policy and the reference are built partitioned

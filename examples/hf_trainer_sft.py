@@ -37,18 +37,28 @@ class InputError(ValueError):
     """Bad input named with the fix; every rank finds it before any collective."""
 
 
-def read_chats(path: Path) -> list[dict]:
-    """The chats of a JSONL file, each ``{"messages": [{"role", "content"}, ...]}``."""
+def jsonl_rows(path: Path, what: str) -> list[tuple[int, object]]:
+    """``(line number, value)`` of each non-blank line of a JSONL file (also the DPO
+    example's); ``what`` names the file's content in the errors."""
     if not path.is_file():
-        raise InputError(f"--data {path}: no such file (a JSONL of chats, one a line)")
-    chats = []
+        raise InputError(f"--data {path}: no such file (a JSONL of {what}, one a line)")
+    rows = []
     for n, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            rows.append((n, json.loads(line)))
         except json.JSONDecodeError as exc:
             raise InputError(f"{path} line {n}: not JSON ({exc.msg}, column {exc.colno})") from None
+    if not rows:
+        raise InputError(f"--data {path}: no {what} in the file")
+    return rows
+
+
+def read_chats(path: Path) -> list[dict]:
+    """The chats of a JSONL file, each ``{"messages": [{"role", "content"}, ...]}``."""
+    chats = []
+    for n, row in jsonl_rows(path, "chats"):
         messages = row.get("messages") if isinstance(row, dict) else None
         if not isinstance(messages, list) or not messages:
             raise InputError(
@@ -61,9 +71,23 @@ def read_chats(path: Path) -> list[dict]:
                 want = 'string "role" and "content"'
                 raise InputError(f"{path} line {n}: message {i} must have {want}, got {m!r}")
         chats.append({"messages": [{"role": m["role"], "content": m["content"]} for m in messages]})
-    if not chats:
-        raise InputError(f"--data {path}: no chats in the file")
     return chats
+
+
+def local_folders(args: argparse.Namespace) -> tuple[Path, Path]:
+    """``--model_path`` and ``--tokenizer_path`` (default: the model's), which must be local
+    folders; then torch.distributed is started under a launcher (gloo on CPU, nccl on
+    GPUs), before the Trainer's state."""
+    model_path = Path(args.model_path)
+    tokenizer_path = Path(args.tokenizer_path or args.model_path)
+    for what, folder in (("--model_path", model_path), ("--tokenizer_path", tokenizer_path)):
+        if not folder.is_dir():
+            raise InputError(f"{what} {folder}: no such folder (a local Hugging Face folder)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import ulysses_cp as ucp
+
+        ucp.init_distributed()
+    return model_path, tokenizer_path
 
 
 def deepspeed_config(given: str | None) -> str | None:
@@ -92,30 +116,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_steps", type=int, default=10, help="optimizer steps (10)")
     p.add_argument("--batch_size", type=int, default=1, help="packed rows per batch (1)")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    optimizer_args(p, learning_rate=1e-4)
+    return p.parse_args(argv)
+
+
+def optimizer_args(p: argparse.ArgumentParser, *, learning_rate: float) -> None:
+    """The optimizer, precision and seed options (also the DPO example's)."""
     p.add_argument("--optim", default="adamw_torch", help="a TrainingArguments optim (adamw_torch)")
-    p.add_argument("--learning_rate", type=float, default=1e-4)
+    p.add_argument("--learning_rate", type=float, default=learning_rate)
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="0: no clipping (1.0)")
     p.add_argument("--bf16", action="store_true", help="train in bfloat16 (default float32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed's
-    return p.parse_args(argv)
 
 
 def train(args: argparse.Namespace) -> list[float]:
     chats = read_chats(args.data)  # every rank, before any collective
     ds_path = deepspeed_config(args.deepspeed)
-    model_path = Path(args.model_path)
-    tokenizer_path = Path(args.tokenizer_path or args.model_path)
-    for what, folder in (("--model_path", model_path), ("--tokenizer_path", tokenizer_path)):
-        if not folder.is_dir():
-            raise InputError(f"{what} {folder}: no such folder (a local Hugging Face folder)")
-    import torch
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import ulysses_cp as ucp
-
-        ucp.init_distributed()  # gloo on CPU, nccl on GPUs, before the Trainer's state
+    model_path, tokenizer_path = local_folders(args)
     import datasets
+    import torch
     import transformers
     from trl import SFTConfig
 
@@ -131,22 +151,7 @@ def train(args: argparse.Namespace) -> list[float]:
         output_dir=str(args.output_dir),
         max_length=args.max_length,
         packing=True,  # best-fit rows, flattened per batch, positions restarting per chat
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        max_steps=args.max_steps,
-        optim=args.optim,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-        max_grad_norm=args.max_grad_norm,
-        bf16=args.bf16,  # SFTConfig's own default is True
-        use_cpu=not torch.cuda.is_available(),
-        deepspeed=ds_path,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=args.seed,
-        data_seed=args.seed,
-        disable_tqdm=True,  # one printed line of logs per step
+        **training_options(args, ds_path),
     )
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
@@ -157,6 +162,31 @@ def train(args: argparse.Namespace) -> list[float]:
         processing_class=tokenizer,
     )
     return train_and_save(trainer, tokenizer, args, f"training on {len(chats)} chats")
+
+
+def training_options(args: argparse.Namespace, ds_path: str | None) -> dict:
+    """The TrainingArguments both examples take from the command line (bf16 given
+    explicitly: SFTConfig's own default is True)."""
+    import torch
+
+    return dict(
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_steps=args.max_steps,
+        optim=args.optim,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        max_grad_norm=args.max_grad_norm,
+        bf16=args.bf16,
+        use_cpu=not torch.cuda.is_available(),
+        deepspeed=ds_path,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        data_seed=args.seed,
+        disable_tqdm=True,  # one printed line of logs per step
+    )
 
 
 def train_and_save(trainer, tokenizer, args: argparse.Namespace, what: str) -> list[float]:

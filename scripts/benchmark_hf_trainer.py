@@ -186,13 +186,14 @@ def worker(spec: dict) -> None:
 # ---------------------------------------------------------------- the driver
 
 
-def launch(spec: dict, tmp: Path, timeout: float) -> dict:
-    """One run; returns its per-rank records, or ``{"error": ...}`` (the output's tail)."""
+def launch(spec: dict, tmp: Path, timeout: float, script: str | None = None) -> dict:
+    """One run of ``script --worker SPEC`` (default: this script); returns its per-rank
+    records, or ``{"error": ...}`` (the output's tail)."""
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     path = tmp / f"{out.name}.json"
     path.write_text(json.dumps(spec))
-    me = [str(Path(__file__).resolve()), "--worker", str(path)]
+    me = [script or str(Path(__file__).resolve()), "--worker", str(path)]
     if spec["variant"] == "reference":
         cmd = [sys.executable, *me]
     else:

@@ -36,6 +36,9 @@ def preference_rows(n: int, seed: int, long: bool = False) -> list[dict]:
     ]
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.* importable
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
@@ -48,40 +51,10 @@ def main(spec_path: str) -> None:
     import transformers
     from trl import DPOConfig
 
-    ds_config = None
-    if spec.get("zero") is not None:
-        ds_config = {
-            "zero_optimization": {"stage": spec["zero"]},
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "train_batch_size": "auto",
-            "gradient_clipping": "auto",
-            "zero_allow_untested_optimizer": True,
-        }
-        if sp is not None:
-            ds_config["sequence_parallel"] = {**sp, "attention_backend": "torch"}
+    from tests.hf_trainer_worker import training_arguments
+
     args = DPOConfig(
-        output_dir=str(out),
-        per_device_train_batch_size=spec["batch"],
-        per_device_eval_batch_size=spec["batch"],
-        gradient_accumulation_steps=spec["ga"],
-        max_steps=spec["steps"],
-        learning_rate=spec.get("lr", 1.0),
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        logging_steps=1,
-        eval_strategy="steps",
-        eval_steps=spec["eval_steps"],
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        data_seed=0,
-        use_cpu=True,
-        bf16=False,
-        deepspeed=ds_config,
-        dataloader_drop_last=False,
-        disable_tqdm=True,
+        **training_arguments({"lr": 1.0, **spec}),
         beta=0.5,
         loss_type=spec.get("loss_type", ["sigmoid"]),
         precompute_ref_log_probs=spec.get("precompute", False),

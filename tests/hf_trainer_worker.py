@@ -36,37 +36,37 @@ def documents(n: int, vocab: int, seed: int, multiple: int) -> list[dict]:
     return out
 
 
-def main(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    out = Path(spec["out"])
-    sp = spec.get("sp")  # {"ulysses_degree": u, "ring_degree": r} or None
-    if sp is not None:
-        import ulysses_cp as ucp
+def deepspeed_config(spec: dict) -> dict | None:
+    """The DeepSpeed JSON of a spec: ZeRO ``zero`` (None: no DeepSpeed), the
+    ``sequence_parallel`` block ``sp`` (torch attention backend) and the ``model`` block
+    ``model_block`` when given (also tests/dpo_worker.py's)."""
+    if spec.get("zero") is None:
+        return None
+    ds_config = {
+        # ZeRO-3: save_model gathers the partitions into one 16-bit state dict
+        "zero_optimization": {
+            "stage": spec["zero"],
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+    }
+    if spec.get("sp") is not None:
+        ds_config["sequence_parallel"] = {**spec["sp"], "attention_backend": "torch"}
+    if spec.get("model_block") is not None:
+        ds_config["model"] = spec["model_block"]
+    return ds_config
 
-        ucp.init_distributed()
-    import datasets
-    import transformers
 
-    ds_config = None
-    if spec.get("zero") is not None:
-        ds_config = {
-            # ZeRO-3: save_model gathers the partitions into one 16-bit state dict
-            "zero_optimization": {
-                "stage": spec["zero"],
-                "stage3_gather_16bit_weights_on_model_save": True,
-            },
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "train_batch_size": "auto",
-            "gradient_clipping": "auto",
-            "zero_allow_untested_optimizer": True,
-        }
-        if sp is not None:
-            ds_config["sequence_parallel"] = {**sp, "attention_backend": "torch"}
-        if spec.get("model_block") is not None:
-            ds_config["model"] = spec["model_block"]
-    common = dict(
-        output_dir=str(out),
+def training_arguments(spec: dict) -> dict:
+    """The TrainingArguments every run of a spec shares (also tests/dpo_worker.py's):
+    SGD at a constant rate with no clipping, float32, one log line a step, one evaluation
+    at ``eval_steps``, nothing saved, DeepSpeed as :func:`deepspeed_config` says."""
+    return dict(
+        output_dir=spec["out"],
         per_device_train_batch_size=spec["batch"],
         per_device_eval_batch_size=spec["batch"],
         gradient_accumulation_steps=spec["ga"],
@@ -84,10 +84,24 @@ def main(spec_path: str) -> None:
         data_seed=0,
         use_cpu=True,
         bf16=False,  # SFTConfig's default is True; these runs compare float32 losses
-        deepspeed=ds_config,
+        deepspeed=deepspeed_config(spec),
         dataloader_drop_last=False,
         disable_tqdm=True,
     )
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    sp = spec.get("sp")  # {"ulysses_degree": u, "ring_degree": r} or None
+    if sp is not None:
+        import ulysses_cp as ucp
+
+        ucp.init_distributed()
+    import datasets
+    import transformers
+
+    common = training_arguments(spec)
     if spec.get("wandb"):  # report to wandb (the test sets WANDB_MODE=offline, WANDB_DIR)
         common["report_to"] = ["wandb"]
     if spec.get("save_steps"):  # checkpoints every save_steps steps

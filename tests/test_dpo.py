@@ -8,13 +8,12 @@ reference, side by side."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import HF_TINY, finish, start, torchrun_cmd
+from tests.test_hf_trainer import side_by_side as trainer_side_by_side
+from tests.test_hf_trainer import trainer_assets
 
 pytestmark = pytest.mark.launcher
 pytest.importorskip("trl")
@@ -35,48 +34,18 @@ LOSS_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, str]:
-    """A tiny Llama (saved: every run starts from the same weights) and a word-level
-    tokenizer of its 96 tokens."""
-    import tokenizers
-    import torch
-    import transformers
-
-    root = tmp_path_factory.mktemp("dpo_assets")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**HF_TINY)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "llama")
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, 96)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-    ).save_pretrained(root / "tokenizer")
-    return {"model": str(root / "llama"), "tokenizer": str(root / "tokenizer")}
+    """The tiny Llama and the word-level tokenizer of tests/test_hf_trainer.py."""
+    return trainer_assets(tmp_path_factory.mktemp("dpo_assets"))
 
 
 def spec(assets: dict, out: Path, **extra) -> dict:
-    base = {"model": assets["model"], "tokenizer": assets["tokenizer"], "batch": 2, "ga": 2,
+    base = {"model": assets["llama"], "tokenizer": assets["tokenizer"], "batch": 2, "ga": 2,
             "steps": 3, "eval_steps": 3, "lr": 1.0, "n_train": 16, "n_eval": 4}  # fmt: skip
     return {**base, "out": str(out), **extra}
 
 
 def side_by_side(tmp_path: Path, ref: dict, sp: dict, nproc: int) -> tuple[dict, dict]:
-    """The reference (one process) and the sequence-parallel run, at the same time."""
-    paths = []
-    for name, s in (("ref", ref), ("sp", sp)):
-        Path(s["out"]).mkdir(parents=True, exist_ok=True)
-        path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(s))
-        paths.append(path)
-    procs = [
-        start([sys.executable, str(WORKER), str(paths[0])]),
-        start(torchrun_cmd(WORKER, str(paths[1]), nproc=nproc), env={"DS_ACCELERATOR": "cpu"}),
-    ]
-    for code, out in finish(procs, timeout=900):
-        assert code == 0, out[-6000:]
-    return tuple(  # type: ignore[return-value]
-        json.loads((Path(s["out"]) / "result.json").read_text()) for s in (ref, sp)
-    )
+    return trainer_side_by_side(tmp_path, ref, sp, nproc, worker=WORKER)
 
 
 def _logged(history: list[dict]) -> list[dict]:

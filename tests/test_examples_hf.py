@@ -32,29 +32,34 @@ SETTINGS = ("--max_length", "64", "--max_steps", "3", "--batch_size", "2",
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     """The tiny Qwen3, tokenizer (with a chat template) and chats of the README."""
-    folder = tmp_path_factory.mktemp("hf_example_assets")
+    return tiny_assets(tmp_path_factory.mktemp("hf_example_assets"))
+
+
+def tiny_assets(folder: Path) -> Path:
+    """``examples/make_tiny_assets.py FOLDER`` (also tests/test_examples_dpo.py's)."""
     run([sys.executable, str(ROOT / "examples" / "make_tiny_assets.py"), str(folder)])
     return folder
 
 
-def example_args(assets: Path, out: Path) -> list[str]:
-    data = ("--model_path", str(assets / "model"), "--tokenizer_path", str(assets / "tokenizer"))
-    return [*data, "--data", str(assets / "chats.jsonl"), "--output_dir", str(out), *SETTINGS]
+def example_args(assets: Path, out: Path, data: str = "chats.jsonl",
+                 settings: tuple[str, ...] = SETTINGS) -> list[str]:  # fmt: skip
+    model = ("--model_path", str(assets / "model"), "--tokenizer_path", str(assets / "tokenizer"))
+    return [*model, "--data", str(assets / data), "--output_dir", str(out), *settings]
 
 
-def accelerate_cmd(args: list[str]) -> list[str]:
+def accelerate_cmd(args: list[str], example: Path = EXAMPLE) -> list[str]:
     """``accelerate launch --config_file examples/accelerate_config.yaml`` (a free port
     added, so that runs side by side do not meet)."""
     launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
     cfg = ["--config_file", "examples/accelerate_config.yaml"]
-    return [*launch, *cfg, "--main_process_port", str(free_port()), str(EXAMPLE), *args]
+    return [*launch, *cfg, "--main_process_port", str(free_port()), str(example), *args]
 
 
-def deepspeed_cmd(args: list[str]) -> list[str]:
-    """``deepspeed --num_gpus 2 examples/hf_trainer_sft.py --deepspeed ...`` (a free port)."""
+def deepspeed_cmd(args: list[str], example: Path = EXAMPLE) -> list[str]:
+    """``deepspeed --num_gpus 2 examples/<example> --deepspeed ...`` (a free port)."""
     launch = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
     ds = ["--deepspeed", "examples/ds_zero2_u2.json"]
-    return [*launch, "--master_port", str(free_port()), str(EXAMPLE), *ds, *args]
+    return [*launch, "--master_port", str(free_port()), str(example), *ds, *args]
 
 
 def losses(out: Path) -> list[float]:

@@ -27,12 +27,15 @@ U2R2 = {"ulysses_degree": 2, "ring_degree": 2}
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, str]:
+    return trainer_assets(tmp_path_factory.mktemp("hf_trainer_assets"))
+
+
+def trainer_assets(root: Path) -> dict[str, str]:
     """A tiny Llama, a tiny Qwen3 (saved, so every run starts from the same weights) and
-    a word-level tokenizer of their 96 tokens."""
+    a word-level tokenizer of their 96 tokens, in ``root`` (also tests/test_dpo.py's)."""
     import tokenizers
     import transformers
 
-    root = tmp_path_factory.mktemp("hf_trainer_assets")
     out = {}
     for name, cfg in (
         ("llama", transformers.LlamaConfig(**HF_TINY)),
@@ -61,8 +64,10 @@ def spec(kind: str, model: str, assets: dict, out: Path, **extra) -> dict:
     return {**base, "out": str(out), **extra}
 
 
-def side_by_side(tmp_path: Path, ref: dict, sp: dict, nproc: int) -> tuple[dict, dict]:
-    """The reference (one process) and the sequence-parallel run, at the same time."""
+def side_by_side(tmp_path: Path, ref: dict, sp: dict, nproc: int,
+                 worker: Path = WORKER) -> tuple[dict, dict]:  # fmt: skip
+    """The reference (one process) and the sequence-parallel run of ``worker`` (also
+    tests/dpo_worker.py), at the same time."""
     paths = []
     for name, s in (("ref", ref), ("sp", sp)):
         Path(s["out"]).mkdir(parents=True, exist_ok=True)
@@ -70,8 +75,8 @@ def side_by_side(tmp_path: Path, ref: dict, sp: dict, nproc: int) -> tuple[dict,
         path.write_text(json.dumps(s))
         paths.append(path)
     procs = [
-        start([sys.executable, str(WORKER), str(paths[0])]),
-        start(torchrun_cmd(WORKER, str(paths[1]), nproc=nproc), env={"DS_ACCELERATOR": "cpu"}),
+        start([sys.executable, str(worker), str(paths[0])]),
+        start(torchrun_cmd(worker, str(paths[1]), nproc=nproc), env={"DS_ACCELERATOR": "cpu"}),
     ]
     results = finish(procs, timeout=900)
     for code, out in results:

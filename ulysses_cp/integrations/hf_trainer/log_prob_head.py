@@ -18,13 +18,18 @@ The trainer's own objective then runs unchanged on the gathered ``(b, s - 1)`` t
 the same on every SP rank; each rank's gradient is its tokens' share times the run's
 ``grad_scale`` (:mod:`ulysses_cp.models.log_probs`). A call without ``fused_lm_head``
 (the logits TRL recomputes for ``compute_metrics``) returns the full-length logits,
-gathered the same way. What cannot be sharded is refused by name on every rank.
+gathered the same way. Rows padded on the left (RL prompts) are moved to the left edge
+first and their outputs moved back (:func:`_left_aligned`), so the shard sees end padding
+only; padding inside a row is refused. What cannot be sharded is refused by name on every
+rank.
 """
 
 from __future__ import annotations
 
 import types
 from typing import Any
+
+import torch
 
 from ...models.hf import HFCausalLM
 from ...models.log_probs import OUTPUTS, sequence_log_probs
@@ -67,6 +72,48 @@ def _batch(kwargs: dict[str, Any], args: tuple) -> dict[str, Any]:
     return batch
 
 
+def _left_aligned(batch: dict) -> torch.Tensor | None:
+    """Rows padded on the left (prompts of RL batches) moved to the left edge in place:
+    ``rolled[i, t] = x[i, (t + k_i) % s]`` with ``k_i`` the row's leading padding, so the
+    padding ends the row (which the shard takes: no real token sees it). The real tokens
+    keep the positions they had (``arange(s)``, the causal LMs' default, or the given
+    ``position_ids``). Returns ``k`` ``(b,)``, or None when no row starts with padding."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return None
+    lead = (mask == 0).long().cumprod(dim=1).sum(dim=1)  # (b,) leading zeros
+    if not bool(lead.any()):
+        return None
+    b, s = mask.shape
+    t = torch.arange(s, device=mask.device)
+    if "position_ids" not in batch:
+        batch["position_ids"] = t.expand(b, s)
+    idx = (t + lead[:, None]) % s  # (b, s)
+    for key in ("input_ids", "attention_mask", "position_ids", "labels", "shift_labels"):
+        if key in batch:
+            batch[key] = batch[key].gather(1, idx.to(batch[key].device))
+    # the padding that wrapped to the end keeps counting positions (not a packed document)
+    pos = batch["position_ids"]
+    first_pad = (s - lead)[:, None]  # (b, 1)
+    last_real = pos.gather(1, (first_pad - 1).clamp(min=0))
+    batch["position_ids"] = torch.where(t >= first_pad, last_real + t - first_pad + 1, pos)
+    return lead
+
+
+def _restored(x: torch.Tensor, lead: torch.Tensor | None, s: int) -> torch.Tensor:
+    """The inverse of :func:`_left_aligned` for an output ``(b, n, ...)`` with ``n <= s``
+    positions (``n = s - 1``: the next-token values): ``x[i, (t - k_i) % s]``."""
+    if lead is None:
+        return x
+    n = x.shape[1]
+    if n < s:  # the values of the row's last position (no target): zeros
+        pad = x.new_zeros((x.shape[0], s - n, *x.shape[2:]))
+        x = torch.cat([x, pad], dim=1)
+    idx = (torch.arange(s, device=x.device) - lead[:, None].to(x.device)) % s  # (b, s)
+    idx = idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand_as(x)
+    return x.gather(1, idx)[:, :n]
+
+
 def _fused(run: SequenceParallelRun, wrapper: HFCausalLM, temperature: float, batch: dict,
            labels, shift_labels, num_items_in_batch) -> Any:  # fmt: skip
     from trl.trainer.utils import FusedCausalLMOutput
@@ -77,6 +124,8 @@ def _fused(run: SequenceParallelRun, wrapper: HFCausalLM, temperature: float, ba
         batch["labels"], mask = labels, labels[:, 1:] != IGNORE
     else:
         raise ValueError("fused_lm_head=True needs labels (or shift_labels)")
+    s = batch["input_ids"].shape[1]
+    lead = _left_aligned(batch)
     local = run.shard(batch)
     hidden = wrapper(local["input_ids"], local["position_ids"], local["batch"], return_hidden=True)
     full = sequence_log_probs(
@@ -84,7 +133,7 @@ def _fused(run: SequenceParallelRun, wrapper: HFCausalLM, temperature: float, ba
         cu_seqlens=local.get("cu_seqlens"), temperature=temperature, outputs=OUTPUTS,
     )  # fmt: skip
     n = mask.shape[1]  # the end padding the shard added, and the last token (no target), cut
-    out = {name: x[:, :n].masked_fill(~mask, 0) for name, x in full.items()}
+    out = {name: _restored(x[:, :n], lead, s).masked_fill(~mask, 0) for name, x in full.items()}
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return FusedCausalLMOutput(
         loss=-out["log_probs"].sum() / count,
@@ -103,9 +152,11 @@ def _logits(run: SequenceParallelRun, wrapper: HFCausalLM, batch: dict) -> Any:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     batch["labels"] = batch["input_ids"]  # sharded alongside, unused
+    s = batch["input_ids"].shape[1]
+    lead = _left_aligned(batch)
     local = run.shard(batch)
     logits = wrapper(local["input_ids"], local["position_ids"], local["batch"])
-    return CausalLMOutputWithPast(logits=run.full_logits(logits, local))
+    return CausalLMOutputWithPast(logits=_restored(run.full_logits(logits, local), lead, s))
 
 
 def install(model: Any, run: SequenceParallelRun, wrapper: HFCausalLM, *,
