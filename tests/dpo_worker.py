@@ -1,6 +1,6 @@
 """One DPOTrainer run for tests/test_dpo.py, started by torchrun (the sequence-parallel
-runs) or plain python (the one-process reference, plain ``trl.DPOTrainer`` behaviour: no
-DeepSpeed config). Argument: a JSON file with the run's settings; writes
+runs, ``SequenceParallelDPOTrainer``) or plain python (the one-process reference: TRL's own
+``DPOTrainer``, no DeepSpeed config). Argument: a JSON file with the run's settings; writes
 ``<out>/result.json`` (the log history: losses and TRL's metrics).
 
 Spec keys: ``model``, ``tokenizer``, ``out``, ``batch``, ``ga``, ``steps``, ``eval_steps``,
@@ -91,17 +91,22 @@ def main(spec_path: str) -> None:
 
             dist.barrier()
         train, evals = (datasets.load_from_disk(out / f"data_{n}") for n in ("train", "eval"))
-    from ulysses_cp.integrations.hf_trainer import SequenceParallelDPOTrainer
-
-    trainer = SequenceParallelDPOTrainer(
+    if sp is None:  # the reference: TRL's own class
+        from trl import DPOTrainer as trainer_class
+    else:
+        from ulysses_cp.integrations.hf_trainer import (
+            SequenceParallelDPOTrainer as trainer_class,
+        )
+    trainer = trainer_class(
         model=model, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=evals,
         processing_class=tok, peft_config=peft_config,
     )  # fmt: skip
-    if spec.get("scale") and trainer.sequence_parallel is not None:
+    if spec.get("scale") and sp is not None:
         run = trainer.sequence_parallel
         run.topo = run.topo.with_options(grad_scale=run.topo.grad_scale * spec["scale"])
     trainer.train()
-    result = {"sp": trainer.sequence_parallel is not None, "history": trainer.state.log_history}
+    sp_run = getattr(trainer, "sequence_parallel", None)
+    result = {"sp": sp_run is not None, "history": trainer.state.log_history}
     if int(os.environ.get("RANK", "0")) == 0:
         (out / "result.json").write_text(json.dumps(result))
 
