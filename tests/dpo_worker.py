@@ -8,7 +8,8 @@ Spec keys: ``model``, ``tokenizer``, ``out``, ``batch``, ``ga``, ``steps``, ``ev
 sequence_parallel block), ``lora`` (peft LoRA on q/v: the reference is the adapter off),
 ``loss_type`` (a list, TRL's names), ``ref`` (``"path"``: TRL builds the reference from
 the policy's path, the default; ``"given"``: a second model passed as ``ref_model``),
-``precompute`` (``precompute_ref_log_probs``), ``scale`` (multiplies the run's gradient
+``precompute`` (``precompute_ref_log_probs``), ``use_weighting``, ``ld_alpha``,
+``f_divergence`` (DPOConfig's ``f_divergence_type``), ``scale`` (multiplies the run's gradient
 scale: the seen-failing check), ``long`` (longer completions)."""
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def main(spec_path: str) -> None:
         loss_type=spec.get("loss_type", ["sigmoid"]),
         precompute_ref_log_probs=spec.get("precompute", False),
         label_smoothing=spec.get("label_smoothing", 0.0),
+        use_weighting=spec.get("use_weighting", False),
+        ld_alpha=spec.get("ld_alpha"),
+        f_divergence_type=spec.get("f_divergence", "reverse_kl"),
     )
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(spec["tokenizer"])
     # after the TrainingArguments: under ZeRO-3 the models are built partitioned

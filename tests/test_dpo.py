@@ -105,6 +105,16 @@ def test_dpo_every_loss_type_u2_zero1(assets, tmp_path):
     assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=2))
 
 
+def test_dpo_weighting_ld_alpha_and_js_divergence_u2_zero2(assets, tmp_path):
+    """WPO weights (``log_sum_sq_probs``), LD-DPO's ``ld_alpha`` (per-token masks of the
+    shared and the tail part of the completions) and the Jensen-Shannon f-divergence:
+    TRL's code on the gathered per-token values, the same as one process."""
+    kw = dict(use_weighting=True, ld_alpha=0.5, f_divergence="js_divergence", long=True)
+    ref = spec(assets, tmp_path / "ref", **kw)
+    sp = spec(assets, tmp_path / "sp", zero=2, sp=U2, **kw)
+    assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=2))
+
+
 def test_dpo_lora_u2_zero0_equals_one_process(assets, tmp_path):
     """A peft LoRA adapter (the reference is the adapter switched off), ZeRO-0."""
     ref = spec(assets, tmp_path / "ref", lora=True)
