@@ -14,8 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, finish, run, start
-from tests.test_examples_hf import accelerate_cmd, deepspeed_cmd, tiny_assets
+from tests.helpers import ROOT, finish, start
+from tests.test_examples_hf import (
+    accelerate_cmd,
+    assert_bad_data_refused,
+    deepspeed_cmd,
+    tiny_assets,
+)
 from tests.test_examples_hf import example_args as sft_example_args
 
 pytestmark = pytest.mark.launcher
@@ -73,12 +78,4 @@ def test_dpo_example_under_both_launchers_equals_one_process(assets, tmp_path):
     ],
 )
 def test_dpo_example_bad_data_is_refused(assets, tmp_path, line, message):
-    data = tmp_path / "pairs.jsonl"
-    if line is not None:
-        first = (assets / "pairs.jsonl").read_text().splitlines()[0]
-        data.write_text(f"{first}\n{line}\n")
-    args = example_args(assets, tmp_path / "out")
-    args[args.index("--data") + 1] = str(data)
-    out = run([sys.executable, str(EXAMPLE), *args], ok=False)
-    assert message in out, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
+    assert_bad_data_refused(EXAMPLE, example_args(assets, tmp_path / "out"), line, message)

@@ -122,12 +122,19 @@ def assert_plain_folder(ref_dir: Path, sp_dir: Path) -> None:
     ],
 )
 def test_sft_example_bad_data_is_refused(assets, tmp_path, line, message):
-    data = tmp_path / "chats.jsonl"
+    assert_bad_data_refused(EXAMPLE, example_args(assets, tmp_path / "out"), line, message)
+
+
+def assert_bad_data_refused(example: Path, args: list[str], line: str | None, message: str):
+    """``example`` with its ``--data`` file cut to its first line and ``line`` after it
+    (``line`` None: the file removed) stops with ``message`` and no traceback (also the
+    DPO example's test)."""
+    i = args.index("--data") + 1
+    good, data = Path(args[i]), Path(args[args.index("--output_dir") + 1]).with_suffix(".jsonl")
     if line is not None:
-        first = (assets / "chats.jsonl").read_text().splitlines()[0]
+        first = good.read_text().splitlines()[0]
         data.write_text(f"{first}\n{line}\n")
-    args = example_args(assets, tmp_path / "out")
-    args[args.index("--data") + 1] = str(data)
-    out = run([sys.executable, str(EXAMPLE), *args], ok=False)
+    args = [*args[:i], str(data), *args[i + 1 :]]
+    out = run([sys.executable, str(example), *args], ok=False)
     assert message in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]

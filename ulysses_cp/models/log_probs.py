@@ -58,6 +58,19 @@ def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def _tile_slices(T: int, tiles: int) -> list[slice]:
+    """``tiles`` contiguous pieces of ``T`` token rows, as ``tensor_split`` cuts them (the
+    bounds computed on the host: no device sync per tile); empty pieces left out."""
+    base, extra = divmod(T, tiles)
+    bounds, start = [], 0
+    for i in range(tiles):
+        stop = start + base + (1 if i < extra else 0)
+        if stop > start:
+            bounds.append(slice(start, stop))
+        start = stop
+    return bounds
+
+
 def _logits(h, weight, bias, transform, work):
     """One tile's logits as the model computes them, then divided by the temperature:
     ``(z, tanh)`` with ``tanh`` the softcap's ``tanh(u / cap)`` (None without a softcap)."""
@@ -92,10 +105,7 @@ class _TokenLogProbs(torch.autograd.Function):
         out["is_top1"] = torch.zeros(T, dtype=torch.bool, device=hidden.device)
         lse_all = torch.empty(T, dtype=work, device=hidden.device)
         with torch.no_grad():
-            for rows in torch.arange(T, device=hidden.device).tensor_split(tiles):
-                if len(rows) == 0:
-                    continue
-                sl = slice(int(rows[0]), int(rows[-1]) + 1)
+            for sl in _tile_slices(T, tiles):
                 z, _ = _logits(hidden[sl], weight, bias, transform, work)  # (t, V)
                 lse = torch.logsumexp(z, dim=-1)  # (t,)
                 lse_all[sl] = lse
@@ -105,6 +115,8 @@ class _TokenLogProbs(torch.autograd.Function):
                     out["mean_logits"][sl] = z.mean(-1)
                 if "is_top1" in wanted:
                     out["is_top1"][sl] = z.argmax(-1) == target[sl]
+                if "entropy" not in wanted and "log_sum_sq_probs" not in wanted:
+                    continue
                 logp = z - lse[:, None]  # (t, V)
                 if "entropy" in wanted:
                     out["entropy"][sl] = -(logp.exp() * logp).sum(-1)
@@ -133,11 +145,7 @@ class _TokenLogProbs(torch.autograd.Function):
         d_bias = None
         if need_b and bias is not None:
             d_bias = torch.zeros(bias.shape, dtype=work, device=bias.device)
-        T = hidden.shape[0]
-        for rows in torch.arange(T, device=hidden.device).tensor_split(tiles):
-            if len(rows) == 0:
-                continue
-            sl = slice(int(rows[0]), int(rows[-1]) + 1)
+        for sl in _tile_slices(hidden.shape[0], tiles):
             h = hidden[sl]
             z, t = _logits(h, weight, bias, transform, work)  # (t, V)
             logp = z - lse_all[sl, None]
@@ -251,9 +259,7 @@ def sequence_log_probs(
     out = {}
     for name, x in local.items():
         full = gather_sequence(x, topo, dim=1, cu_seqlens=cu_seqlens)
-        if full.requires_grad:
-            full = scale_gradient(full, topo.grad_scale)
-        out[name] = full
+        out[name] = scale_gradient(full, topo.grad_scale)  # identity for values w/o grad
     return out
 
 

@@ -114,6 +114,14 @@ def _restored(x: torch.Tensor, lead: torch.Tensor | None, s: int) -> torch.Tenso
     return x.gather(1, idx)[:, :n]
 
 
+def _shard(run: SequenceParallelRun, batch: dict) -> tuple[dict, torch.Tensor | None, int]:
+    """This rank's shard of the full rows (left padding moved to the rows' ends first):
+    ``(local, lead, s)`` for :func:`_restored`."""
+    s = batch["input_ids"].shape[1]
+    lead = _left_aligned(batch)
+    return run.shard(batch), lead, s
+
+
 def _fused(run: SequenceParallelRun, wrapper: HFCausalLM, temperature: float, batch: dict,
            labels, shift_labels, num_items_in_batch) -> Any:  # fmt: skip
     from trl.trainer.utils import FusedCausalLMOutput
@@ -124,9 +132,7 @@ def _fused(run: SequenceParallelRun, wrapper: HFCausalLM, temperature: float, ba
         batch["labels"], mask = labels, labels[:, 1:] != IGNORE
     else:
         raise ValueError("fused_lm_head=True needs labels (or shift_labels)")
-    s = batch["input_ids"].shape[1]
-    lead = _left_aligned(batch)
-    local = run.shard(batch)
+    local, lead, s = _shard(run, batch)
     hidden = wrapper(local["input_ids"], local["position_ids"], local["batch"], return_hidden=True)
     full = sequence_log_probs(
         hidden, wrapper.head, local["shift_labels"], run.topo,
@@ -152,9 +158,7 @@ def _logits(run: SequenceParallelRun, wrapper: HFCausalLM, batch: dict) -> Any:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     batch["labels"] = batch["input_ids"]  # sharded alongside, unused
-    s = batch["input_ids"].shape[1]
-    lead = _left_aligned(batch)
-    local = run.shard(batch)
+    local, lead, s = _shard(run, batch)
     logits = wrapper(local["input_ids"], local["position_ids"], local["batch"])
     return CausalLMOutputWithPast(logits=_restored(run.full_logits(logits, local), lead, s))
 

@@ -24,7 +24,7 @@ from ...core.comm import stats as comm_stats
 from ...models.hf import HFCausalLM
 from . import log_prob_head
 from .mixin import SequenceParallelMixin
-from .run import SequenceParallelRun
+from .run import SequenceParallelRun, _transformers_model
 
 __all__ = ["LogProbTrainerMixin"]
 
@@ -95,7 +95,5 @@ class LogProbTrainerMixin(SequenceParallelMixin):
 def _attach_reference(sp: SequenceParallelRun, ref_model: Any) -> HFCausalLM:
     """The reference model (a DeepSpeed engine's module, or the model itself) switched to
     ulysses_cp attention and wrapped; probed and given the fused head at the first loss."""
-    from .run import _transformers_model
-
     model = _transformers_model(getattr(ref_model, "module", ref_model))
     return sp.wrap_model(model)
