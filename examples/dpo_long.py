@@ -39,6 +39,7 @@ from hf_trainer_sft import (
     jsonl_rows,
     local_folders,
     optimizer_args,
+    run_args,
     train_and_save,
     training_options,
 )
@@ -61,11 +62,7 @@ def read_pairs(path: Path) -> list[dict]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model_path", required=True, help="a local causal LM folder")
-    p.add_argument("--tokenizer_path", help="a local tokenizer (default: the model's)")
-    p.add_argument("--data", required=True, type=Path, help="JSONL, prompt/chosen/rejected")
-    p.add_argument("--deepspeed", help="DeepSpeed JSON; its sequence_parallel block turns SP on")
-    p.add_argument("--output_dir", required=True, type=Path)
+    run_args(p, data="JSONL, prompt/chosen/rejected")
     p.add_argument("--max_length", type=int, default=256, help="tokens per row (256)")
     p.add_argument("--max_steps", type=int, default=10, help="optimizer steps (10)")
     p.add_argument("--batch_size", type=int, default=1, help="pairs per batch (1)")

@@ -107,17 +107,24 @@ def deepspeed_config(given: str | None) -> str | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model_path", required=True, help="a local causal LM folder")
-    p.add_argument("--tokenizer_path", help="a local tokenizer with a chat template (model's)")
-    p.add_argument("--data", required=True, type=Path, help='JSONL, {"messages": [...]} a line')
-    p.add_argument("--deepspeed", help="DeepSpeed JSON; its sequence_parallel block turns SP on")
-    p.add_argument("--output_dir", required=True, type=Path)
+    run_args(p, data='JSONL, {"messages": [...]} a line',
+             tokenizer="a local tokenizer with a chat template (model's)")  # fmt: skip
     p.add_argument("--max_length", type=int, default=256, help="tokens per packed row (256)")
     p.add_argument("--max_steps", type=int, default=10, help="optimizer steps (10)")
     p.add_argument("--batch_size", type=int, default=1, help="packed rows per batch (1)")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     optimizer_args(p, learning_rate=1e-4)
     return p.parse_args(argv)
+
+
+def run_args(p: argparse.ArgumentParser, *, data: str,
+             tokenizer: str = "a local tokenizer (default: the model's)") -> None:  # fmt: skip
+    """The model, data, DeepSpeed and output options (also the DPO and GRPO examples')."""
+    p.add_argument("--model_path", required=True, help="a local causal LM folder")
+    p.add_argument("--tokenizer_path", help=tokenizer)
+    p.add_argument("--data", required=True, type=Path, help=data)
+    p.add_argument("--deepspeed", help="DeepSpeed JSON; its sequence_parallel block turns SP on")
+    p.add_argument("--output_dir", required=True, type=Path)
 
 
 def optimizer_args(p: argparse.ArgumentParser, *, learning_rate: float) -> None:

@@ -1,5 +1,7 @@
-"""DPO memory at length: ulysses_cp's ``SequenceParallelDPOTrainer`` on P ranks (Ulysses P,
-ZeRO-2, torchrun, gloo, CPU) against plain TRL ``DPOTrainer`` in one process, side by side.
+"""DPO and GRPO memory at length: ulysses_cp's ``SequenceParallelDPOTrainer`` (or
+``SequenceParallelGRPOTrainer``, ``--objective grpo``) on P ranks (Ulysses P, ZeRO-2,
+torchrun, gloo, CPU) against plain TRL ``DPOTrainer`` (``GRPOTrainer``) in one process,
+side by side.
 
 Variants: ``reference`` (plain ``DPOTrainer``, transformers' sdpa attention: on CPU with
 TRL's padding mask that is the math kernel, which keeps ``s x s`` scores), ``ours_1`` (our
@@ -17,6 +19,12 @@ forwards and the backward create, gradients included, weights not), and the two 
 losses (their largest relative difference from the reference's says the runs are the same
 computation).
 
+``--objective grpo``: one GRPO update a step, one prompt of a quarter of ``--length``
+tokens and 8 completions of the rest (8 rows of ``--length`` tokens; a deterministic
+``rollout_func`` stands in for sampling, so every variant trains on the same rows), the
+reference model built by TRL (``beta=0.1``), ``num_iterations=1``; the peak covers the
+step's scoring (the reference's log-probs) and its update.
+
 Two measurements:
 
 1. the per-rank peak at ``--length`` (default 2048 tokens a row: 4096 a pair);
@@ -25,6 +33,8 @@ Two measurements:
 
     python scripts/benchmark_dpo.py --quick --out bench_results   # a few minutes
     python scripts/benchmark_dpo.py --out bench_results
+    python scripts/benchmark_dpo.py --objective grpo --length 1024 --budget-mib 128 \
+        --out bench_results
 """
 
 from __future__ import annotations
@@ -64,6 +74,42 @@ def pair_rows(n: int, length: int, seed: int) -> list[dict]:
             for _ in range(n)]  # fmt: skip
 
 
+GENERATIONS = 8  # completions a prompt in the GRPO runs
+
+
+def prompt_rows(n: int, length: int, seed: int) -> list[dict]:
+    """``n`` prompts of a quarter of ``length`` words (GRPO)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, MODEL["vocab_size"], (n, length // 4), generator=g)
+    return [{"prompt": " ".join(f"t{int(i)}" for i in row)} for row in ids]
+
+
+def fixed_rollout(length: int):
+    """A ``rollout_func``: each prompt's completion fills its row to ``length`` tokens,
+    drawn from a generator seeded by the row's place (the same in every variant)."""
+
+    def rollout_func(prompts: list, trainer) -> dict:
+        import torch
+
+        tok = trainer.processing_class
+        prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        completions = []
+        for i, ids in enumerate(prompt_ids):
+            g = torch.Generator().manual_seed(trainer.state.global_step * 1009 + i)
+            completions.append(torch.randint(3, MODEL["vocab_size"], (length - len(ids),),
+                                             generator=g).tolist())  # fmt: skip
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
+
+    return rollout_func
+
+
+def distinct_words(completions: list[str], **kwargs) -> list[float]:
+    """The GRPO runs' reward (it varies inside a group, so the advantages are not 0)."""
+    return [float(len(set(c.split()))) for c in completions]
+
+
 def save_assets(folder: Path) -> None:
     import tokenizers
     import torch
@@ -93,7 +139,6 @@ def worker(spec: dict) -> None:
         ucp.init_distributed()
     import datasets
     import transformers
-    from trl import DPOConfig, DPOTrainer
 
     ds = None
     if ours:
@@ -107,26 +152,43 @@ def worker(spec: dict) -> None:
             "sequence_parallel": {"ulysses_degree": P, "ring_degree": 1,
                                   "attention_backend": "torch"},
         }  # fmt: skip
-    steps = 2
-    args = DPOConfig(
-        output_dir=spec["out"], per_device_train_batch_size=1, gradient_accumulation_steps=1,
-        max_steps=steps, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
-        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], seed=0,
-        data_seed=0, use_cpu=True, bf16=False, deepspeed=ds, disable_tqdm=True,
-        max_length=None, beta=0.1,
+    steps, grpo = 2, spec.get("objective") == "grpo"
+    common = dict(
+        output_dir=spec["out"], per_device_train_batch_size=GENERATIONS if grpo else 1,
+        gradient_accumulation_steps=1, max_steps=steps, learning_rate=0.1, optim="sgd",
+        lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no",
+        report_to=[], seed=0, data_seed=0, use_cpu=True, bf16=False, deepspeed=ds,
+        disable_tqdm=True, beta=0.1,
     )  # fmt: skip
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(spec["tokenizer"])
     model = transformers.AutoModelForCausalLM.from_pretrained(
         spec["model"], dtype=torch.float32, attn_implementation="sdpa"
     )
-    if ours:
-        from ulysses_cp.integrations.hf_trainer import SequenceParallelDPOTrainer as parent
-    else:
-        parent = DPOTrainer
     record: dict = {"micro": 0, "memory_micro": steps, "step_s": {}}
-    train = datasets.Dataset.from_list(pair_rows(steps, spec["length"], 1))
-    trainer = measured(parent)(model=model, args=args, train_dataset=train,
-                               processing_class=tok)  # fmt: skip
+    if grpo:
+        from trl import GRPOConfig, GRPOTrainer
+
+        from ulysses_cp.integrations.hf_trainer import SequenceParallelGRPOTrainer
+
+        parent = SequenceParallelGRPOTrainer if ours else GRPOTrainer
+        args = GRPOConfig(**common, num_generations=GENERATIONS,
+                          max_completion_length=spec["length"])  # fmt: skip
+        train = datasets.Dataset.from_list(prompt_rows(steps, spec["length"], 1))
+        trainer = measured(parent)(
+            model=model, reward_funcs=[distinct_words],
+            args=args, train_dataset=train, processing_class=tok,
+            rollout_func=fixed_rollout(spec["length"]),
+        )  # fmt: skip
+    else:
+        from trl import DPOConfig, DPOTrainer
+
+        from ulysses_cp.integrations.hf_trainer import SequenceParallelDPOTrainer
+
+        parent = SequenceParallelDPOTrainer if ours else DPOTrainer
+        args = DPOConfig(**common, max_length=None)
+        train = datasets.Dataset.from_list(pair_rows(steps, spec["length"], 1))
+        trainer = measured(parent)(model=model, args=args, train_dataset=train,
+                                   processing_class=tok)  # fmt: skip
     trainer.record = record
     trainer.train()
     record["loss"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -139,7 +201,7 @@ def peak(variant: str, length: int, args, tmp: Path) -> dict:
     folder = tmp / f"{variant}_{length}_{time.monotonic_ns()}"
     spec = {"variant": variant, "world": args.world if variant == "ours" else 1,
             "length": length, "model": str(tmp / "model"), "tokenizer": str(tmp / "tokenizer"),
-            "out": str(folder), "port": free_port()}  # fmt: skip
+            "out": str(folder), "port": free_port(), "objective": args.objective}  # fmt: skip
     t0 = time.perf_counter()
     run = launch(spec, tmp, args.timeout, str(Path(__file__).resolve()))
     if "error" in run:
@@ -178,6 +240,12 @@ def longest(variant: str, args, tmp: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--objective",
+        choices=("dpo", "grpo"),
+        default="dpo",
+        help="dpo: one pair a step; grpo: one prompt and 8 completions (dpo)",
+    )
     p.add_argument("--quick", action="store_true", help="1024 tokens; budget search skipped")
     p.add_argument("--world", type=int, default=4, help="ranks of ours = Ulysses degree (P)")
     p.add_argument("--length", type=int, default=2048, help="tokens per row (a pair: two)")
@@ -208,8 +276,9 @@ def main() -> None:
         if not args.quick:
             result["longest"] = {v: longest(v, args, tmp) for v in VARIANTS}
     head = f"{'variant':<10}{'row tokens':>11}{'peak MiB/rank':>15}{'x ref':>7}{'loss diff':>11}"
-    lines = [f"DPO, one pair a step (two rows), CPU, gloo; ours: Ulysses {args.world}, ZeRO-2",
-             head]  # fmt: skip
+    what = ("GRPO, one prompt and 8 completions a step (8 rows)" if args.objective == "grpo"
+            else "DPO, one pair a step (two rows)")  # fmt: skip
+    lines = [f"{what}, CPU, gloo; ours: Ulysses {args.world}, ZeRO-2", head]
     ref = at["reference"]
     for v in VARIANTS:
         r = at[v]
@@ -235,8 +304,9 @@ def main() -> None:
     print("\n".join(lines))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "benchmark_dpo.json").write_text(json.dumps(result))
-    print(f"json: {out / 'benchmark_dpo.json'}")
+    name = f"benchmark_{args.objective}.json"
+    (out / name).write_text(json.dumps(result))
+    print(f"json: {out / name}")
 
 
 if __name__ == "__main__":

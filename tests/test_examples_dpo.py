@@ -6,19 +6,15 @@ a message naming the line and the fix."""
 
 from __future__ import annotations
 
-import json
-import math
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.helpers import ROOT, finish, start
+from tests.helpers import ROOT
 from tests.test_examples_hf import (
-    accelerate_cmd,
     assert_bad_data_refused,
-    deepspeed_cmd,
+    assert_same_losses,
+    three_ways,
     tiny_assets,
 )
 from tests.test_examples_hf import example_args as sft_example_args
@@ -44,29 +40,9 @@ def example_args(assets: Path, out: Path) -> list[str]:
 
 
 def test_dpo_example_under_both_launchers_equals_one_process(assets, tmp_path):
-    outs = {name: tmp_path / name for name in ("ref", "accelerate", "deepspeed")}
-    procs = [
-        start([sys.executable, str(EXAMPLE), *example_args(assets, outs["ref"])]),
-        start(accelerate_cmd(example_args(assets, outs["accelerate"]), EXAMPLE)),
-        start(deepspeed_cmd(example_args(assets, outs["deepspeed"]), EXAMPLE)),
-    ]
-    results = finish(procs, timeout=900)
-    for name, (code, text) in zip(outs, results):
-        assert code == 0, f"{name}: exit {code}\n{text[-6000:]}"
-    ref_text, *sp_texts = (text for _, text in results)
-    assert "DPO on 32 pairs" in ref_text and "one process (no sequence_parallel block)" in ref_text
-    for text in sp_texts:
-        assert "sequence parallel: Ulysses 2 x ring 1, 1 data-parallel replica(s)" in text
-    losses = {}
-    for name, out in outs.items():
-        losses[name] = json.loads((out / "train_losses.json").read_text())
-        assert len(losses[name]) == 3 and all(math.isfinite(x) for x in losses[name])
-    assert losses["ref"][0] != losses["ref"][-1]  # the steps changed the model
-    for name in ("accelerate", "deepspeed"):
-        torch.testing.assert_close(
-            torch.tensor(losses[name]), torch.tensor(losses["ref"]), rtol=1e-5, atol=1e-6
-        )
-    assert "ulysses" not in (outs["deepspeed"] / "final" / "config.json").read_text()
+    outs, texts = three_ways(EXAMPLE, lambda out: example_args(assets, out), tmp_path)
+    assert "DPO on 32 pairs" in texts[0]
+    assert_same_losses(outs)
 
 
 @pytest.mark.parametrize(

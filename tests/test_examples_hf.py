@@ -69,19 +69,8 @@ def losses(out: Path) -> list[float]:
 
 
 def test_sft_example_under_both_launchers_equals_one_process(assets, tmp_path):
-    outs = {name: tmp_path / name for name in ("ref", "accelerate", "deepspeed")}
-    procs = [
-        start([sys.executable, str(EXAMPLE), *example_args(assets, outs["ref"])]),
-        start(accelerate_cmd(example_args(assets, outs["accelerate"]))),
-        start(deepspeed_cmd(example_args(assets, outs["deepspeed"]))),
-    ]
-    results = finish(procs, timeout=900)
-    for name, (code, text) in zip(outs, results):
-        assert code == 0, f"{name}: exit {code}\n{text[-6000:]}"
-    ref_text, *sp_texts = (text for _, text in results)
-    assert "one process (no sequence_parallel block)" in ref_text
-    for text in sp_texts:  # the block was read: not two data-parallel ranks
-        assert "sequence parallel: Ulysses 2 x ring 1, 1 data-parallel replica(s)" in text
+    outs, texts = three_ways(EXAMPLE, lambda out: example_args(assets, out), tmp_path)
+    for text in texts[1:]:
         assert "packing row" in text
     ref = losses(outs["ref"])
     assert ref[0] != ref[-1]  # the steps changed the model
@@ -92,6 +81,43 @@ def test_sft_example_under_both_launchers_equals_one_process(assets, tmp_path):
             msg=lambda m, name=name, got=got: f"{name} {got} != one process {ref}: {m}",
         )  # fmt: skip
     assert_plain_folder(outs["ref"] / "final", outs["deepspeed"] / "final")
+
+
+def three_ways(example: Path, args_of, tmp_path: Path) -> tuple[dict[str, Path], list[str]]:
+    """``example`` (``args_of(output_dir)``: its arguments) in one process, under
+    ``accelerate launch`` and under the ``deepspeed`` launcher, side by side (also the DPO
+    and GRPO examples' tests): each exits 0 and says which run it is. Returns the three
+    output folders and outputs."""
+    outs = {name: tmp_path / name for name in ("ref", "accelerate", "deepspeed")}
+    procs = [
+        start([sys.executable, str(example), *args_of(outs["ref"])]),
+        start(accelerate_cmd(args_of(outs["accelerate"]), example)),
+        start(deepspeed_cmd(args_of(outs["deepspeed"]), example)),
+    ]
+    results = finish(procs, timeout=900)
+    for name, (code, text) in zip(outs, results, strict=True):
+        assert code == 0, f"{name}: exit {code}\n{text[-6000:]}"
+    texts = [text for _, text in results]
+    assert "one process (no sequence_parallel block)" in texts[0]
+    for text in texts[1:]:  # the block was read: not two data-parallel ranks
+        assert "sequence parallel: Ulysses 2 x ring 1, 1 data-parallel replica(s)" in text
+    return outs, texts
+
+
+def assert_same_losses(outs: dict[str, Path]) -> None:
+    """The three runs of :func:`three_ways` wrote 3 finite training losses each, the
+    launchers' equal to the one-process run's within 1e-5 relative, and the steps changed
+    the model; the saved folder names no ulysses_cp attention (the DPO and GRPO
+    examples')."""
+    got = {name: json.loads((out / "train_losses.json").read_text()) for name, out in outs.items()}
+    for name, values in got.items():
+        assert len(values) == 3 and all(math.isfinite(x) for x in values), (name, values)
+    assert got["ref"][0] != got["ref"][-1]
+    for name in ("accelerate", "deepspeed"):
+        torch.testing.assert_close(
+            torch.tensor(got[name]), torch.tensor(got["ref"]), rtol=1e-5, atol=1e-6
+        )
+    assert "ulysses" not in (outs["deepspeed"] / "final" / "config.json").read_text()
 
 
 def assert_plain_folder(ref_dir: Path, sp_dir: Path) -> None:

@@ -29,6 +29,8 @@ REEXPORTS = {
     ("integrations/hf_trainer/__init__.py", "SequenceParallelTrainer"),
     ("integrations/hf_trainer/__init__.py", "SequenceParallelSFTTrainer"),
     ("integrations/hf_trainer/__init__.py", "SequenceParallelDPOTrainer"),
+    ("integrations/hf_trainer/__init__.py", "SequenceParallelGRPOTrainer"),
+    ("integrations/hf_trainer/__init__.py", "SequenceParallelRLOOTrainer"),
 }
 
 

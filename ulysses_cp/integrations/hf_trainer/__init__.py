@@ -2,9 +2,9 @@
 (``pip install .[trainer]``): the DeepSpeed JSON of ``--deepspeed`` carries the
 ``"sequence_parallel"`` block, and these drop-in subclasses read it.
 
-``SequenceParallelTrainer`` needs transformers and accelerate; ``SequenceParallelSFTTrainer``
-and ``SequenceParallelDPOTrainer`` also TRL, imported only when
-those names are used."""
+``SequenceParallelTrainer`` needs transformers and accelerate; ``SequenceParallelSFTTrainer``,
+``SequenceParallelDPOTrainer``, ``SequenceParallelGRPOTrainer`` and
+``SequenceParallelRLOOTrainer`` also TRL, imported only when those names are used."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import Any
 
 __all__ = [
     "SequenceParallelDPOTrainer",
+    "SequenceParallelGRPOTrainer",
+    "SequenceParallelRLOOTrainer",
     "SequenceParallelSFTTrainer",
     "SequenceParallelTrainer",
 ]
@@ -30,4 +32,12 @@ def __getattr__(name: str) -> Any:
         from .dpo import SequenceParallelDPOTrainer
 
         return SequenceParallelDPOTrainer
+    if name == "SequenceParallelGRPOTrainer":
+        from .grpo import SequenceParallelGRPOTrainer
+
+        return SequenceParallelGRPOTrainer
+    if name == "SequenceParallelRLOOTrainer":
+        from .rloo import SequenceParallelRLOOTrainer
+
+        return SequenceParallelRLOOTrainer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,6 +27,8 @@ rank.
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,7 +37,7 @@ from ...models.hf import HFCausalLM
 from ...models.log_probs import OUTPUTS, sequence_log_probs
 from .run import SequenceParallelRun
 
-__all__ = ["install"]
+__all__ = ["install", "plain_forward"]
 
 IGNORE = -100
 # keyword arguments a caller may pass that change nothing here (PEFT passes some as None)
@@ -183,4 +185,26 @@ def install(model: Any, run: SequenceParallelRun, wrapper: HFCausalLM, *,
             )
         return _logits(run, wrapper, batch)
 
+    if not hasattr(model, "_ucp_forward_before"):
+        # the forward it had (TRL's fused head: generation goes through it): plain_forward
+        model._ucp_forward_before = model.__dict__.get("forward")
     model.forward = types.MethodType(forward, model)
+
+
+@contextmanager
+def plain_forward(model: Any) -> Iterator[None]:
+    """The forward ``model`` had before :func:`install` (TRL's, which generation calls
+    with a KV cache) inside the block; nothing changes on a model without ours."""
+    if not hasattr(model, "_ucp_forward_before"):
+        yield
+        return
+    ours = model.__dict__["forward"]
+    before = model._ucp_forward_before
+    if before is None:
+        del model.forward  # the class's own
+    else:
+        model.forward = before
+    try:
+        yield
+    finally:
+        model.forward = ours

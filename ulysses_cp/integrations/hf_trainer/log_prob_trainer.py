@@ -63,6 +63,10 @@ class LogProbTrainerMixin(SequenceParallelMixin):
             log_prob_head.install(ref.model, sp, ref, temperature=self.head_temperature)
         self._heads_ready = True
 
+    def _count_tokens(self, inputs: dict[str, Any]) -> None:
+        """The step's tokens for the sequence-parallel metrics (``tokens_per_s``)."""
+        self._meter.count(inputs["input_ids"])
+
     def compute_loss(
         self,
         model: Any,
@@ -78,13 +82,13 @@ class LogProbTrainerMixin(SequenceParallelMixin):
                           num_items_in_batch=num_items_in_batch)  # fmt: skip
         self._prepare_heads()
         if model.training:
-            self._meter.count(inputs["input_ids"])
-        before = self._total_train_tokens
+            self._count_tokens(inputs)
+        before = getattr(self, "_total_train_tokens", None)
         result = parent(model, inputs, return_outputs=return_outputs,
                         num_items_in_batch=num_items_in_batch)  # fmt: skip
-        # the parent's count was gathered over every process: each replica P times
-        added = self._total_train_tokens - before
-        if added:
+        # DPO's count was gathered over every process: each replica P times
+        added = 0 if before is None else self._total_train_tokens - before
+        if before is not None and added:
             self._total_train_tokens = before + added // sp.topo.sp_world_size
             for mode in ("train", "eval"):
                 if "num_tokens" in self._metrics[mode]:
