@@ -154,8 +154,9 @@ torch.cuda.synchronize(device=device)
 
 
 def test_check_attention_is_cpu_gloo_only():
-    """The exemption holds while check_attention.py starts gloo only and never uses CUDA."""
-    tree = ast.parse((SCRIPTS / "check_attention.py").read_text())
+    """The exemption holds while the attention check (scripts/check_attention.py, a shim of
+    ulysses_cp/check_attention.py) starts gloo only and never uses CUDA."""
+    tree = ast.parse((SCRIPTS.parent / "ulysses_cp" / "check_attention.py").read_text())
     inits = [
         n
         for n in ast.walk(tree)

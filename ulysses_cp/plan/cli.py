@@ -325,3 +325,9 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"json: {args.json}")
     return result
+
+
+def console() -> None:
+    """The ``ulysses-cp-plan`` console script: :func:`main` (its result is printed; the exit
+    status is 0, not the returned dict)."""
+    main()

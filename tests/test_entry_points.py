@@ -1,0 +1,69 @@
+"""The package's entry points as a user starts them: ``deepspeed --module
+ulysses_cp.train`` trains as ``deepspeed train.py`` does (the repository's shim), and the
+console scripts (``ulysses-cp-train``, ``ulysses-cp-plan``, ``ulysses-cp-check``) and
+``python -m ulysses_cp.train`` run the package's code."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, deepspeed_cmd, finish, free_port, metrics, run, start
+
+pytestmark = pytest.mark.launcher
+
+CONFIG = ROOT / "configs" / "tiny_cpu_zero3_u2r1.json"
+BIN = Path(sys.executable).parent
+
+
+def test_deepspeed_module_launch_trains_as_the_shim(tmp_path):
+    """``deepspeed --module ulysses_cp.train`` and ``deepspeed train.py``, side by side on 2
+    CPU ranks: the same losses, step for step."""
+    outs = {name: tmp_path / name for name in ("module", "shim")}
+    module = ("--num_gpus", "2", "--master_port", str(free_port()), "--module")
+    as_module = deepspeed_cmd(
+        CONFIG, outs["module"], "--max_steps", "3", launcher=module, script=Path("ulysses_cp.train")
+    )
+    procs = [start(as_module), start(deepspeed_cmd(CONFIG, outs["shim"], "--max_steps", "3"))]
+    for code, text in finish(procs, timeout=600):
+        assert code == 0, text[-4000:]
+    # the config logs every 10 steps: here, at the run's end (step 3)
+    got = {
+        name: [(m["step"], m["loss"]) for m in metrics(out) if "loss" in m]
+        for name, out in outs.items()
+    }
+    assert got["shim"] and got["shim"][-1][0] == 3
+    assert got["module"] == got["shim"]
+
+
+def typo_config(tmp_path: Path) -> Path:
+    cfg = json.loads(CONFIG.read_text())
+    cfg["trainng"] = cfg.pop("training", {})
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize(
+    "command",
+    [[str(BIN / "ulysses-cp-train")], [sys.executable, "-m", "ulysses_cp.train"]],
+    ids=["console-script", "python-m"],
+)
+def test_train_entry_points_report_a_config_typo(tmp_path, command):
+    """A misspelt top-level key: one line naming the key and the right spelling, exit 2."""
+    config = str(typo_config(tmp_path))
+    cmd = [*command, "--deepspeed_config", config, "--output_dir", str(tmp_path / "out")]
+    out = run(cmd, ok=False)
+    assert "unknown top-level key(s)" in out and "did you mean 'training'" in out, out[-2000:]
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    ("script", "usage"),
+    [("ulysses-cp-plan", "--deepspeed_config"), ("ulysses-cp-check", "--world")],
+)
+def test_console_scripts_are_installed(script, usage):
+    assert usage in run([str(BIN / script), "--help"])

@@ -1,0 +1,171 @@
+"""Long-sequence training under the deepspeed launcher (the package's training entry point).
+
+    deepspeed --num_gpus N --module ulysses_cp.train --deepspeed_config configs/NAME.json \
+        [--output_dir DIR] [--max_steps K] [--resume [auto]] [--overwrite]
+
+Also ``deepspeed train.py ...`` (the repository's shim), ``python -m ulysses_cp.train``
+(one process) and the ``ulysses-cp-train`` console script. The JSON is a DeepSpeed config
+plus our blocks: "sequence_parallel" (degrees, layout, attention backend), "model" (the
+reference decoder or a Hugging Face model), "data" (task, seq_len, files) and "training"
+(steps, intervals, reliability). See docs/training.md. This module only wires the library
+together: the loop is ulysses_cp.training.trainer, the pieces it builds are
+ulysses_cp.training.build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ulysses_cp.config import RunConfig
+from ulysses_cp.core.log import get_logger
+from ulysses_cp.core.metrics import topology_info
+from ulysses_cp.core.zero_comm import full_numel, zero_wire_bytes
+from ulysses_cp.models.memory import LossPlan
+from ulysses_cp.plan.nodes import describe, gather_groups
+from ulysses_cp.training import checkpoint
+from ulysses_cp.training.build import build_model, check_output_dir, cpu_optimizer, validate
+from ulysses_cp.training.data import make_datasets
+from ulysses_cp.training.engine import init_distributed, initialize, topology_from_config
+from ulysses_cp.training.evaluate import Evaluator
+from ulysses_cp.training.tracking import RUN_ID_KEY, Tracker
+from ulysses_cp.training.trainer import Hooks, Trainer, TrainingStopped
+
+log = get_logger("train")
+log_all = get_logger("train.ranks", all_ranks=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="ulysses_cp long-sequence training")
+    p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with our blocks")
+    p.add_argument("--output_dir", help="metrics and checkpoints (default runs/<config name>)")
+    p.add_argument("--max_steps", type=int, default=None, help="overrides training.max_steps")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="yes",
+        choices=["yes", "auto"],
+        help="continue from the latest checkpoint in the output folder (an error if there is "
+        "none); '--resume auto': resume when there is one, else start at step 0",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an output folder that already holds a run (refused otherwise)",
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the planner's memory/communication/step-time table for this run "
+        "(python -m ulysses_cp.plan for more options) and exit without training",
+    )
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
+    args = parse_args(argv)
+    # DeepSpeed's ZeRO calls a torch collective that torch deprecates: once per rank, a
+    # warning the user can do nothing about
+    warnings.filterwarnings(
+        "ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning
+    )
+    # every config error is raised here, identically on every rank, before any collective
+    run = RunConfig.load(args.deepspeed_config)
+    sp, mc, dc, tc = run.sequence_parallel, run.model, run.data, run.training
+    if args.max_steps is not None:
+        tc = replace(tc, max_steps=args.max_steps)
+    if args.plan:  # before any process group: every rank would print the same
+        from ulysses_cp.plan.cli import plan_for_launch
+
+        if os.environ.get("RANK", "0") == "0":
+            print(plan_for_launch(run, dict(os.environ)), flush=True)
+        return
+    init_distributed(timeout_s=sp.collective_timeout_s)
+    validate(run)
+    out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
+    resuming = check_output_dir(out, args.resume, args.overwrite)
+    # missing or short data files fail here, before the engine; task "dataset" tokenizes
+    # its files once (rank 0, with a progress bar) into a cache every rank maps
+    dataset, held_out = make_datasets(dc, run.eval)
+    topo = topology_from_config(run)
+    line, warning = describe(gather_groups(topo))  # the groups as built, node by node
+    log.info(line)
+    if warning:
+        log.warning(warning)
+
+    torch.manual_seed(tc.seed)
+    model = build_model(mc, topo, run)
+    n_params = full_numel(model.parameters())  # every parameter once, at full size
+    optimizer, ds_run = cpu_optimizer(run, model)
+    engine = initialize(model=model, config=ds_run, topo=topo, optimizer=optimizer)
+    info = topology_info(topo)
+    evaluator = None
+    if held_out is not None:
+        micro = engine.train_micro_batch_size_per_gpu()
+        evaluator = Evaluator(held_out, run.eval, topo, micro_batch=micro, device=engine.device)
+    plan = LossPlan(mc.tiled_loss, mc.fused_loss)
+    trainer = Trainer(engine, topo, dataset, tc=tc, out=out, loss_plan=plan, hooks=hooks,
+                      evaluator=evaluator)  # fmt: skip
+    trainer.zero_bytes_per_step = zero_wire_bytes(
+        ds_run.raw, params=n_params, world=topo.world_size,
+        element_bytes=next(engine.module.parameters()).element_size(),
+        micro_steps=engine.gradient_accumulation_steps(),
+    )  # fmt: skip
+    start, run_id = 0, None
+    if resuming:
+        run_id = checkpoint.latest_meta(out).get(RUN_ID_KEY)  # continue its wandb run
+        tag = checkpoint.latest_tag(out)
+        start = checkpoint.load(engine, out, zero_loss=trainer.zero_loss) or 0
+        log.info(f"resumed from {out / str(tag)} at step {start}")
+    elif args.resume == "auto":
+        log.info(f"--resume auto: no checkpoint in {out}, starting at step 0")
+    trainer.tracker = tracker = Tracker(
+        output_dir=out, config=run.raw, topo_info=info, is_main=dist.get_rank() == 0,
+        resume=resuming, start_step=start, run_id=run_id,
+    )  # fmt: skip
+    log.info(
+        f"training {n_params / 1e6:.2f}M params, "
+        f"{info}, seq_len {dc.seq_len}, steps {start}..{tc.max_steps}, output {out}"
+    )
+    try:
+        state = trainer.run(start)
+    except TrainingStopped as stop:
+        log.error(str(stop))
+        tracker.finish({"stopped": str(stop)})
+        sys.exit(stop.exit_code)
+    except Exception as exc:
+        # every rank says where it failed (a dead peer shows up as a CollectiveError naming
+        # the op and group); the process exits non-zero so the launcher stops the rest
+        log_all.error(f"training failed: {type(exc).__name__}: {exc}")
+        raise
+    first, last = (state.losses[0], state.losses[-1]) if state.losses else (None, None)
+    summary = {"first_loss": first, "last_loss": last, "steps": state.step}
+    if state.evals:
+        summary["eval_loss"] = state.evals[-1]["eval_loss"]
+    tracker.finish(summary)
+    log.info(f"done: {summary}, metrics in {out / 'metrics.jsonl'}")
+    dist.barrier()
+
+
+def run_main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
+    """``main`` with user errors (config, data, paths, degrees, layout...), raised
+    identically on every rank before anything trains, as one line from rank 0 and exit
+    code 2, not a traceback per rank."""
+    try:
+        main(argv, hooks)
+    except ValueError as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    run_main()
