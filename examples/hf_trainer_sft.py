@@ -128,7 +128,7 @@ def run_args(p: argparse.ArgumentParser, *, data: str,
 
 
 def optimizer_args(p: argparse.ArgumentParser, *, learning_rate: float) -> None:
-    """The optimizer, precision and seed options (also the DPO example's)."""
+    """The optimizer, precision and seed options (also the DPO and GRPO examples')."""
     p.add_argument("--optim", default="adamw_torch", help="a TrainingArguments optim (adamw_torch)")
     p.add_argument("--learning_rate", type=float, default=learning_rate)
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="0: no clipping (1.0)")
@@ -198,7 +198,7 @@ def training_options(args: argparse.Namespace, ds_path: str | None) -> dict:
 
 def train_and_save(trainer, tokenizer, args: argparse.Namespace, what: str) -> list[float]:
     """Say which run this is, train, save the model and tokenizer to ``OUTPUT_DIR/final``
-    and the training losses to ``OUTPUT_DIR/train_losses.json`` (also the DPO example's)."""
+    and the training losses to ``OUTPUT_DIR/train_losses.json`` (also the TRL examples')."""
     sp = trainer.sequence_parallel
     if trainer.is_world_process_zero():
         t = None if sp is None else sp.topo

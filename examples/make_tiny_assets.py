@@ -8,7 +8,7 @@ and one of preference pairs (``DIR/pairs.jsonl``, one ``{"prompt": ..., "chosen"
     python examples/make_tiny_assets.py DIR [--chats 48] [--pairs 32] [--seed 0]
 
 The model learns nothing useful: it stands in for a real checkpoint so that the examples
-and their tests (tests/test_examples_hf.py, tests/test_examples_dpo.py) run in seconds on
+and their tests (tests/test_examples_hf.py, tests/test_examples_trl.py) run in seconds on
 CPU ranks.
 """
 

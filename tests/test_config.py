@@ -53,6 +53,23 @@ def test_a_value_of_the_wrong_type_names_its_key(cls, block, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("cls", "block", "message"),
+    [
+        (T, {"max_stesp": 3}, "['max_stesp'] (did you mean 'max_steps' for 'max_stesp'?)"),
+        (SP, {"ulyses_degree": 2, "rng_degree": 2}, "'ring_degree' for 'rng_degree'"),
+        (M, {"qqq": 1}, "unknown keys in the \"model\" block: ['qqq']; valid keys:"),
+    ],
+)
+def test_a_misspelt_key_inside_a_block_gets_the_closest_ones(cls, block, message):
+    """A block's unknown key is named with the closest valid ones (none when none is
+    close), as a misspelt top-level key is."""
+    with pytest.raises(ValueError) as err:
+        cls.from_dict(block)
+    assert message in str(err.value)
+    assert "valid keys" in str(err.value)
+
+
 def test_a_block_that_is_not_an_object_is_refused():
     with pytest.raises(ValueError, match='the "training" block must be a JSON object'):
         TrainingConfig.from_dict([1, 2])

@@ -36,7 +36,7 @@ def assets(tmp_path_factory) -> Path:
 
 
 def tiny_assets(folder: Path) -> Path:
-    """``examples/make_tiny_assets.py FOLDER`` (also tests/test_examples_dpo.py's)."""
+    """``examples/make_tiny_assets.py FOLDER`` (also tests/test_examples_trl.py's)."""
     run([sys.executable, str(ROOT / "examples" / "make_tiny_assets.py"), str(folder)])
     return folder
 
@@ -154,7 +154,7 @@ def test_sft_example_bad_data_is_refused(assets, tmp_path, line, message):
 def assert_bad_data_refused(example: Path, args: list[str], line: str | None, message: str):
     """``example`` with its ``--data`` file cut to its first line and ``line`` after it
     (``line`` None: the file removed) stops with ``message`` and no traceback (also the
-    DPO example's test)."""
+    TRL examples' tests)."""
     i = args.index("--data") + 1
     good, data = Path(args[i]), Path(args[args.index("--output_dir") + 1]).with_suffix(".jsonl")
     if line is not None:

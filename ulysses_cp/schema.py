@@ -89,7 +89,12 @@ def from_block(cls: type[T], block: dict | None, name: str) -> T:
     known = sorted(f.name for f in fields(cls))  # type: ignore[arg-type]
     unknown = sorted(set(block) - set(known))
     if unknown:
-        raise ValueError(f'unknown keys in the "{name}" block: {unknown}; valid keys: {known}')
+        close = [(_closest(k, known), k) for k in unknown]
+        means = ", ".join(f"{' or '.join(map(repr, c))} for {k!r}" for c, k in close if c)
+        hint = f" (did you mean {means}?)" if means else ""
+        raise ValueError(
+            f'unknown keys in the "{name}" block: {unknown}{hint}; valid keys: {known}'
+        )
     hints = typing.get_type_hints(cls)
     for key, value in block.items():
         if not _fits(value, hints[key]):
@@ -168,6 +173,11 @@ def _deepspeed_constants() -> frozenset[str]:
     return frozenset(keys)
 
 
+def _closest(key: object, known) -> list[str]:
+    """The (at most two) known keys closest to a misspelt one."""
+    return difflib.get_close_matches(str(key), sorted(known), n=2, cutoff=0.6)
+
+
 def check_top_level_keys(config: dict, ours: tuple[str, ...], source: str) -> None:
     """DeepSpeed ignores top-level keys it does not know, so a misspelled block (say
     ``"sequence_paralel"``) would silently train without it: refuse unknown keys, with the
@@ -177,9 +187,10 @@ def check_top_level_keys(config: dict, ours: tuple[str, ...], source: str) -> No
     if unknown:
         hints = []
         for key in unknown:
-            close = difflib.get_close_matches(str(key), sorted(known), n=2, cutoff=0.6)
-            hints.append(f"{key!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)"
-                                       if close else ""))  # fmt: skip
+            close = _closest(key, known)
+            hints.append(
+                f"{key!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else "")
+            )
         raise ValueError(
             f"unknown top-level key(s) in {source}: {', '.join(hints)}. DeepSpeed would ignore "
             f"them silently; fix the spelling, or start a key with '_' to keep it as a comment"

@@ -1,0 +1,78 @@
+"""The TRL examples (examples/dpo_long.py, examples/grpo_long.py) as the README starts
+them: under ``accelerate launch`` and under the ``deepspeed`` launcher (2 CPU ranks,
+Ulysses 2, ZeRO-2), against the same example in one process without DeepSpeed, all three
+side by side; SGD with a constant learning rate, so a wrong gradient scale changes the
+losses of steps 2 and 3. GRPO's completions are sampled by the model, so its equal losses
+also say that the sequence-parallel runs drew the one-process completions. Bad input stops
+each example with a message naming the line and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+from tests.test_examples_hf import (
+    assert_bad_data_refused,
+    assert_same_losses,
+    three_ways,
+    tiny_assets,
+)
+from tests.test_examples_hf import example_args as sft_example_args
+
+pytestmark = pytest.mark.launcher
+pytest.importorskip("trl")
+pytest.importorskip("accelerate")
+
+# each example: its file, the README's settings (a short run that shows a wrong gradient
+# scale), the line it prints first, and a data line it refuses with its message
+EXAMPLES = {
+    "dpo": (
+        "dpo_long.py",
+        ("--max_length", "48", "--max_steps", "3", "--batch_size", "2", "--beta", "0.5",
+         "--optim", "sgd", "--learning_rate", "1.0", "--max_grad_norm", "0"),
+        "DPO on 32 pairs",
+        ('{"prompt": "w7", "chosen": "w8"}', 'line 2: every line is {"prompt"'),
+    ),
+    "grpo": (
+        "grpo_long.py",
+        ("--max_steps", "3", "--beta", "0.1", "--optim", "sgd", "--learning_rate", "0.5",
+         "--max_grad_norm", "0"),
+        "GRPO on 32 prompts",
+        ('{"chosen": "w8"}', 'line 2: every line is {"prompt"'),
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    """The tiny Qwen3, tokenizer and preference pairs (their prompts: GRPO's) of the README."""
+    return tiny_assets(tmp_path_factory.mktemp("trl_example_assets"))
+
+
+def example(name: str, assets: Path):
+    """The example's path and its arguments for an output folder."""
+    file, settings, _, _ = EXAMPLES[name]
+    path = ROOT / "examples" / file
+    return path, lambda out: sft_example_args(assets, out, data="pairs.jsonl", settings=settings)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_under_both_launchers_equals_one_process(assets, tmp_path, name):
+    path, args_of = example(name, assets)
+    outs, texts = three_ways(path, args_of, tmp_path)
+    assert EXAMPLES[name][2] in texts[0]
+    assert_same_losses(outs)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize("case", ["missing", "bad line", "not json"])
+def test_example_bad_data_is_refused(assets, tmp_path, name, case):
+    line, message = {
+        "missing": (None, "no such file"),
+        "bad line": EXAMPLES[name][3],
+        "not json": ("{not json", "line 2: not JSON"),
+    }[case]
+    path, args_of = example(name, assets)
+    assert_bad_data_refused(path, args_of(tmp_path / "out"), line, message)
