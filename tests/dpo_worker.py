@@ -52,7 +52,7 @@ def main(spec_path: str) -> None:
     import transformers
     from trl import DPOConfig
 
-    from tests.hf_trainer_worker import training_arguments
+    from tests.hf_trainer_worker import lora_config, scale_gradients, training_arguments
 
     args = DPOConfig(
         **training_arguments({"lr": 1.0, **spec}),
@@ -74,12 +74,7 @@ def main(spec_path: str) -> None:
         ref_model = transformers.AutoModelForCausalLM.from_pretrained(
             spec["model"], dtype=torch.float32, attn_implementation="sdpa"
         )
-    peft_config = None
-    if spec.get("lora"):
-        import peft
-
-        peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-        transformers.set_seed(0)  # the adapter's initial weights: the same in every run
+    peft_config = lora_config(spec)
     long = spec.get("long", False)
     train = datasets.Dataset.from_list(preference_rows(spec["n_train"], 1, long))
     evals = datasets.Dataset.from_list(preference_rows(spec["n_eval"], 2, long))
@@ -105,9 +100,7 @@ def main(spec_path: str) -> None:
         model=model, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=evals,
         processing_class=tok, peft_config=peft_config,
     )  # fmt: skip
-    if spec.get("scale") and sp is not None:
-        run = trainer.sequence_parallel
-        run.topo = run.topo.with_options(grad_scale=run.topo.grad_scale * spec["scale"])
+    scale_gradients(trainer, spec)
     trainer.train()
     sp_run = getattr(trainer, "sequence_parallel", None)
     result = {"sp": sp_run is not None, "history": trainer.state.log_history}

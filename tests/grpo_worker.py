@@ -104,7 +104,7 @@ def train(spec: dict, settings: dict, rank: int) -> list[dict]:
     import transformers
     import trl
 
-    from tests.hf_trainer_worker import training_arguments
+    from tests.hf_trainer_worker import lora_config, scale_gradients, training_arguments
 
     out, sp = Path(spec["out"]), spec.get("sp")
     grpo = {"beta": 0.1, "num_generations": 4, "max_completion_length": 8, "temperature": 0.9,
@@ -116,12 +116,7 @@ def train(spec: dict, settings: dict, rank: int) -> list[dict]:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         spec["model"], dtype=torch.float32, attn_implementation="sdpa"
     )
-    peft_config = None
-    if spec.get("lora"):
-        import peft
-
-        peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-        transformers.set_seed(0)  # the adapter's initial weights: the same in every run
+    peft_config = lora_config(spec)
     train_rows = datasets.Dataset.from_list(prompt_rows(spec["n_train"], 1))
     evals = datasets.Dataset.from_list(prompt_rows(spec["n_eval"], 2))
     rollout_func = None
@@ -148,9 +143,7 @@ def train(spec: dict, settings: dict, rank: int) -> list[dict]:
         train_dataset=train_rows, eval_dataset=evals, processing_class=tok,
         peft_config=peft_config, **extra,
     )  # fmt: skip
-    if spec.get("scale") and sp is not None:
-        run = trainer.sequence_parallel
-        run.topo = run.topo.with_options(grad_scale=run.topo.grad_scale * spec["scale"])
+    scale_gradients(trainer, spec)
     seen: list[list[int]] = []
     score = trainer._generate_and_score_completions
 

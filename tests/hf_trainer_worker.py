@@ -90,6 +90,28 @@ def training_arguments(spec: dict) -> dict:
     )
 
 
+def lora_config(spec: dict):
+    """The peft LoRA config of a spec with ``lora`` (r 4 on q/v), else None; torch's
+    generator seeded first, so the adapter starts from the same weights in every run (also
+    the DPO and GRPO workers')."""
+    if not spec.get("lora"):
+        return None
+    import peft
+    import transformers
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    transformers.set_seed(0)
+    return config
+
+
+def scale_gradients(trainer, spec: dict) -> None:
+    """The seen-failing check of the DPO and GRPO workers: a sequence-parallel run's
+    gradient scale multiplied by the spec's ``scale``."""
+    run = getattr(trainer, "sequence_parallel", None)
+    if spec.get("scale") and run is not None:
+        run.topo = run.topo.with_options(grad_scale=run.topo.grad_scale * spec["scale"])
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
@@ -127,11 +149,10 @@ def main(spec_path: str) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         spec["model"], dtype=torch.float32, attn_implementation="sdpa"
     )
-    if spec.get("lora"):
+    lora = lora_config(spec)
+    if lora is not None:
         import peft
 
-        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-        transformers.set_seed(0)  # the adapter's initial weights: the same in every run
         model = peft.get_peft_model(model, lora)
     from ulysses_cp.integrations.hf_trainer import (
         SequenceParallelSFTTrainer,

@@ -88,7 +88,8 @@ class LogProbTrainerMixin(SequenceParallelMixin):
                         num_items_in_batch=num_items_in_batch)  # fmt: skip
         # DPO's count was gathered over every process: each replica P times
         added = 0 if before is None else self._total_train_tokens - before
-        if before is not None and added:
+        if added:
+            assert before is not None
             self._total_train_tokens = before + added // sp.topo.sp_world_size
             for mode in ("train", "eval"):
                 if "num_tokens" in self._metrics[mode]:

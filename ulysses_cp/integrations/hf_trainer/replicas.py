@@ -34,10 +34,13 @@ class ReplicaAccelerator:
     def __init__(self, accelerator: Any, run: SequenceParallelRun) -> None:
         self._accelerator = accelerator
         self._run = run
-        self._topo = run.topo
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._accelerator, name)
+
+    @property
+    def _topo(self) -> Topology:
+        return self._run.topo
 
     @property
     def process_index(self) -> int:
