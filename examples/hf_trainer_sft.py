@@ -107,8 +107,11 @@ def deepspeed_config(given: str | None) -> str | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    run_args(p, data='JSONL, {"messages": [...]} a line',
-             tokenizer="a local tokenizer with a chat template (model's)")  # fmt: skip
+    run_args(
+        p,
+        data='JSONL, {"messages": [...]} a line',
+        tokenizer="a local tokenizer with a chat template (model's)",
+    )
     p.add_argument("--max_length", type=int, default=256, help="tokens per packed row (256)")
     p.add_argument("--max_steps", type=int, default=10, help="optimizer steps (10)")
     p.add_argument("--batch_size", type=int, default=1, help="packed rows per batch (1)")
@@ -117,8 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_args(p: argparse.ArgumentParser, *, data: str,
-             tokenizer: str = "a local tokenizer (default: the model's)") -> None:  # fmt: skip
+def run_args(
+    p: argparse.ArgumentParser,
+    *,
+    data: str,
+    tokenizer: str = "a local tokenizer (default: the model's)",
+) -> None:
     """The model, data, DeepSpeed and output options (also the DPO and GRPO examples')."""
     p.add_argument("--model_path", required=True, help="a local causal LM folder")
     p.add_argument("--tokenizer_path", help=tokenizer)

@@ -54,10 +54,18 @@ def save_model(folder: Path, seed: int) -> None:
     import transformers
 
     cfg = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
 
@@ -87,8 +95,9 @@ def pairs(n: int, seed: int) -> list[dict]:
     def text(lo: int, hi: int) -> str:
         return " ".join(rng.choices(vocab, k=rng.randint(lo, hi)))
 
-    return [{"prompt": text(2, 10), "chosen": text(1, 16), "rejected": text(1, 16)}
-            for _ in range(n)]  # fmt: skip
+    return [
+        {"prompt": text(2, 10), "chosen": text(1, 16), "rejected": text(1, 16)} for _ in range(n)
+    ]
 
 
 def main() -> None:
@@ -105,8 +114,10 @@ def main() -> None:
     (args.folder / "chats.jsonl").write_text("\n".join(lines) + "\n")
     lines = (json.dumps(p) for p in pairs(args.pairs, args.seed))
     (args.folder / "pairs.jsonl").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.folder}/model, {args.folder}/tokenizer, {args.folder}/chats.jsonl, "
-          f"{args.folder}/pairs.jsonl")  # fmt: skip
+    print(
+        f"wrote {args.folder}/model, {args.folder}/tokenizer, {args.folder}/chats.jsonl, "
+        f"{args.folder}/pairs.jsonl"
+    )
 
 
 if __name__ == "__main__":

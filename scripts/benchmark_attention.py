@@ -373,9 +373,13 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--skip-max-len", action="store_true")
     p.add_argument(
-        "--heads", type=int, nargs=2, default=[HQ, HKV], metavar=("HQ", "HKV"),
+        "--heads",
+        type=int,
+        nargs=2,
+        default=[HQ, HKV],
+        metavar=("HQ", "HKV"),
         help="query and kv heads (head dim 64)",
-    )  # fmt: skip
+    )
     p.add_argument("--only", nargs="+", default=[], help="run only these rows (P > 1)")
     p.add_argument("--out", default="bench_results", help="folder for JSON and PNG")
     args = p.parse_args()

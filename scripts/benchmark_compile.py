@@ -50,8 +50,14 @@ def _step(model, topo, ids, device) -> float:
 
 
 def worker(rank, world, args, device):
-    cfg = ModelConfig(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=8,
-                      n_kv_heads=4, ffn_dim=2 * args.dim)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=256,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=2 * args.dim,
+    )
     rows = []
     for mode, (u, r) in MODES.items():
         topo = ucp.init_topology(u, r, layout="zigzag", backend=args.backend)
@@ -77,10 +83,20 @@ def worker(rank, world, args, device):
                 if rep >= args.warmup:
                     times[name].append(t)
         eager, compiled = (statistics.median(times[n]) for n in ("eager", "compiled"))
-        rows.append(dict(mode=mode, u=u, r=r, N=args.seq, eager_s=eager, compiled_s=compiled,
-                         ratio=compiled / eager, first_compiled_step_s=first_compiled,
-                         comm_bytes_eager=comm["eager"],
-                         comm_bytes_compiled=comm["compiled"]))  # fmt: skip
+        rows.append(
+            dict(
+                mode=mode,
+                u=u,
+                r=r,
+                N=args.seq,
+                eager_s=eager,
+                compiled_s=compiled,
+                ratio=compiled / eager,
+                first_compiled_step_s=first_compiled,
+                comm_bytes_eager=comm["eager"],
+                comm_bytes_compiled=comm["compiled"],
+            )
+        )
     return rows
 
 
@@ -100,15 +116,21 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = run_ranks(worker, 4, args)
-    print(f"reference decoder dim {args.dim}, {args.layers} layers, 8/4 heads, N = {args.seq}, "
-          f"P = 4, backend {args.backend}, float32; step = forward + loss + backward")  # fmt: skip
-    print(f"{'mode':<9}{'u x r':>6}{'eager ms':>10}{'compiled ms':>13}{'x eager':>9}"
-          f"{'first compiled step s':>23}{'comm bytes eager / compiled':>30}")  # fmt: skip
+    print(
+        f"reference decoder dim {args.dim}, {args.layers} layers, 8/4 heads, N = {args.seq}, "
+        f"P = 4, backend {args.backend}, float32; step = forward + loss + backward"
+    )
+    print(
+        f"{'mode':<9}{'u x r':>6}{'eager ms':>10}{'compiled ms':>13}{'x eager':>9}"
+        f"{'first compiled step s':>23}{'comm bytes eager / compiled':>30}"
+    )
     for r in rows:
-        print(f"{r['mode']:<9}{r['u']:>4}x{r['r']}{r['eager_s'] * 1e3:>10.1f}"
-              f"{r['compiled_s'] * 1e3:>13.1f}{r['ratio']:>9.2f}"
-              f"{r['first_compiled_step_s']:>23.1f}"
-              f"{r['comm_bytes_eager']:>15,} / {r['comm_bytes_compiled']:,}")  # fmt: skip
+        print(
+            f"{r['mode']:<9}{r['u']:>4}x{r['r']}{r['eager_s'] * 1e3:>10.1f}"
+            f"{r['compiled_s'] * 1e3:>13.1f}{r['ratio']:>9.2f}"
+            f"{r['first_compiled_step_s']:>23.1f}"
+            f"{r['comm_bytes_eager']:>15,} / {r['comm_bytes_compiled']:,}"
+        )
     (out / "benchmark_compile.json").write_text(json.dumps({"args": vars(args), "rows": rows}))
     print(f"json: {out / 'benchmark_compile.json'}")
 

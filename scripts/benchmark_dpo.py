@@ -70,8 +70,9 @@ def pair_rows(n: int, length: int, seed: int) -> list[dict]:
             f"t{int(i)}" for i in torch.randint(3, MODEL["vocab_size"], (k,), generator=g)
         )
 
-    return [{"prompt": text(prompt), "chosen": text(answer), "rejected": text(answer)}
-            for _ in range(n)]  # fmt: skip
+    return [
+        {"prompt": text(prompt), "chosen": text(answer), "rejected": text(answer)} for _ in range(n)
+    ]
 
 
 GENERATIONS = 8  # completions a prompt in the GRPO runs
@@ -98,8 +99,9 @@ def fixed_rollout(length: int):
         completions = []
         for i, ids in enumerate(prompt_ids):
             g = torch.Generator().manual_seed(trainer.state.global_step * 1009 + i)
-            completions.append(torch.randint(3, MODEL["vocab_size"], (length - len(ids),),
-                                             generator=g).tolist())  # fmt: skip
+            completions.append(
+                torch.randint(3, MODEL["vocab_size"], (length - len(ids),), generator=g).tolist()
+            )
         return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
 
     return rollout_func
@@ -149,17 +151,33 @@ def worker(spec: dict) -> None:
             "train_batch_size": "auto",
             "gradient_clipping": "auto",
             "zero_allow_untested_optimizer": True,
-            "sequence_parallel": {"ulysses_degree": P, "ring_degree": 1,
-                                  "attention_backend": "torch"},
-        }  # fmt: skip
+            "sequence_parallel": {
+                "ulysses_degree": P,
+                "ring_degree": 1,
+                "attention_backend": "torch",
+            },
+        }
     steps, grpo = 2, spec.get("objective") == "grpo"
     common = dict(
-        output_dir=spec["out"], per_device_train_batch_size=GENERATIONS if grpo else 1,
-        gradient_accumulation_steps=1, max_steps=steps, learning_rate=0.1, optim="sgd",
-        lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no",
-        report_to=[], seed=0, data_seed=0, use_cpu=True, bf16=False, deepspeed=ds,
-        disable_tqdm=True, beta=0.1,
-    )  # fmt: skip
+        output_dir=spec["out"],
+        per_device_train_batch_size=GENERATIONS if grpo else 1,
+        gradient_accumulation_steps=1,
+        max_steps=steps,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        use_cpu=True,
+        bf16=False,
+        deepspeed=ds,
+        disable_tqdm=True,
+        beta=0.1,
+    )
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(spec["tokenizer"])
     model = transformers.AutoModelForCausalLM.from_pretrained(
         spec["model"], dtype=torch.float32, attn_implementation="sdpa"
@@ -171,14 +189,18 @@ def worker(spec: dict) -> None:
         from ulysses_cp.integrations.hf_trainer import SequenceParallelGRPOTrainer
 
         parent = SequenceParallelGRPOTrainer if ours else GRPOTrainer
-        args = GRPOConfig(**common, num_generations=GENERATIONS,
-                          max_completion_length=spec["length"])  # fmt: skip
+        args = GRPOConfig(
+            **common, num_generations=GENERATIONS, max_completion_length=spec["length"]
+        )
         train = datasets.Dataset.from_list(prompt_rows(steps, spec["length"], 1))
         trainer = measured(parent)(
-            model=model, reward_funcs=[distinct_words],
-            args=args, train_dataset=train, processing_class=tok,
+            model=model,
+            reward_funcs=[distinct_words],
+            args=args,
+            train_dataset=train,
+            processing_class=tok,
             rollout_func=fixed_rollout(spec["length"]),
-        )  # fmt: skip
+        )
     else:
         from trl import DPOConfig, DPOTrainer
 
@@ -187,8 +209,9 @@ def worker(spec: dict) -> None:
         parent = SequenceParallelDPOTrainer if ours else DPOTrainer
         args = DPOConfig(**common, max_length=None)
         train = datasets.Dataset.from_list(pair_rows(steps, spec["length"], 1))
-        trainer = measured(parent)(model=model, args=args, train_dataset=train,
-                                   processing_class=tok)  # fmt: skip
+        trainer = measured(parent)(
+            model=model, args=args, train_dataset=train, processing_class=tok
+        )
     trainer.record = record
     trainer.train()
     record["loss"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -199,17 +222,27 @@ def worker(spec: dict) -> None:
 def peak(variant: str, length: int, args, tmp: Path) -> dict:
     """One run at ``length``: per-rank peaks (MiB) and the losses, or an error."""
     folder = tmp / f"{variant}_{length}_{time.monotonic_ns()}"
-    spec = {"variant": variant, "world": args.world if variant == "ours" else 1,
-            "length": length, "model": str(tmp / "model"), "tokenizer": str(tmp / "tokenizer"),
-            "out": str(folder), "port": free_port(), "objective": args.objective}  # fmt: skip
+    spec = {
+        "variant": variant,
+        "world": args.world if variant == "ours" else 1,
+        "length": length,
+        "model": str(tmp / "model"),
+        "tokenizer": str(tmp / "tokenizer"),
+        "out": str(folder),
+        "port": free_port(),
+        "objective": args.objective,
+    }
     t0 = time.perf_counter()
     run = launch(spec, tmp, args.timeout, str(Path(__file__).resolve()))
     if "error" in run:
         print(f"{variant:<9} {length:>7} tokens: did not run: {run['error']}", flush=True)
         return {"error": run["error"], "tail": run["tail"]}
     peaks = [r["peak_bytes"] / 2**20 for r in run["ranks"]]
-    print(f"{variant:<9} {length:>7} tokens: peak {max(peaks):8.2f} MiB per rank "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+    print(
+        f"{variant:<9} {length:>7} tokens: peak {max(peaks):8.2f} MiB per rank "
+        f"({time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
     return {"peak_mib_per_rank": peaks, "loss": run["ranks"][0]["loss"]}
 
 
@@ -276,8 +309,11 @@ def main() -> None:
         if not args.quick:
             result["longest"] = {v: longest(v, args, tmp) for v in VARIANTS}
     head = f"{'variant':<10}{'row tokens':>11}{'peak MiB/rank':>15}{'x ref':>7}{'loss diff':>11}"
-    what = ("GRPO, one prompt and 8 completions a step (8 rows)" if args.objective == "grpo"
-            else "DPO, one pair a step (two rows)")  # fmt: skip
+    what = (
+        "GRPO, one prompt and 8 completions a step (8 rows)"
+        if args.objective == "grpo"
+        else "DPO, one pair a step (two rows)"
+    )
     lines = [f"{what}, CPU, gloo; ours: Ulysses {args.world}, ZeRO-2", head]
     ref = at["reference"]
     for v in VARIANTS:

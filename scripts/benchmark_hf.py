@@ -58,10 +58,17 @@ from profiling import longest_fitting, peak_memory
 import ulysses_cp as ucp
 
 CONFIG = dict(
-    model_type="llama", vocab_size=32000, hidden_size=256, intermediate_size=1024,
-    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-    max_position_embeddings=1 << 18, tie_word_embeddings=False, attention_dropout=0.0,
-)  # fmt: skip
+    model_type="llama",
+    vocab_size=32000,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1 << 18,
+    tie_word_embeddings=False,
+    attention_dropout=0.0,
+)
 VARIANTS = ("alst", "alst_mem", "alst_fused", "ours", "ours_mem", "ours_tiled", "ours_plain_norms")
 MEMORY = ("alst_mem", "ours_mem")  # the variants whose longest length is searched
 
@@ -149,17 +156,25 @@ class Alst:
 
         def loss_fn(self, x, y):
             logits = self.lm_head(x).float()
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                   reduction="sum")  # fmt: skip
+            return F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
+            )
 
         if self.name == "alst_fused":
             return TiledFusedLogitsLoss.apply(
                 loss_fn, self.model, hidden, labels, None, shards, [lm_head.weight], "sum"
             )
         return sequence_tiled_compute(
-            loss_fn, hidden.shape[1], shards, {"x": hidden, "y": labels},
-            {"self": self.model}, "x", [lm_head.weight], 0, "sum",
-        )  # fmt: skip
+            loss_fn,
+            hidden.shape[1],
+            shards,
+            {"x": hidden, "y": labels},
+            {"self": self.model},
+            "x",
+            [lm_head.weight],
+            0,
+            "sum",
+        )
 
     def grads(self) -> dict:
         """Each parameter's gradient as ALST's ZeRO-3 reduction leaves it (sum / P)."""
@@ -179,9 +194,12 @@ class Ours:
         hf.register_attention(topo, backend="torch")
         model = hf.from_config(hf.load_config(dict(CONFIG)))
         model.load_state_dict(state)
-        mc = HFModelConfig(hf_config=dict(CONFIG), tiled_mlp=2 if mem else 0,
-                           activation_checkpointing=mem,
-                           lean_norms=name != "ours_plain_norms")  # fmt: skip
+        mc = HFModelConfig(
+            hf_config=dict(CONFIG),
+            tiled_mlp=2 if mem else 0,
+            activation_checkpointing=mem,
+            lean_norms=name != "ours_plain_norms",
+        )
         self.model = hf.wrap(model, topo, mc).to(device).train()
         self.model.probe()
         self.mem, self.fused = mem, name in ("ours_mem", "ours_plain_norms")
@@ -195,9 +213,14 @@ class Ours:
             if isinstance(m, TiledMLP):
                 m.chunks = n_mlp  # ALST's count at this length
         return self.model.loss(
-            local["input_ids"], local["position_ids"], local["shift_labels"], self.topo,
-            batch=local["batch"], tiled_loss=n_loss if self.mem else 0, fused_loss=self.fused,
-        )  # fmt: skip
+            local["input_ids"],
+            local["position_ids"],
+            local["shift_labels"],
+            self.topo,
+            batch=local["batch"],
+            tiled_loss=n_loss if self.mem else 0,
+            fused_loss=self.fused,
+        )
 
     def grads(self) -> dict:
         return _reduced(self.model.model, self.topo.sp_group, 1.0)
@@ -282,9 +305,12 @@ def worker(rank, world, args, device):
     ref_loss, ref_grads = reference(state, args.check_len, device)  # before ALST's patch
     topo = ucp.init_topology(world, 1, backend="torch")
     mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=seed_model, core_attn_implementation="sdpa",
-        sequence_parallel_size=world, micro_batch_size=1, seq_length_is_variable=True,
-    )  # fmt: skip
+        model_name_or_path=seed_model,
+        core_attn_implementation="sdpa",
+        sequence_parallel_size=world,
+        micro_batch_size=1,
+        seq_length_is_variable=True,
+    )
     del seed_model
     variants = {}
     for name in args.variants:
@@ -295,8 +321,11 @@ def worker(rank, world, args, device):
         rows[name].update(check(v, ref_loss, ref_grads, args.check_len, device))
         if rank == 0:
             r = rows[name]
-            print(f"{name:<11} loss err {r['loss_rel_err']:.1e} grad err {r['grad_rel_err']:.1e} "
-                  f"lm_head x {r['lm_head_ratio']:.3f}", flush=True)  # fmt: skip
+            print(
+                f"{name:<11} loss err {r['loss_rel_err']:.1e} grad err {r['grad_rel_err']:.1e} "
+                f"lm_head x {r['lm_head_ratio']:.3f}",
+                flush=True,
+            )
     N = args.time_len
     steps = {name: step_fn(v, N, device) for name, v in variants.items()}
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -332,9 +361,13 @@ def ratios(rows: list[dict]) -> None:
     """Each ours row against its ALST counterpart (the exact one for the memory rows;
     ``ours_plain_norms`` against ``ours_mem``, the lean norms' effect)."""
     by = {r["variant"]: r for r in rows}
-    peer = {"ours": "alst", "ours_mem": "alst_mem", "ours_tiled": "alst_mem",
-            "ours_plain_norms": "ours_mem",
-            "alst_fused": "alst_mem"}  # fmt: skip
+    peer = {
+        "ours": "alst",
+        "ours_mem": "alst_mem",
+        "ours_tiled": "alst_mem",
+        "ours_plain_norms": "ours_mem",
+        "alst_fused": "alst_mem",
+    }
     for r in rows:
         p = by.get(peer.get(r["variant"], ""))
         if p is None:
@@ -366,8 +399,10 @@ def main():
     rows = run_ranks(worker, args.world, args)
     ratios(rows)
     print(f"\nP = {args.world} (Ulysses), CPU; per-rank budget {args.budget_mb} MiB")
-    head = (f"{'variant':<11}{'loss err':>10}{'grad err':>10}{'lm_head x':>10}{'step s':>9}"
-            f"{'x peer':>8}{'peak MiB':>10}{'MiB/1K':>8}{'max N':>8}{'x peer':>8}")  # fmt: skip
+    head = (
+        f"{'variant':<11}{'loss err':>10}{'grad err':>10}{'lm_head x':>10}{'step s':>9}"
+        f"{'x peer':>8}{'peak MiB':>10}{'MiB/1K':>8}{'max N':>8}{'x peer':>8}"
+    )
     print(head)
     for r in rows:
         peak = r["peak_mib"]

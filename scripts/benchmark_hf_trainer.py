@@ -43,10 +43,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = dict(
-    vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-    attention_dropout=0.0, tie_word_embeddings=False,
-)  # fmt: skip
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+)
 BATCH, GA, N_EVAL = 2, 2, 4
 VARIANTS = ("reference", "ours", "alst")
 
@@ -123,8 +129,9 @@ def worker(spec: dict) -> None:
     if variant != "reference":
         zero = {"stage": spec["zero"], "reduce_bucket_size": "auto"}  # hidden^2, not 5e8
         if spec["zero"] == 3:
-            zero.update(stage3_prefetch_bucket_size="auto",
-                        stage3_param_persistence_threshold="auto")  # fmt: skip
+            zero.update(
+                stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto"
+            )
         ds = {
             "zero_optimization": zero,
             "train_micro_batch_size_per_gpu": "auto",
@@ -135,8 +142,11 @@ def worker(spec: dict) -> None:
         }
     extra: dict = {}
     if variant == "ours":
-        ds["sequence_parallel"] = {"ulysses_degree": P, "ring_degree": 1,
-                                   "attention_backend": "torch"}  # fmt: skip
+        ds["sequence_parallel"] = {
+            "ulysses_degree": P,
+            "ring_degree": 1,
+            "attention_backend": "torch",
+        }
     if variant == "alst":
         from accelerate.parallelism_config import ParallelismConfig
         from accelerate.utils import DeepSpeedSequenceParallelConfig
@@ -149,13 +159,29 @@ def worker(spec: dict) -> None:
         )
     steps = spec["steps"]
     args = transformers.TrainingArguments(
-        output_dir=spec["out"], per_device_train_batch_size=BATCH,
-        per_device_eval_batch_size=BATCH, gradient_accumulation_steps=GA, max_steps=steps,
-        learning_rate=spec["lr"], optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
-        logging_steps=1, eval_strategy="steps", eval_steps=steps, save_strategy="no",
-        report_to=[], seed=0, data_seed=0, use_cpu=True, bf16=False, deepspeed=ds,
-        dataloader_drop_last=False, disable_tqdm=True, **extra,
-    )  # fmt: skip
+        output_dir=spec["out"],
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH,
+        gradient_accumulation_steps=GA,
+        max_steps=steps,
+        learning_rate=spec["lr"],
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=steps,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        use_cpu=True,
+        bf16=False,
+        deepspeed=ds,
+        dataloader_drop_last=False,
+        disable_tqdm=True,
+        **extra,
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(
         spec["model"], dtype=torch.float32, attn_implementation="sdpa"
     )
@@ -166,11 +192,13 @@ def worker(spec: dict) -> None:
     else:
         parent = transformers.Trainer
     trainer = measured(parent)(
-        model=model, args=args,
+        model=model,
+        args=args,
         train_dataset=datasets.Dataset.from_list(rows(BATCH * GA * steps, spec["length"], 1)),
         eval_dataset=datasets.Dataset.from_list(rows(N_EVAL, spec["length"], 2)),
-        data_collator=transformers.default_data_collator, callbacks=[step_timer(record)],
-    )  # fmt: skip
+        data_collator=transformers.default_data_collator,
+        callbacks=[step_timer(record)],
+    )
     trainer.record = record
     trainer.train()
     history = trainer.state.log_history
@@ -202,8 +230,9 @@ def launch(spec: dict, tmp: Path, timeout: float, script: str | None = None) -> 
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", "PYTHONPATH": path}
     try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)  # fmt: skip
+        done = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        )
         code, text = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
         code, text = -1, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
@@ -225,8 +254,11 @@ def summarise(variant: str, runs: list[dict], ref: dict | None) -> dict:
     times = []
     for run in runs:  # per step: the slowest rank
         steps = run["ranks"][0]["step_s"]
-        times += [max(rank["step_s"][k] for rank in run["ranks"]) for k in steps
-                  if int(k) not in (1, run["ranks"][0]["memory_step"])]  # fmt: skip
+        times += [
+            max(rank["step_s"][k] for rank in run["ranks"])
+            for k in steps
+            if int(k) not in (1, run["ranks"][0]["memory_step"])
+        ]
     row = {
         "variant": variant,
         "loss": loss,
@@ -269,15 +301,23 @@ def run_all(args) -> list[dict]:
                     continue  # a run that failed once is not repeated
                 zero = int(v.split(" z")[1]) if " z" in v else 0
                 folder = tmp / f"{v.replace(' ', '_')}{rep}"
-                spec = {"variant": v, "world": args.world, "zero": zero,
-                        "length": args.length, "steps": args.steps, "lr": args.lr,
-                        "model": str(tmp / "model"), "out": str(folder),
-                        "port": _free_port()}  # fmt: skip
+                spec = {
+                    "variant": v,
+                    "world": args.world,
+                    "zero": zero,
+                    "length": args.length,
+                    "steps": args.steps,
+                    "lr": args.lr,
+                    "model": str(tmp / "model"),
+                    "out": str(folder),
+                    "port": _free_port(),
+                }
                 t0 = time.perf_counter()
                 runs[v].append(launch(spec, tmp, args.timeout))
                 status = runs[v][-1].get("error", "ok")
-                print(f"repeat {rep} {v:<9} {time.perf_counter() - t0:6.1f} s  {status}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"repeat {rep} {v:<9} {time.perf_counter() - t0:6.1f} s  {status}", flush=True
+                )
     out, ref = [], None
     for v in names:
         row = summarise(v, runs[v], ref)

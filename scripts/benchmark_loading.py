@@ -46,11 +46,17 @@ def _status(field: str) -> int:
 
 def llama_config(args) -> dict:
     return dict(
-        model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden,
-        intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=4096, attention_dropout=0.0, tie_word_embeddings=False,
-    )  # fmt: skip
+        model_type="llama",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
 
 
 def write_checkpoint(args) -> dict:
@@ -141,8 +147,9 @@ def _load(rank, world, job, device):
         model = loading.build_partitioned(run, topo, backend="torch")
     else:
         hf.register_attention(topo, backend="torch")
-        whole = hf.from_config(hf.load_config(mc.hf_config), dtype=hf.DTYPES[mc.dtype],
-                               hf_weights=mc.hf_weights)  # fmt: skip
+        whole = hf.from_config(
+            hf.load_config(mc.hf_config), dtype=hf.DTYPES[mc.dtype], hf_weights=mc.hf_weights
+        )
         model = hf.wrap(whole, topo, mc)
         mpu = engine.SequenceParallelMPU(topo)
         engine._partition_over_all_ranks(model, mpu, engine.deepspeed_part(run))
@@ -163,9 +170,9 @@ def _predicted(args, how: str, weights, ckpt: dict) -> int:
     shape = model_shape(run.model, dtype_bytes=2 if args.dtype == "bfloat16" else 4)
     shape = replace(shape, weights_file_bytes=ckpt["largest_shard_bytes"] if weights else 0)
     parted = how == "partitioned"
-    return host_bytes(
-        shape, zero_stage=3, world=args.world, tokens=0, partitioned_load=parted
-    )["load"]  # fmt: skip
+    return host_bytes(shape, zero_stage=3, world=args.world, tokens=0, partitioned_load=parted)[
+        "load"
+    ]
 
 
 def main() -> None:
@@ -200,11 +207,23 @@ def main() -> None:
     for source, how, weights in cases:
         gc.collect()
         per_rank = run_ranks(_load, args.world, (args, how, weights))
-        rows.append({"source": source, "load": how, "ranks": per_rank,
-                     "predicted_bytes": _predicted(args, how, weights, ckpt)})  # fmt: skip
+        rows.append(
+            {
+                "source": source,
+                "load": how,
+                "ranks": per_rank,
+                "predicted_bytes": _predicted(args, how, weights, ckpt),
+            }
+        )
     budget = ckpt["model_bytes"] / args.world + ckpt["largest_shard_bytes"]
-    result = {"checkpoint": ckpt, "world": args.world, "dtype": args.dtype, "rows": rows,
-              "budget_bytes": budget, "device": "cpu"}  # fmt: skip
+    result = {
+        "checkpoint": ckpt,
+        "world": args.world,
+        "dtype": args.dtype,
+        "rows": rows,
+        "budget_bytes": budget,
+        "device": "cpu",
+    }
     (out / "benchmark_loading.json").write_text(json.dumps(result, indent=1))
     print(table(result))
 

@@ -84,10 +84,15 @@ def step_fn(model, features: dict, topo, N: int, device):
     def step():
         # the models' own loss path (what train.py runs): tiled when tiled_loss > 1
         loss = lm_loss(
-            model, model.head, local["input_ids"], local["position_ids"],
-            local["shift_labels"], topo, batch=local["batch"],
+            model,
+            model.head,
+            local["input_ids"],
+            local["position_ids"],
+            local["shift_labels"],
+            topo,
+            batch=local["batch"],
             plan=LossPlan(features["tiled_loss"]),
-        )  # fmt: skip
+        )
         loss.backward()
         for p in model.parameters():
             p.grad = None

@@ -74,9 +74,14 @@ def mixer(name: str, topo):
 
     cls, extra, attr = MIXERS[name]
     cfg = getattr(transformers, cls)(
-        vocab_size=64, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=4, **extra,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        **extra,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     module = getattr(model.model.layers[0], attr)
@@ -135,15 +140,19 @@ def main() -> None:
     four = run_ranks(body, 4, args)
     rows = []
     print(f"one mixer layer, hidden {HIDDEN}, {args.seq} tokens, fwd+bwd (CPU, float32)")
-    print(f"{'mixer':30s} {'peak 1 rank MB':>15s} {'peak/rank P=4 MB':>17s} {'ratio':>6s} "
-          f"{'MB sent/rank':>12s} {'formula MB':>10s}")  # fmt: skip
+    print(
+        f"{'mixer':30s} {'peak 1 rank MB':>15s} {'peak/rank P=4 MB':>17s} {'ratio':>6s} "
+        f"{'MB sent/rank':>12s} {'formula MB':>10s}"
+    )
     for name in MIXERS:
         a, b = one[name], four[name]
         ratio = b["peak_bytes"] / a["peak_bytes"]
         rows.append(dict(mixer=name, seq=args.seq, one=a, four=b, peak_ratio=ratio))
-        print(f"{name:30s} {a['peak_bytes'] / 2**20:15.1f} {b['peak_bytes'] / 2**20:17.1f} "
-              f"{ratio:6.2f} {b['bytes_sent'] / 2**20:12.2f} "
-              f"{b['bytes_formula'] / 2**20:10.2f}")  # fmt: skip
+        print(
+            f"{name:30s} {a['peak_bytes'] / 2**20:15.1f} {b['peak_bytes'] / 2**20:17.1f} "
+            f"{ratio:6.2f} {b['bytes_sent'] / 2**20:12.2f} "
+            f"{b['bytes_formula'] / 2**20:10.2f}"
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=2))
     print(f"wrote {args.json}")

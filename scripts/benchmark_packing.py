@@ -100,11 +100,16 @@ def padding_table(args) -> list[dict]:
                 rows = packed_rows(N, m if packing == "document" else 1, args.rows, stream)
                 real = sum(n for _, n in rows)
                 out.append(
-                    {"N": N, "P": P, "packing": packing, "rows": len(rows),
-                     "padding_tokens": len(rows) * N - real,
-                     "padding_fraction": 1 - real / (len(rows) * N),
-                     "docs_per_row": sum(len(cu) - 1 for cu, _ in rows) / len(rows)}
-                )  # fmt: skip
+                    {
+                        "N": N,
+                        "P": P,
+                        "packing": packing,
+                        "rows": len(rows),
+                        "padding_tokens": len(rows) * N - real,
+                        "padding_fraction": 1 - real / (len(rows) * N),
+                        "docs_per_row": sum(len(cu) - 1 for cu, _ in rows) / len(rows),
+                    }
+                )
     return out
 
 
@@ -173,11 +178,19 @@ def padding_worker(topos, args, device) -> list[dict]:
                 tokens = sum(int(cu[-1]) for cu in cus[p])
                 work = sum(work_fraction(cu, int(cu[-1])) * int(cu[-1]) ** 2 for cu in cus[p])
                 out.append(
-                    {"mode": mode, "N": N, "packing": p, "rows": n, "row_tokens": tokens,
-                     "real_tokens": real, "padding_fraction": 1 - real / tokens,
-                     "time_per_row_s": t / n, "real_tokens_per_s": real / t,
-                     "causal_work": work}
-                )  # fmt: skip
+                    {
+                        "mode": mode,
+                        "N": N,
+                        "packing": p,
+                        "rows": n,
+                        "row_tokens": tokens,
+                        "real_tokens": real,
+                        "padding_fraction": 1 - real / tokens,
+                        "time_per_row_s": t / n,
+                        "real_tokens_per_s": real / t,
+                        "causal_work": work,
+                    }
+                )
     return out
 
 
@@ -250,18 +263,24 @@ def main():
             f"{r['mode']:<15}{r['N']:>7}  {r['case']:<11}{r['time_s'] * 1e3:>9.1f}"
             f"{r['ratio_to_unpacked']:>12.2f}{r['work_fraction']:>7.3f}"
         )
-    print(f"\npadding, {args.rows} rows, log-normal documents (median {args.doc_median:g}, "
-          f"sigma {args.doc_sigma:g}), zigzag")  # fmt: skip
+    print(
+        f"\npadding, {args.rows} rows, log-normal documents (median {args.doc_median:g}, "
+        f"sigma {args.doc_sigma:g}), zigzag"
+    )
     print(f"{'N':>7}{'P':>6}  {'packing':<10}{'padding':>10}{'fraction':>10}{'docs/row':>10}")
     for r in padding:
         print(
             f"{r['N']:>7}{r['P']:>6}  {r['packing']:<10}{r['padding_tokens']:>10}"
             f"{r['padding_fraction']:>10.4f}{r['docs_per_row']:>10.1f}"
         )
-    print(f"\nthe same documents timed at P = {WORLD} in both packings: {args.timed_rows} rows, "
-          f"medians of {args.repeats}")  # fmt: skip
-    print(f"{'mode':<15}{'N':>7}  {'packing':<10}{'tokens':>8}{'ms/row':>9}{'padding':>9}"
-          f"{'real tok/s':>12}{'x document':>12}")  # fmt: skip
+    print(
+        f"\nthe same documents timed at P = {WORLD} in both packings: {args.timed_rows} rows, "
+        f"medians of {args.repeats}"
+    )
+    print(
+        f"{'mode':<15}{'N':>7}  {'packing':<10}{'tokens':>8}{'ms/row':>9}{'padding':>9}"
+        f"{'real tok/s':>12}{'x document':>12}"
+    )
     base = {(r["mode"], r["N"]): r for r in timed if r["packing"] == "document"}
     for r in timed:
         r["tokens_per_s_to_document"] = (

@@ -36,8 +36,12 @@ from benchlib import barrier, gather_floats, run_ranks, sync
 import ulysses_cp as ucp
 
 HQ, HKV, D = 8, 4, 64
-MODES = {"ulysses": (4, 1, "zigzag"), "ring_zigzag": (1, 4, "zigzag"),
-         "ring_contiguous": (1, 4, "contiguous"), "hybrid_zigzag": (2, 2, "zigzag")}  # fmt: skip
+MODES = {
+    "ulysses": (4, 1, "zigzag"),
+    "ring_zigzag": (1, 4, "zigzag"),
+    "ring_contiguous": (1, 4, "contiguous"),
+    "hybrid_zigzag": (2, 2, "zigzag"),
+}
 
 
 def worker(rank, world, args, device):
@@ -75,8 +79,17 @@ def worker(rank, world, args, device):
             for name in windows:
                 scores, skipped = (sum(x) for x in zip(*gather_floats(work[(mode, name)], device)))
                 t = statistics.median(times[(mode, name)])
-                rows.append(dict(mode=mode, N=N, case=name, time_s=t, ratio_to_full=t / base,
-                                 scores=int(scores), skipped_blocks=int(skipped)))  # fmt: skip
+                rows.append(
+                    dict(
+                        mode=mode,
+                        N=N,
+                        case=name,
+                        time_s=t,
+                        ratio_to_full=t / base,
+                        scores=int(scores),
+                        skipped_blocks=int(skipped),
+                    )
+                )
     for mode in MODES:  # work relative to full causal attention, same mode
         full = {r["N"]: r["scores"] for r in rows if r["mode"] == mode and r["case"] == "full"}
         for r in rows:
@@ -100,12 +113,16 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     rows = run_ranks(worker, 4, args)
     print(f"backend {args.backend}, P = 4, causal, window = N/8 tokens to the left")
-    print(f"{'mode':<17}{'N':>6}  {'case':<11}{'ms':>9}{'x full':>8}{'scores':>13}"
-          f"{'x full':>8}{'skipped':>9}")  # fmt: skip
+    print(
+        f"{'mode':<17}{'N':>6}  {'case':<11}{'ms':>9}{'x full':>8}{'scores':>13}"
+        f"{'x full':>8}{'skipped':>9}"
+    )
     for r in rows:
-        print(f"{r['mode']:<17}{r['N']:>6}  {r['case']:<11}{r['time_s'] * 1e3:>9.1f}"
-              f"{r['ratio_to_full']:>8.2f}{r['scores']:>13,}{r['work_to_full']:>8.3f}"
-              f"{r['skipped_blocks']:>9}")  # fmt: skip
+        print(
+            f"{r['mode']:<17}{r['N']:>6}  {r['case']:<11}{r['time_s'] * 1e3:>9.1f}"
+            f"{r['ratio_to_full']:>8.2f}{r['scores']:>13,}{r['work_to_full']:>8.3f}"
+            f"{r['skipped_blocks']:>9}"
+        )
     (out / "benchmark_window.json").write_text(json.dumps({"args": vars(args), "rows": rows}))
     print(f"json: {out / 'benchmark_window.json'}")
 

@@ -206,9 +206,20 @@ def torch_native_rows(dry: bool) -> list[dict]:
     torch.distributed.run: 2 ranks sharing the GPU over gloo, bf16, Ulysses and ring."""
     rows = []
     for extra in ([], ["--mode", "ring", "--heads", "2"]):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(ROOT / "scripts" / "cp_example.py"),
-               "--seq", "256" if dry else "8192", "--dist-backend", "gloo", *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "scripts" / "cp_example.py"),
+            "--seq",
+            "256" if dry else "8192",
+            "--dist-backend",
+            "gloo",
+            *extra,
+        ]
         t = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
         lines = [x for x in proc.stdout.splitlines() if "max |error|" in x or " ranks on " in x]
@@ -302,18 +313,25 @@ def main() -> None:
         bad = [r for r in rows if r.get("ok") is False]
         failed += [(name, r) for r in bad]
         report["sections"][name] = rows
-        print(f"gpu_check: {name}: {len(rows)} rows, {len(bad)} failed, "
-              f"{time.perf_counter() - t:.0f} s", flush=True)  # fmt: skip
+        print(
+            f"gpu_check: {name}: {len(rows)} rows, {len(bad)} failed, "
+            f"{time.perf_counter() - t:.0f} s",
+            flush=True,
+        )
         (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     for row in report["sections"].get("timing", []):
-        print(f"timing: {row['backend']:10} N={row['N']:6} {row['median_s'] * 1e3:9.2f} ms "
-              f"{row['tflops']:7.1f} TFLOP/s ({row['fraction_of_peak']:.0%} of peak)")  # fmt: skip
+        print(
+            f"timing: {row['backend']:10} N={row['N']:6} {row['median_s'] * 1e3:9.2f} ms "
+            f"{row['tflops']:7.1f} TFLOP/s ({row['fraction_of_peak']:.0%} of peak)"
+        )
     for name, row in failed:
         print(f"FAILED {name}: {row}")
     report["ok"] = not failed
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    print(f"gpu_check: {'all passed' if not failed else f'{len(failed)} failed'}; "
-          f"{out / 'gpu_check.json'}")  # fmt: skip
+    print(
+        f"gpu_check: {'all passed' if not failed else f'{len(failed)} failed'}; "
+        f"{out / 'gpu_check.json'}"
+    )
     sys.exit(1 if failed else 0)
 
 

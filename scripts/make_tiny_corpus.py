@@ -63,9 +63,12 @@ def train_tokenizer(texts: list[str], folder: Path, vocab_size: int) -> None:
         single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
     )
     transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
         pad_token="<pad>",
-    ).save_pretrained(folder)  # fmt: skip
+    ).save_pretrained(folder)
 
 
 def main() -> None:

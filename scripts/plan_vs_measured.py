@@ -136,8 +136,15 @@ def _train_step(engine, topo, N: int) -> None:
     from ulysses_cp.config import DataConfig
     from ulysses_cp.training.data import KVRecall, global_batch
 
-    full = global_batch(KVRecall(DataConfig(seq_len=N)), step=0, micro_step=0, grad_accum=1,
-                        micro_batch=1, dp_rank=0, dp_degree=1)  # fmt: skip
+    full = global_batch(
+        KVRecall(DataConfig(seq_len=N)),
+        step=0,
+        micro_step=0,
+        grad_accum=1,
+        micro_batch=1,
+        dp_rank=0,
+        dp_degree=1,
+    )
     local = ucp.shard_batch(full, topo)
     loss = ucp.sequence_parallel_cross_entropy(
         engine(local["input_ids"], local["position_ids"], local["batch"]),
@@ -162,9 +169,15 @@ def measure_attention(rank, world, args, device) -> list[dict]:
                 step()  # warm: the first call's checks
                 prof = peak_memory(step, device) + own
                 live = peak_memory(step, device, scratch=False) + own
-                rows.append({"mode": mode, "variant": name, "N": N,
-                             "profiler": max_over_ranks(prof, device),
-                             "live": max_over_ranks(live, device)})  # fmt: skip
+                rows.append(
+                    {
+                        "mode": mode,
+                        "variant": name,
+                        "N": N,
+                        "profiler": max_over_ranks(prof, device),
+                        "live": max_over_ranks(live, device),
+                    }
+                )
         base.destroy()
     return rows
 
@@ -181,8 +194,19 @@ def predicted_step(u: int, r: int, kind: str, features: str, N: int) -> dict:
 
 def attention_shape() -> ModelShape:
     """benchmark_attention_memory.py's layer as the planner sees it (float32)."""
-    return ModelShape(family="reference", vocab=0, dim=HQ * D, layers=1, hq=HQ, hkv=HKV,
-                      head_dim=D, ffn=0, params=0, layer_params=0, dtype_bytes=4)  # fmt: skip
+    return ModelShape(
+        family="reference",
+        vocab=0,
+        dim=HQ * D,
+        layers=1,
+        hq=HQ,
+        hkv=HKV,
+        head_dim=D,
+        ffn=0,
+        params=0,
+        layer_params=0,
+        dtype_bytes=4,
+    )
 
 
 def predicted_attention(mode: str, variant: str, N: int) -> int:
@@ -192,22 +216,32 @@ def predicted_attention(mode: str, variant: str, N: int) -> int:
     shape = attention_shape()
     head = (N // r) * D * shape.dtype_bytes  # one head-sharded query head (b = 1)
     chunks = resolve_head_chunks(options.get("head_chunks", 0), HQ, HKV, u, r > 1, head)
-    return attention_layer_peak(shape, seq_len=N, batch=1, ulysses=u, ring=r,
-                                head_chunks=chunks,
-                                redo=options.get("redo_all_to_all", False))  # fmt: skip
+    return attention_layer_peak(
+        shape,
+        seq_len=N,
+        batch=1,
+        ulysses=u,
+        ring=r,
+        head_chunks=chunks,
+        redo=options.get("redo_all_to_all", False),
+    )
 
 
 def attention_table(seqs: list[int], out: Path) -> None:
     """Measure the layer on 4 ranks and print it next to the planner's peak."""
     rows = run_ranks(measure_attention, 4, {"seqs": seqs})
-    print(f"{'mode':<11} {'variant':<8} {'N':>6} {'planner MB':>11} {'profiler MB':>12} "
-          f"{'error':>7} {'live MB':>8} {'error':>7}")  # fmt: skip
+    print(
+        f"{'mode':<11} {'variant':<8} {'N':>6} {'planner MB':>11} {'profiler MB':>12} "
+        f"{'error':>7} {'live MB':>8} {'error':>7}"
+    )
     for row in rows:
         row["predicted"] = predicted_attention(row["mode"], row["variant"], row["N"])
         p, m, live = (row[k] / 2**20 for k in ("predicted", "profiler", "live"))
         err, err_live = (p - m) / m * 100, (p - live) / live * 100
-        print(f"{row['mode']:<11} {row['variant']:<8} {row['N']:>6} {p:>11.1f} {m:>12.1f} "
-              f"{err:>6.1f}% {live:>8.1f} {err_live:>6.1f}%")  # fmt: skip
+        print(
+            f"{row['mode']:<11} {row['variant']:<8} {row['N']:>6} {p:>11.1f} {m:>12.1f} "
+            f"{err:>6.1f}% {live:>8.1f} {err_live:>6.1f}%"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan_vs_measured_attention.json").write_text(json.dumps({"rows": rows}, indent=1))
     print(f"json: {out / 'plan_vs_measured_attention.json'}")
@@ -274,20 +308,40 @@ def compare(job: str, kw: dict, measured) -> list[dict]:
     if job == "step":
         pred = predicted_step(**kw)
         for key in ("activation", "attention_bytes"):
-            rows.append({"what": key, "case": case, "predicted": pred[key],
-                         "measured": measured[key]})  # fmt: skip
+            rows.append(
+                {"what": key, "case": case, "predicted": pred[key], "measured": measured[key]}
+            )
     elif job == "zero":
         pred = predicted_zero(**kw)
-        rows.append({"what": "static", "case": case, "predicted": pred["static"],
-                     "measured": measured["static"]})  # fmt: skip
+        rows.append(
+            {
+                "what": "static",
+                "case": case,
+                "predicted": pred["static"],
+                "measured": measured["static"],
+            }
+        )
         big = {op: n for op, n in measured["logged"].items() if n > 64}  # not the flag bytes
-        rows.append({"what": "zero_bytes", "case": case,
-                     "predicted": sum(pred["logged"].values()),
-                     "measured": sum(big.values()), "ops": big})  # fmt: skip
+        rows.append(
+            {
+                "what": "zero_bytes",
+                "case": case,
+                "predicted": sum(pred["logged"].values()),
+                "measured": sum(big.values()),
+                "ops": big,
+            }
+        )
     else:
         pred = predicted_longest(**kw)
-        rows.append({"what": "longest_seq", "case": case, "predicted": pred, "measured": measured,
-                     "step": 2 * kw["u"] * kw["r"] * 64})  # fmt: skip
+        rows.append(
+            {
+                "what": "longest_seq",
+                "case": case,
+                "predicted": pred,
+                "measured": measured,
+                "step": 2 * kw["u"] * kw["r"] * 64,
+            }
+        )
     for row in rows:
         m = row["measured"]
         row["error"] = (row["predicted"] - m) / m if m else 0.0
@@ -315,8 +369,10 @@ def main() -> None:
             rows += compare(job, kw, measured)
     print(f"{'what':<16}{'case':<58}{'predicted':>12}{'measured':>12}{'error':>8}")
     for r in rows:
-        print(f"{r['what']:<16}{r['case']:<58}{r['predicted']:>12}{int(r['measured']):>12}"
-              f"{r['error'] * 100:>7.1f}%")  # fmt: skip
+        print(
+            f"{r['what']:<16}{r['case']:<58}{r['predicted']:>12}{int(r['measured']):>12}"
+            f"{r['error'] * 100:>7.1f}%"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan_vs_measured.json").write_text(json.dumps({"rows": rows}, indent=1))

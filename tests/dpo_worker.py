@@ -97,9 +97,14 @@ def main(spec_path: str) -> None:
             SequenceParallelDPOTrainer as trainer_class,
         )
     trainer = trainer_class(
-        model=model, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=evals,
-        processing_class=tok, peft_config=peft_config,
-    )  # fmt: skip
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=evals,
+        processing_class=tok,
+        peft_config=peft_config,
+    )
     scale_gradients(trainer, spec)
     trainer.train()
     sp_run = getattr(trainer, "sequence_parallel", None)

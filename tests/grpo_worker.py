@@ -107,8 +107,13 @@ def train(spec: dict, settings: dict, rank: int) -> list[dict]:
     from tests.hf_trainer_worker import lora_config, scale_gradients, training_arguments
 
     out, sp = Path(spec["out"]), spec.get("sp")
-    grpo = {"beta": 0.1, "num_generations": 4, "max_completion_length": 8, "temperature": 0.9,
-            **settings}  # fmt: skip
+    grpo = {
+        "beta": 0.1,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "temperature": 0.9,
+        **settings,
+    }
     kind = spec.get("trainer", "grpo")  # "rloo": TRL's RLOOTrainer (the same arguments)
     config_class = trl.RLOOConfig if kind == "rloo" else trl.GRPOConfig
     args = config_class(**training_arguments({"lr": 1.0, **spec}), **grpo)
@@ -139,10 +144,15 @@ def train(spec: dict, settings: dict, rank: int) -> list[dict]:
             ours.broadcast_from_sp_root = lambda obj, topo: obj
     extra = {} if rollout_func is None else {"rollout_func": rollout_func}  # RLOO has none
     trainer = trainer_class(
-        model=model, reward_funcs=[reward_small_words, reward_length], args=args,
-        train_dataset=train_rows, eval_dataset=evals, processing_class=tok,
-        peft_config=peft_config, **extra,
-    )  # fmt: skip
+        model=model,
+        reward_funcs=[reward_small_words, reward_length],
+        args=args,
+        train_dataset=train_rows,
+        eval_dataset=evals,
+        processing_class=tok,
+        peft_config=peft_config,
+        **extra,
+    )
     scale_gradients(trainer, spec)
     seen: list[list[int]] = []
     score = trainer._generate_and_score_completions

@@ -60,9 +60,18 @@ def sinks_for(hq: int) -> torch.Tensor:
 
 
 def reference(
-    q, k, v, dout, causal=True, *, softmax_scale=None, softcap=0.0, sinks=None, bounds=None,
+    q,
+    k,
+    v,
+    dout,
+    causal=True,
+    *,
+    softmax_scale=None,
+    softcap=0.0,
+    sinks=None,
+    bounds=None,
     window=(-1, -1),
-):  # fmt: skip
+):
     """Full attention ``(b, s, h, d)`` in float64, written here independently of
     ulysses_cp's kernels: an explicit (causal, windowed, block-diagonal for packed
     ``bounds``) mask, ``softcap * tanh(s / softcap)`` on the scores, the sinks as one more
@@ -165,8 +174,9 @@ def check_case(results, *, seed, hq, hkv, bounds=None, sinks=False, tol=TOL64, *
 MATH = ("causal", "softmax_scale", "softcap", "window")  # attention keywords the reference takes
 
 
-def attend_and_check(pools, u, r, layout="zigzag", *, seed, hq, hkv, bounds=None, sinks=False,
-                     options=None, **kw):  # fmt: skip
+def attend_and_check(
+    pools, u, r, layout="zigzag", *, seed, hq, hkv, bounds=None, sinks=False, options=None, **kw
+):
     """:func:`attend_case` on ``u * r`` pool ranks, every result checked (:func:`check_case`)
     with the math keywords of ``kw``; the results, for more checks."""
     case = dict(seed=seed, hq=hq, hkv=hkv, bounds=bounds, sinks=sinks)
@@ -222,9 +232,15 @@ LAUNCH = dict(
 
 
 def run_config(
-    u: int = 2, r: int = 1, stage: int = 2, *, micro_batch: int = 1, backend: str = "torch",
-    sp: dict | None = None, **blocks,
-) -> dict:  # fmt: skip
+    u: int = 2,
+    r: int = 1,
+    stage: int = 2,
+    *,
+    micro_batch: int = 1,
+    backend: str = "torch",
+    sp: dict | None = None,
+    **blocks,
+) -> dict:
     """The one run-config builder: DeepSpeed's batch and ZeRO keys and our
     ``sequence_parallel`` block (degrees, backend, and ``sp``), then ``blocks`` (a dict
     updates the block of its name, None drops it, anything else sets the key). The
@@ -238,9 +254,12 @@ def run_config(
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage},
         "sequence_parallel": {
-            "ulysses_degree": u, "ring_degree": r, "attention_backend": backend, **(sp or {}),
+            "ulysses_degree": u,
+            "ring_degree": r,
+            "attention_backend": backend,
+            **(sp or {}),
         },
-    }  # fmt: skip
+    }
     for key, value in copy.deepcopy(blocks).items():
         if value is None:
             cfg.pop(key, None)
@@ -261,9 +280,13 @@ def write_config(folder: Path, cfg: dict, name: str = "cfg") -> Path:
 
 
 def deepspeed_cmd(
-    cfg_path: Path, out: Path, *extra: str, num_gpus: int = 2, script: Path = TRAIN,
+    cfg_path: Path,
+    out: Path,
+    *extra: str,
+    num_gpus: int = 2,
+    script: Path = TRAIN,
     launcher: tuple[str, ...] = (),
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """``train.py`` (or ``script``) under DeepSpeed's launcher; ``launcher``: its options
     (a hostfile, a node rank...) instead of ``--num_gpus`` and a free port."""
     opts = launcher or ("--num_gpus", str(num_gpus), "--master_port", str(free_port()))
@@ -321,8 +344,15 @@ def run(cmd: list[str], *, env: dict | None = None, timeout: float = 600, ok: bo
     return out
 
 
-def launch(cfg_path: Path, out: Path, *extra: str, num_gpus: int = 2, script: Path = TRAIN,
-           env: dict | None = None, ok: bool = True) -> str:  # fmt: skip
+def launch(
+    cfg_path: Path,
+    out: Path,
+    *extra: str,
+    num_gpus: int = 2,
+    script: Path = TRAIN,
+    env: dict | None = None,
+    ok: bool = True,
+) -> str:
     """``train.py`` under the deepspeed launcher to its end; its output."""
     cmd = deepspeed_cmd(cfg_path, out, *extra, num_gpus=num_gpus, script=script)
     return run(cmd, env=env, ok=ok)
@@ -405,9 +435,13 @@ def _sp_loss_and_grads(sp, ref, topo, batch: dict, ref_loss: torch.Tensor, **los
 
     local = ucp.shard_batch(batch, topo)
     loss = hf.HFCausalLM(sp).loss(
-        local["input_ids"], local["position_ids"], local["shift_labels"], topo,
-        batch=local["batch"], **loss_kwargs,
-    )  # fmt: skip
+        local["input_ids"],
+        local["position_ids"],
+        local["shift_labels"],
+        topo,
+        batch=local["batch"],
+        **loss_kwargs,
+    )
     loss.backward()
     grads = {}
     for (name, p), q in zip(sp.named_parameters(), ref.parameters()):

@@ -162,14 +162,20 @@ def main(spec_path: str) -> None:
     if spec["trainer"] == "sft":
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(spec["tokenizer"])
         trainer = SequenceParallelSFTTrainer(
-            model=model, args=args, train_dataset=train, eval_dataset=evals,
+            model=model,
+            args=args,
+            train_dataset=train,
+            eval_dataset=evals,
             processing_class=tok,
-        )  # fmt: skip
+        )
     else:
         trainer = SequenceParallelTrainer(
-            model=model, args=args, train_dataset=train, eval_dataset=evals,
+            model=model,
+            args=args,
+            train_dataset=train,
+            eval_dataset=evals,
             data_collator=transformers.default_data_collator,
-        )  # fmt: skip
+        )
     trainer.train(resume_from_checkpoint=spec.get("resume"))  # a checkpoint folder or None
     history = trainer.state.log_history
     result = {
@@ -186,8 +192,10 @@ def main(spec_path: str) -> None:
         result["wandb_run_id"] = wandb.run.id if wandb.run is not None else None
     if spec.get("predict"):  # after the evaluation above: transformers' second loop
         pred = trainer.predict(evals)
-        result["predict"] = {"shape": list(pred.predictions.shape),
-                             "logits": pred.predictions.tolist()}  # fmt: skip
+        result["predict"] = {
+            "shape": list(pred.predictions.shape),
+            "logits": pred.predictions.tolist(),
+        }
     if spec.get("save"):
         trainer.save_model(spec["save"])
     rank = int(os.environ.get("RANK", "0"))

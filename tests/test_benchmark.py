@@ -16,8 +16,10 @@ pytestmark = pytest.mark.launcher
 def test_benchmark_window_quick(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_window.py"), "--quick"]
     run([*cmd, "--out", str(tmp_path)], timeout=300)
-    rows = {(r["mode"], r["case"]): r for r in json.loads(
-        (tmp_path / "benchmark_window.json").read_text())["rows"]}  # fmt: skip
+    rows = {
+        (r["mode"], r["case"]): r
+        for r in json.loads((tmp_path / "benchmark_window.json").read_text())["rows"]
+    }
     N = 1024
     for mode in ("ulysses", "ring_zigzag", "ring_contiguous", "hybrid_zigzag"):
         full, win = rows[(mode, "full")], rows[(mode, "window N/8")]
@@ -52,8 +54,10 @@ def test_benchmark_attention_memory_small(tmp_path):
     field, the per-rank peaks below one rank's, redo moves 1.5x the
     Ulysses all-to-all bytes and the head chunks none more."""
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_attention_memory.py")]
-    run([*cmd, "--seq", "1024", "--budget-mb", "8", "--repeats", "1", "--out", str(tmp_path)],
-        timeout=900)  # fmt: skip
+    run(
+        [*cmd, "--seq", "1024", "--budget-mb", "8", "--repeats", "1", "--out", str(tmp_path)],
+        timeout=900,
+    )
     rows = json.loads((tmp_path / "benchmark_attention_memory.json").read_text())["rows"]
     got = {(r["mode"], r["variant"]): r for r in rows}
     assert set(got) == {("one rank", "-")} | {
@@ -125,8 +129,9 @@ def test_benchmark_packing_quick(tmp_path):
     assert all(pad[(P, "row")] == 0 for P in (4, 16, 64))
     assert 0 < pad[(4, "document")] < pad[(16, "document")] < pad[(64, "document")]
     timed = {(r["mode"], r["packing"]) for r in data["timed"]}
-    assert timed == {(m, p) for m in ("ulysses", "ring_zigzag", "hybrid_zigzag")
-                     for p in ("document", "row")}  # fmt: skip
+    assert timed == {
+        (m, p) for m in ("ulysses", "ring_zigzag", "hybrid_zigzag") for p in ("document", "row")
+    }
     assert all(r["real_tokens_per_s"] > 0 for r in data["timed"])
 
 
@@ -156,7 +161,9 @@ def test_benchmark_loading_quick(tmp_path):
     got = json.loads((tmp_path / "benchmark_loading.json").read_text())
     model = got["checkpoint"]["parameters"] * 2  # bf16
     assert [(r["source"], r["load"]) for r in got["rows"]] == [
-        ("hf_weights", "whole"), ("hf_weights", "partitioned")]  # fmt: skip
+        ("hf_weights", "whole"),
+        ("hf_weights", "partitioned"),
+    ]
     for row in got["rows"]:
         parts = [r["partition"] for r in row["ranks"]]
         assert model <= sum(parts) <= model + 2 * 2**10, (parts, model)  # ZeRO's padding
@@ -173,8 +180,10 @@ def test_benchmark_hf_trainer_quick(tmp_path):
     minutes here (three launches)."""
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_hf_trainer.py"), "--quick"]
     out = run([*cmd, "--out", str(tmp_path)], timeout=900)
-    rows = {r["variant"]: r for r in json.loads(
-        (tmp_path / "benchmark_hf_trainer.json").read_text())["rows"]}  # fmt: skip
+    rows = {
+        r["variant"]: r
+        for r in json.loads((tmp_path / "benchmark_hf_trainer.json").read_text())["rows"]
+    }
     assert set(rows) == {"reference", "ours z2", "alst z2"}, out[-3000:]
     ref, ours, alst = rows["reference"], rows["ours z2"], rows["alst z2"]
     assert "error" not in ref and "error" not in ours, out[-3000:]

@@ -70,8 +70,13 @@ def _engine(stage, opt, precision="fp32", fused=False, **split):
 def _batch(step, topo):
     full = global_batch(
         KVRecall(DataConfig(seq_len=64, n_queries=8)),
-        step=step, micro_step=0, grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1,
-    )  # fmt: skip
+        step=step,
+        micro_step=0,
+        grad_accum=1,
+        micro_batch=1,
+        dp_rank=0,
+        dp_degree=1,
+    )
     return ucp.shard_batch(full, topo)
 
 
@@ -202,18 +207,30 @@ def test_fp16_resume_keeps_masters_and_the_loss_scaler(pools, tmp_path, stage, f
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize(
     "precision,stage_a,stage_b",
-    [("fp32", 0, 3), ("fp32", 3, 0), ("bf16", 0, 3), ("bf16", 3, 0), ("bf16", 0, 0),
-     ("bf16", 3, 3)],
+    [
+        ("fp32", 0, 3),
+        ("fp32", 3, 0),
+        ("bf16", 0, 3),
+        ("bf16", 3, 0),
+        ("bf16", 0, 0),
+        ("bf16", 3, 3),
+    ],
     ids=["fp32-0to3", "fp32-3to0", "bf16-0to3", "bf16-3to0", "bf16-ds0", "bf16-ds3"],
-)  # fmt: skip
+)
 def test_resume_under_another_split_and_layout(pools, tmp_path, opt, precision, stage_a, stage_b):
     """Saved under Ulysses 2 / zigzag, resumed under ring 2 / contiguous: the layout never
     enters a checkpoint, so step 3 equals the uninterrupted run's step 3 taken under ring 2
     / contiguous. Across ZeRO stages (the portable format) and on the same stage
     (DeepSpeed's own)."""
     for loss, resumed, err, _ in pools(2).run(
-        _resume, opt, stage_a, stage_b, str(tmp_path), precision,
-        degrees=(1, 2), layout="contiguous",
-    ):  # fmt: skip
+        _resume,
+        opt,
+        stage_a,
+        stage_b,
+        str(tmp_path),
+        precision,
+        degrees=(1, 2),
+        layout="contiguous",
+    ):
         assert abs(resumed - loss) <= 1e-6 * abs(loss), (opt, precision, loss, resumed)
         assert err < 1e-6, f"{opt} {precision}: parameters differ by {err}"

@@ -59,9 +59,13 @@ def train_tokenizer(folder: Path, docs: list[str]) -> Path:
         single="<bos> $A", special_tokens=[("<bos>", 1)]
     )
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
-        pad_token="<pad>", chat_template=CHAT,
-    )  # fmt: skip
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        chat_template=CHAT,
+    )
     fast.save_pretrained(folder)
     return folder
 
@@ -161,8 +165,10 @@ def test_the_cache_is_reused_and_rebuilt_only_when_an_input_changes(data, tmp_pa
 
 
 def test_chat_messages_go_through_the_chat_template(data, tmp_path):
-    talks = [[{"role": "user", "content": d[:40]}, {"role": "assistant", "content": d[-30:]}]
-             for d in data["docs"][:6]]  # fmt: skip
+    talks = [
+        [{"role": "user", "content": d[:40]}, {"role": "assistant", "content": d[-30:]}]
+        for d in data["docs"][:6]
+    ]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in talks])
     tok = load_tokenizer(str(data["tok"]))
     c = load_corpus([str(path)], tok, text_field="messages", cache_dir=str(tmp_path / "c"))
@@ -178,8 +184,13 @@ def test_chat_messages_go_through_the_chat_template(data, tmp_path):
 def test_progress_is_shown_only_where_asked(data, tmp_path, capsys):
     tok = load_tokenizer(str(data["tok"]))
     for i, progress in enumerate([False, True]):
-        load_corpus([str(data["jsonl"])], tok, text_field="text", progress=progress,
-                    cache_dir=str(tmp_path / f"c{i}"))  # fmt: skip
+        load_corpus(
+            [str(data["jsonl"])],
+            tok,
+            text_field="text",
+            progress=progress,
+            cache_dir=str(tmp_path / f"c{i}"),
+        )
         assert ("tokenizing" in capsys.readouterr().err) is progress
 
 
@@ -290,15 +301,28 @@ def test_the_packed_loss_equals_the_one_document_per_row_loss(data, tmp_path):
 
 def _eval_under_sp(rank, files, tok, cache, u, r, packing, batches, micro):
     topo = topology(u, r)
-    dc = DataConfig(task="dataset", files=files, tokenizer=tok, cache_dir=cache, seq_len=64,
-                    packing=packing, pack_multiple=8, tokenize_workers=1)  # fmt: skip
+    dc = DataConfig(
+        task="dataset",
+        files=files,
+        tokenizer=tok,
+        cache_dir=cache,
+        seq_len=64,
+        packing=packing,
+        pack_multiple=8,
+        tokenize_workers=1,
+    )
     train, held = make_token_datasets(dc, EvalConfig(fraction=0.25, interval=1))
     assert held is not None and held.lo == train.hi  # the held-out documents follow
     model, ref = _models(topo, HF_TINY["vocab_size"])
 
     def loss_fn(local):
-        return model.loss(local["input_ids"], local["position_ids"], local["shift_labels"],
-                          topo, batch=local.get("batch"))  # fmt: skip
+        return model.loss(
+            local["input_ids"],
+            local["position_ids"],
+            local["shift_labels"],
+            topo,
+            batch=local.get("batch"),
+        )
 
     got = evaluate(held, loss_fn, topo, batches=batches, micro_batch=micro)
     # single process: samples 0 .. batches * micro * dp - 1, one row at a time
@@ -341,8 +365,11 @@ def test_bad_input_is_refused_naming_the_value_and_the_fix(data, tmp_path, monke
         with pytest.raises(ValueError, match=match):
             make_token_datasets(dc or dataset_config(data, tmp_path, **kw), ev or EvalConfig())
 
-    fails(r"records have no field 'body' \(fields: \['id', 'text'\]\); set data.text_field",
-          seq_len=32, text_field="body")  # fmt: skip
+    fails(
+        r"records have no field 'body' \(fields: \['id', 'text'\]\); set data.text_field",
+        seq_len=32,
+        text_field="body",
+    )
     fails(
         r"data.tokenizer: .*nowhere not found",
         DataConfig(task="dataset", files=[str(data["jsonl"])], tokenizer=str(tmp_path / "nowhere")),
@@ -358,11 +385,13 @@ def test_bad_input_is_refused_naming_the_value_and_the_fix(data, tmp_path, monke
         r"unsupported suffix '.csv'",
         DataConfig(task="dataset", files=[str(tmp_path / "a.csv")], tokenizer=str(data["tok"])),
     )
-    fails(r"eval.files: not found", ev=EvalConfig(files=["/no/such.jsonl"], interval=2),
-          seq_len=32)  # fmt: skip
+    fails(r"eval.files: not found", ev=EvalConfig(files=["/no/such.jsonl"], interval=2), seq_len=32)
     fails(r"fewer than data.seq_len \+ 1 = 100001", seq_len=100_000)
-    fails(r"eval.fraction 0.999 of data.files' 80 documents leaves none",
-          ev=EvalConfig(fraction=0.999, interval=1), seq_len=32)  # fmt: skip
+    fails(
+        r"eval.fraction 0.999 of data.files' 80 documents leaves none",
+        ev=EvalConfig(fraction=0.999, interval=1),
+        seq_len=32,
+    )
     with pytest.raises(ValueError, match=r"no EOS token is configured; set data.eos_token .*<eos>"):
         load_tokenizer(str(data["tok"] / "tokenizer.json"))
     with pytest.raises(ValueError, match=r"no token '</s>'"):
@@ -376,9 +405,16 @@ def test_bad_input_is_refused_naming_the_value_and_the_fix(data, tmp_path, monke
     with pytest.raises(ValueError, match=r'needs data.task\s+"dataset", got \'kv_recall\''):
         RunConfig.load({"eval": {"fraction": 0.1, "interval": 5}})
     messages = write_jsonl(tmp_path / "m.jsonl", [{"text": [{"role": "user", "content": "hi"}]}])
-    fails(r"holds chat messages, but the tokenizer .* has no chat template", DataConfig(
-        task="dataset", files=[str(messages)], tokenizer=str(data["tok"] / "tokenizer.json"),
-        eos_token="<eos>", cache_dir=str(tmp_path / "c")))  # fmt: skip
+    fails(
+        r"holds chat messages, but the tokenizer .* has no chat template",
+        DataConfig(
+            task="dataset",
+            files=[str(messages)],
+            tokenizer=str(data["tok"] / "tokenizer.json"),
+            eos_token="<eos>",
+            cache_dir=str(tmp_path / "c"),
+        ),
+    )
     assert (
         data_vocab_size(dataset_config(data, tmp_path))[0]
         == load_tokenizer(str(data["tok"])).vocab_size

@@ -24,12 +24,31 @@ RTOL = 1e-5
 U2 = {"ulysses_degree": 2, "ring_degree": 1}
 U2R2 = {"ulysses_degree": 2, "ring_degree": 2}
 # what this package adds to a training log line, and timings: not compared
-OURS = {"tokens_per_s", "tokens_per_s_per_gpu", "peak_mem_mb", "attention_comm_bytes_per_step",
-        "comm_bytes_per_step"}  # fmt: skip
+OURS = {
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+    "peak_mem_mb",
+    "attention_comm_bytes_per_step",
+    "comm_bytes_per_step",
+}
 # every loss TRL 1.16's DPOTrainer ships
-LOSS_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
-              "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
-              "sigmoid_norm"]  # fmt: skip
+LOSS_TYPES = [
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +58,17 @@ def assets(tmp_path_factory) -> dict[str, str]:
 
 
 def spec(assets: dict, out: Path, **extra) -> dict:
-    base = {"model": assets["llama"], "tokenizer": assets["tokenizer"], "batch": 2, "ga": 2,
-            "steps": 3, "eval_steps": 3, "lr": 1.0, "n_train": 16, "n_eval": 4}  # fmt: skip
+    base = {
+        "model": assets["llama"],
+        "tokenizer": assets["tokenizer"],
+        "batch": 2,
+        "ga": 2,
+        "steps": 3,
+        "eval_steps": 3,
+        "lr": 1.0,
+        "n_train": 16,
+        "n_eval": 4,
+    }
     return {**base, "out": str(out), **extra}
 
 

@@ -305,8 +305,7 @@ def test_the_skip_path_keeps_the_tiled_loss():
     model.head.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[:-1].numel()))
     topo = ucp.init_topology()
     ids = torch.randint(256, (2, 64))
-    local = {"input_ids": ids, "position_ids": torch.arange(64).expand(2, -1),
-             "shift_labels": ids}  # fmt: skip
+    local = {"input_ids": ids, "position_ids": torch.arange(64).expand(2, -1), "shift_labels": ids}
     tc = TrainingConfig(save_on_signal=False)
     trainer = Trainer(Engine(), topo, None, tc=tc, out=None, loss_plan=LossPlan(4))
     loss = trainer.ignored_loss(local)
@@ -318,8 +317,10 @@ def test_the_skip_path_keeps_the_tiled_loss():
 def test_relative_paths_resolve_against_the_config_folder(tmp_path):
     folder = tmp_path / "cfgs"
     folder.mkdir()
-    cfg = {"model": {"hf_config": "hf/x.json", "hf_weights": "/abs/w"},
-           "data": {"task": "text", "files": ["a.txt", "/abs/b.txt"]}}  # fmt: skip
+    cfg = {
+        "model": {"hf_config": "hf/x.json", "hf_weights": "/abs/w"},
+        "data": {"task": "text", "files": ["a.txt", "/abs/b.txt"]},
+    }
     (folder / "run.json").write_text(json.dumps(cfg))
     got = read_config(folder / "run.json")
     assert got["model"] == {"hf_config": str(folder / "hf/x.json"), "hf_weights": "/abs/w"}
@@ -341,9 +342,17 @@ def _dtypes(rank, stage, precision):
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
         kinds = {p.dtype for p in params}
     local = shard_batch(
-        global_batch(KVRecall(DataConfig(seq_len=64, n_queries=8)), step=0, micro_step=0,
-                     grad_accum=1, micro_batch=1, dp_rank=0, dp_degree=1), topo,
-    )  # fmt: skip
+        global_batch(
+            KVRecall(DataConfig(seq_len=64, n_queries=8)),
+            step=0,
+            micro_step=0,
+            grad_accum=1,
+            micro_batch=1,
+            dp_rank=0,
+            dp_degree=1,
+        ),
+        topo,
+    )
     return kinds, engine(local["input_ids"], local["position_ids"]).dtype
 
 

@@ -25,8 +25,20 @@ pytest.importorskip("accelerate")
 EXAMPLE = ROOT / "examples" / "hf_trainer_sft.py"
 RTOL = 1e-5
 # the README's settings (a short run that shows a wrong gradient scale)
-SETTINGS = ("--max_length", "64", "--max_steps", "3", "--batch_size", "2",
-            "--optim", "sgd", "--learning_rate", "1.0", "--max_grad_norm", "0")  # fmt: skip
+SETTINGS = (
+    "--max_length",
+    "64",
+    "--max_steps",
+    "3",
+    "--batch_size",
+    "2",
+    "--optim",
+    "sgd",
+    "--learning_rate",
+    "1.0",
+    "--max_grad_norm",
+    "0",
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +53,9 @@ def tiny_assets(folder: Path) -> Path:
     return folder
 
 
-def example_args(assets: Path, out: Path, data: str = "chats.jsonl",
-                 settings: tuple[str, ...] = SETTINGS) -> list[str]:  # fmt: skip
+def example_args(
+    assets: Path, out: Path, data: str = "chats.jsonl", settings: tuple[str, ...] = SETTINGS
+) -> list[str]:
     model = ("--model_path", str(assets / "model"), "--tokenizer_path", str(assets / "tokenizer"))
     return [*model, "--data", str(assets / data), "--output_dir", str(out), *settings]
 
@@ -77,9 +90,12 @@ def test_sft_example_under_both_launchers_equals_one_process(assets, tmp_path):
     for name in ("accelerate", "deepspeed"):
         got = losses(outs[name])
         torch.testing.assert_close(
-            torch.tensor(got), torch.tensor(ref), rtol=RTOL, atol=0,
+            torch.tensor(got),
+            torch.tensor(ref),
+            rtol=RTOL,
+            atol=0,
             msg=lambda m, name=name, got=got: f"{name} {got} != one process {ref}: {m}",
-        )  # fmt: skip
+        )
     assert_plain_folder(outs["ref"] / "final", outs["deepspeed"] / "final")
 
 

@@ -30,19 +30,43 @@ pytest.importorskip("accelerate")
 EXAMPLES = {
     "dpo": (
         "dpo_long.py",
-        ("--max_length", "48", "--max_steps", "3", "--batch_size", "2", "--beta", "0.5",
-         "--optim", "sgd", "--learning_rate", "1.0", "--max_grad_norm", "0"),
+        (
+            "--max_length",
+            "48",
+            "--max_steps",
+            "3",
+            "--batch_size",
+            "2",
+            "--beta",
+            "0.5",
+            "--optim",
+            "sgd",
+            "--learning_rate",
+            "1.0",
+            "--max_grad_norm",
+            "0",
+        ),
         "DPO on 32 pairs",
         ('{"prompt": "w7", "chosen": "w8"}', 'line 2: every line is {"prompt"'),
     ),
     "grpo": (
         "grpo_long.py",
-        ("--max_steps", "3", "--beta", "0.1", "--optim", "sgd", "--learning_rate", "0.5",
-         "--max_grad_norm", "0"),
+        (
+            "--max_steps",
+            "3",
+            "--beta",
+            "0.1",
+            "--optim",
+            "sgd",
+            "--learning_rate",
+            "0.5",
+            "--max_grad_norm",
+            "0",
+        ),
         "GRPO on 32 prompts",
         ('{"chosen": "w8"}', 'line 2: every line is {"prompt"'),
     ),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")

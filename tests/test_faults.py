@@ -26,8 +26,10 @@ from tests.helpers import (
 pytestmark = [pytest.mark.launcher, pytest.mark.slow]
 
 FAULTY = ROOT / "tests" / "train_with_faults.py"  # train.py with tests/faults.py hooks
-WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
-                                         "warmup_num_steps": 3}}  # fmt: skip
+WARMUP = {
+    "type": "WarmupLR",
+    "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3},
+}
 
 
 def config(tmp: Path, name: str, **blocks) -> Path:
@@ -61,9 +63,16 @@ def start_ranks(cfg: Path, out: Path, world: int, *extra, fault: str | None = No
     cmd = [sys.executable, str(script), "--deepspeed_config", str(cfg), "--output_dir", str(out)]
     procs = []
     for rank in range(world):
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "WANDB_MODE": "disabled", **({"UCP_FAULT": fault} if fault else {})}  # fmt: skip
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "WANDB_MODE": "disabled",
+            **({"UCP_FAULT": fault} if fault else {}),
+        }
         procs.append(start([*cmd, *extra], env=env))
     return procs
 

@@ -94,11 +94,15 @@ def test_local_attention_matches_float64(standin, hq, hkv, d, causal, packed):
     ref = reference(q, k, v, do, causal, cu)
     for dtype in (torch.bfloat16, torch.float16):
         got = run(
-            q, k, v, do, dtype,
+            q,
+            k,
+            v,
+            do,
+            dtype,
             lambda *t: ucp.local_attention(
                 *t, AttentionSpec(causal=causal), backend="flash_attn", cu_seqlens=cu
             ),
-        )  # fmt: skip
+        )
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
             assert a.dtype == dtype, name
             assert rel_err(a, b) < TOL[dtype], (standin, dtype, name, rel_err(a, b))
@@ -109,9 +113,13 @@ def test_batch_and_scale_reach_the_kernel(standin):
     q, k, v, do = make((3, 32, 4, 32), 2, seed=1)
     ref = float64_attention(q, k, v, do, True, softmax_scale=0.3)
     got = run(
-        q, k, v, do, torch.bfloat16,
+        q,
+        k,
+        v,
+        do,
+        torch.bfloat16,
         lambda *t: ucp.local_attention(*t, AttentionSpec(scale=0.3), backend="flash_attn"),
-    )  # fmt: skip
+    )
     for a, b in zip(got, ref):
         assert rel_err(a, b) < TOL[torch.bfloat16]
 
@@ -123,8 +131,18 @@ def test_parameters_read_from_the_release(standin):
     assert fa.version == version
     fwd = list(fa.forward.params)
     window = ["window_size"] if version == "2.6.0" else ["window_size_left", "window_size_right"]
-    assert fwd == ["q", "k", "v", "dropout_p", "softmax_scale", "causal", *window,
-                   "softcap", "alibi_slopes", "return_softmax"]  # fmt: skip
+    assert fwd == [
+        "q",
+        "k",
+        "v",
+        "dropout_p",
+        "softmax_scale",
+        "causal",
+        *window,
+        "softcap",
+        "alibi_slopes",
+        "return_softmax",
+    ]
     if version == "2.6.0":
         assert fa.varlen_forward.params["block_table"] is False  # required in 2.6.0
     if wrap == "custom_op":  # the trap: a custom op's Python signature says nothing
@@ -146,8 +164,7 @@ def _swap(name, fn):
 
 @pytest.mark.parametrize("standin", [("2.8.3", "plain")], indirect=True)
 def test_an_essential_argument_not_taken_is_refused(standin):
-    def no_window(q, k, v, dropout_p, softmax_scale, causal, softcap, alibi_slopes,
-                  return_softmax):  # fmt: skip
+    def no_window(q, k, v, dropout_p, softmax_scale, causal, softcap, alibi_slopes, return_softmax):
         raise AssertionError("must not be called")
 
     _swap("_flash_attn_forward", no_window)
@@ -159,14 +176,29 @@ def test_an_essential_argument_not_taken_is_refused(standin):
 
 @pytest.mark.parametrize("standin", [("2.8.3", "plain")], indirect=True)
 def test_an_unknown_required_argument_is_refused(standin):
-    def extra(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-              softcap, alibi_slopes, return_softmax, sink_scale):  # fmt: skip
+    def extra(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        alibi_slopes,
+        return_softmax,
+        sink_scale,
+    ):
         raise AssertionError("must not be called")
 
     _swap("_flash_attn_forward", extra)
     q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"2\.8\.3: _flash_attn_forward requires argument "
-                                         r"'sink_scale'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"2\.8\.3: _flash_attn_forward requires argument "
+        r"'sink_scale'",
+    ):
         ucp.local_attention(q, q, q, backend="flash_attn")
 
 
@@ -303,8 +335,9 @@ def _modes(rank, version, wrap):
         uninstall()
 
 
-@pytest.mark.parametrize("version,wrap", [("2.6.0", "plain"), ("2.7.4", "custom_op"),
-                                          ("2.8.3", "custom_op")])  # fmt: skip
+@pytest.mark.parametrize(
+    "version,wrap", [("2.6.0", "plain"), ("2.7.4", "custom_op"), ("2.8.3", "custom_op")]
+)
 def test_every_mode_on_four_ranks_matches_float64(pools, version, wrap):
     rows = pools(4).run(_modes, version, wrap)[0]
     assert len(rows) == 12

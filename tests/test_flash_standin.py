@@ -393,9 +393,23 @@ def test_v26_pads_the_head_dim_itself():
         torch.testing.assert_close(g[0].double(), r, **TOL)
     # returned grads: views of the given (padded) tensors; fresh ones when None
     dq2, *_ = mod._flash_attn_backward(
-        dout, qp, kp, vp, out_padded, lse, None, None, None, 0.0, 0.3, True, (-1, -1), 0.0, None,
+        dout,
+        qp,
+        kp,
+        vp,
+        out_padded,
+        lse,
+        None,
+        None,
+        None,
+        0.0,
+        0.3,
+        True,
+        (-1, -1),
+        0.0,
+        None,
         False,
-    )  # fmt: skip
+    )
     torch.testing.assert_close(dq2, dq)
 
 

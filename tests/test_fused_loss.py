@@ -103,9 +103,10 @@ def test_fused_folds_a_lean_final_norm(module, cls, chunks, monkeypatch):
     labels[0, :5] = -100
     folds = []
     monkeypatch.setattr(
-        fused_loss, "norm_backward",
+        fused_loss,
+        "norm_backward",
         lambda *a, **k: folds.append(1) or lean_norm_backward(*a, **k),
-    )  # fmt: skip
+    )
     results, kept = [], []
     for fused, norm in ((False, own), (True, lean)):
         base.grad = None
@@ -201,9 +202,14 @@ def _zero_step(rank, stage, fused):
     model = hf.build_model(topo, mc, backend="torch")
     engine, local = sgd_engine_and_batch(model, cfg, topo)
     loss = engine.module.loss(
-        local["input_ids"], local["position_ids"], local["shift_labels"], topo,
-        batch=local["batch"], tiled_loss=4 if fused else 0, fused_loss=fused,
-    )  # fmt: skip
+        local["input_ids"],
+        local["position_ids"],
+        local["shift_labels"],
+        topo,
+        batch=local["batch"],
+        tiled_loss=4 if fused else 0,
+        fused_loss=fused,
+    )
     engine.backward(loss)
     engine.step()
     params = list(engine.module.named_parameters())

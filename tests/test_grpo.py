@@ -55,9 +55,18 @@ def spec(assets: dict, out: Path, **extra) -> dict:
     """4 completions per prompt, 4 rows a micro-batch, 2 micro-batches a step (one
     generation batch: 2 prompts), each generation used twice (``num_iterations=2``: the
     importance ratios and the clipping are live)."""
-    base = {"model": assets["llama"], "tokenizer": assets["tokenizer"], "batch": 4, "ga": 2,
-            "steps": 3, "eval_steps": 3, "lr": 0.5, "n_train": 16, "n_eval": 2,
-            "grpo": {"num_iterations": 2}}  # fmt: skip
+    base = {
+        "model": assets["llama"],
+        "tokenizer": assets["tokenizer"],
+        "batch": 4,
+        "ga": 2,
+        "steps": 3,
+        "eval_steps": 3,
+        "lr": 0.5,
+        "n_train": 16,
+        "n_eval": 2,
+        "grpo": {"num_iterations": 2},
+    }
     return {**base, "out": str(out), **extra}
 
 
@@ -91,8 +100,13 @@ def test_grpo_u2_zero2_rollout_func_equals_one_process(assets, tmp_path):
     """Ulysses 2, ZeRO-2, a ``rollout_func``, the default ``dapo`` loss with truncated
     completions masked and the entropy mask (``top_entropy_quantile``), a reference model
     built by TRL (``beta=0.1``): losses and metrics equal one process."""
-    kw = {"grpo": {"num_iterations": 2, "mask_truncated_completions": True,
-                   "top_entropy_quantile": 0.5}}  # fmt: skip
+    kw = {
+        "grpo": {
+            "num_iterations": 2,
+            "mask_truncated_completions": True,
+            "top_entropy_quantile": 0.5,
+        }
+    }
     ref = spec(assets, tmp_path / "ref", **kw)
     sp = spec(assets, tmp_path / "sp", zero=2, sp=U2, **kw)
     assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=2))
@@ -230,10 +244,18 @@ def test_rloo_u2r2_zero3_generate_equals_one_process(assets, tmp_path):
 
 
 def grpo_args(**kw) -> SimpleNamespace:
-    base = dict(world_size=4, per_device_train_batch_size=2, steps_per_generation=2,
-                num_generations=4, per_device_eval_batch_size=2, num_generations_eval=None,
-                eval_strategy="steps", generation_batch_size=16, use_vllm=False,
-                use_transformers_continuous_batching=False)  # fmt: skip
+    base = dict(
+        world_size=4,
+        per_device_train_batch_size=2,
+        steps_per_generation=2,
+        num_generations=4,
+        per_device_eval_batch_size=2,
+        num_generations_eval=None,
+        eval_strategy="steps",
+        generation_batch_size=16,
+        use_vllm=False,
+        use_transformers_continuous_batching=False,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 

@@ -55,8 +55,17 @@ def trainer_assets(root: Path) -> dict[str, str]:
 
 
 def spec(kind: str, model: str, assets: dict, out: Path, **extra) -> dict:
-    base = {"trainer": kind, "model": assets[model], "tokenizer": assets["tokenizer"],
-            "vocab": 96, "batch": 2, "ga": 2, "steps": 3, "eval_steps": 3, "lr": 2.0}  # fmt: skip
+    base = {
+        "trainer": kind,
+        "model": assets[model],
+        "tokenizer": assets["tokenizer"],
+        "vocab": 96,
+        "batch": 2,
+        "ga": 2,
+        "steps": 3,
+        "eval_steps": 3,
+        "lr": 2.0,
+    }
     if kind == "sft":  # packed rows of documents whose lengths split over 4 ranks (zigzag)
         base.update(n_train=40, n_eval=8, max_length=32, multiple=8)
     else:
@@ -64,8 +73,9 @@ def spec(kind: str, model: str, assets: dict, out: Path, **extra) -> dict:
     return {**base, "out": str(out), **extra}
 
 
-def side_by_side(tmp_path: Path, ref: dict, sp: dict, nproc: int,
-                 worker: Path = WORKER) -> tuple[dict, dict]:  # fmt: skip
+def side_by_side(
+    tmp_path: Path, ref: dict, sp: dict, nproc: int, worker: Path = WORKER
+) -> tuple[dict, dict]:
     """The reference (one process) and the sequence-parallel run of ``worker`` (also
     tests/dpo_worker.py), at the same time."""
     paths = []
@@ -139,10 +149,19 @@ def assert_same_predictions(ref: dict, sp: dict) -> None:
 def test_trainer_u2_zero2_equals_one_process(assets, tmp_path):
     """Trainer, tiny Llama, Ulysses 2, ZeRO-2, gradient accumulation 2: losses, eval loss,
     ``predict`` after the evaluation and the saved folder equal one process."""
-    ref = spec("trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"),
-               predict=True)  # fmt: skip
-    sp = spec("trainer", "llama", assets, tmp_path / "sp", zero=2, save=str(tmp_path / "sp_model"),
-              sp={"ulysses_degree": 2, "ring_degree": 1}, predict=True)  # fmt: skip
+    ref = spec(
+        "trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"), predict=True
+    )
+    sp = spec(
+        "trainer",
+        "llama",
+        assets,
+        tmp_path / "sp",
+        zero=2,
+        save=str(tmp_path / "sp_model"),
+        sp={"ulysses_degree": 2, "ring_degree": 1},
+        predict=True,
+    )
     ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=2)
     assert_same_losses(ref_result, sp_result)
     assert_same_predictions(ref_result, sp_result)
@@ -154,9 +173,15 @@ def test_sft_packed_u2_zero2_equals_one_process(assets, tmp_path):
     """TRL SFTTrainer with packing=True (position ids restarting per document), tiny
     Qwen3, Ulysses 2, ZeRO-2: losses and eval loss equal one process."""
     ref = spec("sft", "qwen3", assets, tmp_path / "ref")
-    sp = spec("sft", "qwen3", assets, tmp_path / "sp", zero=2,
-              sp={"ulysses_degree": 2, "ring_degree": 1},
-              model_block={"lean_norms": False})  # fmt: skip
+    sp = spec(
+        "sft",
+        "qwen3",
+        assets,
+        tmp_path / "sp",
+        zero=2,
+        sp={"ulysses_degree": 2, "ring_degree": 1},
+        model_block={"lean_norms": False},
+    )
     ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=2)
     assert_same_losses(ref_result, sp_result)
     assert_lean_norms(sp_result, ref_result, taken=0)  # switched off in the DeepSpeed JSON
@@ -168,8 +193,15 @@ def test_trainer_u2r2_zero3_equals_one_process(assets, tmp_path):
     partitioned (TrainingArguments before from_pretrained), probed under ZeRO-3, and
     saved gathered."""
     ref = spec("trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"))
-    sp = spec("trainer", "llama", assets, tmp_path / "sp", zero=3, save=str(tmp_path / "sp_model"),
-              sp=U2R2)  # fmt: skip
+    sp = spec(
+        "trainer",
+        "llama",
+        assets,
+        tmp_path / "sp",
+        zero=3,
+        save=str(tmp_path / "sp_model"),
+        sp=U2R2,
+    )
     ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=4)
     assert_same_losses(ref_result, sp_result)
     assert_lean_norms(sp_result, ref_result, taken=LLAMA_NORMS)  # probed on ZeRO-3 partitions
@@ -195,8 +227,17 @@ def test_trainer_qwen3_u2_dp2_zero1_equals_one_process(assets, tmp_path):
     takes one row per micro-batch, so the global batch is the one-process run's two rows
     x gradient accumulation 2; the replicas read distinct rows, the SP ranks the same."""
     ref = spec("trainer", "qwen3", assets, tmp_path / "ref", predict=True)
-    sp = spec("trainer", "qwen3", assets, tmp_path / "sp", zero=1, batch=1, batches=True,
-              sp={"ulysses_degree": 2, "ring_degree": 1}, predict=True)  # fmt: skip
+    sp = spec(
+        "trainer",
+        "qwen3",
+        assets,
+        tmp_path / "sp",
+        zero=1,
+        batch=1,
+        batches=True,
+        sp={"ulysses_degree": 2, "ring_degree": 1},
+        predict=True,
+    )
     ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=4)
     assert_same_losses(ref_result, sp_result)
     assert_same_predictions(ref_result, sp_result)
@@ -236,10 +277,19 @@ def test_trainer_lora_u2_zero0_equals_one_process(assets, tmp_path):
 
 def lora_case(assets: dict, tmp_path: Path, model: str, *, zero: int, sp: dict) -> None:
     """A Trainer run with a LoRA adapter against one process: losses, and the adapters."""
-    ref = spec("trainer", model, assets, tmp_path / "ref", lora=True,
-               save=str(tmp_path / "ref_model"))  # fmt: skip
-    run = spec("trainer", model, assets, tmp_path / "sp", zero=zero, lora=True,
-               save=str(tmp_path / "sp_model"), sp=sp)  # fmt: skip
+    ref = spec(
+        "trainer", model, assets, tmp_path / "ref", lora=True, save=str(tmp_path / "ref_model")
+    )
+    run = spec(
+        "trainer",
+        model,
+        assets,
+        tmp_path / "sp",
+        zero=zero,
+        lora=True,
+        save=str(tmp_path / "sp_model"),
+        sp=sp,
+    )
     nproc = sp["ulysses_degree"] * sp["ring_degree"]
     assert_same_losses(*side_by_side(tmp_path, ref, run, nproc=nproc))
     assert_plain_adapters(assets[model], tmp_path / "ref_model", tmp_path / "sp_model", tmp_path)
@@ -251,8 +301,15 @@ def test_sft_llama_u2r2_zero3_equals_one_process(assets, tmp_path):
     (model built partitioned): losses and eval loss equal one-process SFTTrainer, and the
     gathered saved folder is a plain transformers model with the reference's logits."""
     ref = spec("sft", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"))
-    sp = spec("sft", "llama", assets, tmp_path / "sp", zero=3, save=str(tmp_path / "sp_model"),
-              sp={"ulysses_degree": 2, "ring_degree": 2})  # fmt: skip
+    sp = spec(
+        "sft",
+        "llama",
+        assets,
+        tmp_path / "sp",
+        zero=3,
+        save=str(tmp_path / "sp_model"),
+        sp={"ulysses_degree": 2, "ring_degree": 2},
+    )
     assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=4))
     assert_plain_folders(tmp_path / "ref_model", tmp_path / "sp_model")
 

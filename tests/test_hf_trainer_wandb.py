@@ -21,8 +21,13 @@ pytest.importorskip("wandb")
 
 WORKER = test_hf_trainer.WORKER
 assets = test_hf_trainer.assets  # the tiny models and tokenizer (a module-scoped fixture)
-METRICS = ("tokens_per_s", "tokens_per_s_per_gpu", "peak_mem_mb", "comm_bytes_per_step",
-           "attention_comm_bytes_per_step")  # fmt: skip
+METRICS = (
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+    "peak_mem_mb",
+    "comm_bytes_per_step",
+    "attention_comm_bytes_per_step",
+)
 
 
 def torchrun(tmp_path: Path, name: str, spec: dict) -> tuple[dict, Path]:
@@ -45,8 +50,16 @@ def offline_runs(wandb_dir: Path) -> list[Path]:
 def attention_bytes_per_step(ga: int) -> int:
     """Ulysses 2, 2 layers, forward + backward all-to-alls, float32, rows of 2 x 32 tokens
     (the tiny Llama: 4 query heads, 2 kv heads of 8), by the plan's formula."""
-    a2a, _ = forward_comm_bytes(batch=2, seq_len=32, hq=4, hkv=2, head_dim=8, ulysses_degree=2,
-                                ring_degree=1, bytes_per_element=4)  # fmt: skip
+    a2a, _ = forward_comm_bytes(
+        batch=2,
+        seq_len=32,
+        hq=4,
+        hkv=2,
+        head_dim=8,
+        ulysses_degree=2,
+        ring_degree=1,
+        bytes_per_element=4,
+    )
     return 2 * 2 * a2a * ga
 
 
@@ -57,8 +70,14 @@ def train_lines(result: dict) -> dict[int, dict]:
 def test_trainer_wandb_metrics_and_resume_continue_the_run(assets, tmp_path):
     """4 steps with a checkpoint at step 2 (evaluation after step 3), then a resume from
     that checkpoint: steps 3 and 4 give the same losses, and the wandb run is the same."""
-    common = dict(steps=4, eval_steps=3, save_steps=2, wandb=True, zero=2,
-                  sp={"ulysses_degree": 2, "ring_degree": 1})  # fmt: skip
+    common = dict(
+        steps=4,
+        eval_steps=3,
+        save_steps=2,
+        wandb=True,
+        zero=2,
+        sp={"ulysses_degree": 2, "ring_degree": 1},
+    )
     full_out = tmp_path / "full"
     full_spec = test_hf_trainer.spec("trainer", "llama", assets, full_out, **common)
     full, full_wandb = torchrun(tmp_path, "full", full_spec)

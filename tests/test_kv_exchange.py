@@ -19,17 +19,31 @@ ALLGATHER = dict(kv_exchange="allgather")
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1)])
 def test_allgather_matches_float64(pools, u, r, layout, causal, hq, hkv):
     results = attend_and_check(
-        pools, u, r, layout, seed=21, hq=hq, hkv=hkv, options=ALLGATHER, backend="math",
+        pools,
+        u,
+        r,
+        layout,
+        seed=21,
+        hq=hq,
+        hkv=hkv,
+        options=ALLGATHER,
+        backend="math",
         causal=causal,
-    )  # fmt: skip
+    )
     P_ring = r
     for _, snap in results:
         # bytes: forward all-gather = the ring's forward formula (this rank's KV block to
         # the r - 1 others); backward: the KV again, and r - 1 float64 dk/dv shares
         _, ring_bytes = forward_comm_bytes(
-            batch=2, seq_len=32, hq=hq, hkv=hkv, head_dim=8, ulysses_degree=u,
-            ring_degree=r, bytes_per_element=8,
-        )  # fmt: skip
+            batch=2,
+            seq_len=32,
+            hq=hq,
+            hkv=hkv,
+            head_dim=8,
+            ulysses_degree=u,
+            ring_degree=r,
+            bytes_per_element=8,
+        )
         assert snap["kv_allgather/forward"] == ring_bytes
         assert snap["kv_allgather/backward"] == ring_bytes
         assert snap["kv_reduce_scatter/backward"] == ring_bytes  # float64: same element size
@@ -42,9 +56,17 @@ def test_allgather_matches_float64(pools, u, r, layout, causal, hq, hkv):
 def test_allgather_packed_rows_and_windows(pools, u, r, window):
     bounds = [0, 8, 32, 40, 64]
     attend_and_check(
-        pools, u, r, seed=21, hq=4, hkv=2, bounds=bounds, options=ALLGATHER, backend="math",
+        pools,
+        u,
+        r,
+        seed=21,
+        hq=4,
+        hkv=2,
+        bounds=bounds,
+        options=ALLGATHER,
+        backend="math",
         window=window,
-    )  # fmt: skip
+    )
 
 
 def _disagree(rank):

@@ -275,3 +275,22 @@ def test_no_function_takes_more_than_eight_parameters(tmp_path):
     assert long_signatures() == []
     pkg = _plant(tmp_path, {"core/z.py": "def f(a, b, c, d, e, f, g, h, *, i):\n    pass\n"})
     assert long_signatures(pkg) == ["core/z.py:1 f takes 9"]
+
+
+def formatter_escapes(root: Path = ROOT) -> list[str]:
+    """Lines that switch the formatter off (CI runs ``ruff format --check`` on the rest)."""
+    marks = ("# fmt: " + "skip", "# fmt: " + "off")
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if any(p in (".venv", "build") or p.startswith(".") for p in path.relative_to(root).parts):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if any(m in line for m in marks):
+                found.append(f"{path.relative_to(root)}:{i}")
+    return found
+
+
+def test_no_line_escapes_the_formatter(tmp_path):
+    assert formatter_escapes() == []
+    (tmp_path / "a.py").write_text("x = [1,2]  # fmt: " + "skip\n")
+    assert formatter_escapes(tmp_path) == ["a.py:1"]

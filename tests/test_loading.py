@@ -23,11 +23,20 @@ from ulysses_cp.training import loading, partitioned_init  # noqa: E402
 # odd sizes: an MLP bias of 33 elements is padded in the partition of 2 ranks, and the
 # 33 x 18 projections' partitions start in the middle of a row
 CONFIG = dict(
-    model_type="llama", vocab_size=97, hidden_size=18, intermediate_size=33,
-    num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1, head_dim=6,
-    mlp_bias=True, attention_bias=True, max_position_embeddings=512, attention_dropout=0.0,
+    model_type="llama",
+    vocab_size=97,
+    hidden_size=18,
+    intermediate_size=33,
+    num_hidden_layers=2,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=6,
+    mlp_bias=True,
+    attention_bias=True,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
     tie_word_embeddings=False,
-)  # fmt: skip
+)
 
 
 def _config(tmp, weights=None) -> dict:
@@ -174,8 +183,12 @@ def test_a_checkpoint_with_other_names_is_not_streamed(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / loading.INDEX).write_text(json.dumps(index))
-    names = {n for n, _ in transformers.AutoModelForCausalLM.from_config(
-        hf.load_config(dict(CONFIG))).named_parameters()}  # fmt: skip
+    names = {
+        n
+        for n, _ in transformers.AutoModelForCausalLM.from_config(
+            hf.load_config(dict(CONFIG))
+        ).named_parameters()
+    }
     run = RunConfig.load(_config(tmp_path, str(weights)))
     why = loading._streamable(other, names, run)
     assert why is not None and "tensor names differ" in why and "missing" in why

@@ -66,8 +66,7 @@ def test_token_log_probs_against_log_softmax(transform, temperature, tiles):
     labels = torch.randint(0, V, (2, 9))
     labels[0, 2] = labels[1, 8] = -100
     names = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-    out = token_log_probs(hidden, head, labels, temperature=temperature, tiles=tiles,
-                          outputs=names)  # fmt: skip
+    out = token_log_probs(hidden, head, labels, temperature=temperature, tiles=tiles, outputs=names)
     ref_hidden = hidden.detach().clone().requires_grad_(True)
     ref = _reference(ref_hidden, head, labels, temperature)
     for name in names:

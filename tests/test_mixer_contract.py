@@ -93,9 +93,12 @@ def _run(rank, family, u, r, packed):
     model.probe()  # the start-up probe calls the kernels too (no gradients)
     kernels.CALLS.clear()
     loss = model.loss(
-        local["input_ids"], local["position_ids"], local["shift_labels"], topo,
+        local["input_ids"],
+        local["position_ids"],
+        local["shift_labels"],
+        topo,
         batch=local["batch"],
-    )  # fmt: skip
+    )
     loss.backward()
     calls = dict(kernels.CALLS)
     with torch_path(ref):

@@ -104,8 +104,11 @@ def test_transformers_binds_the_standin_and_filters_keywords(fn, name):
     """The decorator of the family modules, applied here as at their import."""
     package = MODULES[name][0]
     wrapper = hub_kernels.use_kernel_func_from_hub_with_fallback(name, package)(TORCH[name])
-    args = {"causal_conv1d_fn": conv_args, "mamba_chunk_scan_combined": scan_args,
-            "chunk_gated_delta_rule": rule_args}[name]()  # fmt: skip
+    args = {
+        "causal_conv1d_fn": conv_args,
+        "mamba_chunk_scan_combined": scan_args,
+        "chunk_gated_delta_rule": rule_args,
+    }[name]()
     extra = {"chunk_size": 8} if name == "mamba_chunk_scan_combined" else {}
     before = kernels.CALLS[name]
     wrapper(*args, **extra, not_a_parameter=1)  # dropped by transformers' filter
@@ -182,12 +185,25 @@ def test_chunk_gated_delta_rule_refusals(fn):
         ((q, k, v[:, :, :3], g[..., :3], beta[..., :3]), {}, ValueError, r"HV % H = 1"),
         ((q, k, v, g, beta), {"head_first": False}, DeprecationWarning, "head_first has been"),
         ((q, k, v, g, beta), {"chunk_size": 128}, ValueError, "must be 16, 32, or 64"),
-        ((q, k, v, g, beta), {"cu_seqlens": torch.tensor([0, 40])}, ValueError,
-         "batch size is expected to be 1 rather than 2"),
+        (
+            (q, k, v, g, beta),
+            {"cu_seqlens": torch.tensor([0, 40])},
+            ValueError,
+            "batch size is expected to be 1 rather than 2",
+        ),
         ((q, k, v, g.transpose(1, 2), beta), {}, AssertionError, r"g .* is not \[B, T, HV\]"),
-        ((*(_randn(1, 4, 2, 300) for _ in range(2)), _randn(1, 4, 2, 8), g[:1, :4, :2],
-          beta[:1, :4, :2]), {}, AssertionError, "head dimension larger than 256"),
-    ]  # fmt: skip
+        (
+            (
+                *(_randn(1, 4, 2, 300) for _ in range(2)),
+                _randn(1, 4, 2, 8),
+                g[:1, :4, :2],
+                beta[:1, :4, :2],
+            ),
+            {},
+            AssertionError,
+            "head dimension larger than 256",
+        ),
+    ]
     for args, kw, error, match in cases:
         with pytest.raises(error, match=match):
             rule(*args, **kw)
@@ -219,16 +235,19 @@ def test_kernels_equal_transformers_torch_versions(fn):
     kw = {"chunk_size": 16, "dt_softplus": True, "dt_limit": (0.0, 5.0)}
     inputs = (x, dt, A, B, C, torch.linspace(0.5, 1.5, 4), torch.linspace(-1, 1, 4))
     got, want = (
-        _grads(lambda x, dt, A, B, C, D, bias, f=f: f(x, dt, A, B, C, D=D, dt_bias=bias, **kw),
-               inputs)
+        _grads(
+            lambda x, dt, A, B, C, D, bias, f=f: f(x, dt, A, B, C, D=D, dt_bias=bias, **kw), inputs
+        )
         for f in (fn["mamba_chunk_scan_combined"], TORCH["mamba_chunk_scan_combined"])
-    )  # fmt: skip
+    )
     _compare(got, want, 2e-5)
     got, want = (
-        _grads(lambda q, k, v, g, b, f=f: f(q, k, v, g=g, beta=b, use_qk_l2norm_in_kernel=True),
-               rule_args())
+        _grads(
+            lambda q, k, v, g, b, f=f: f(q, k, v, g=g, beta=b, use_qk_l2norm_in_kernel=True),
+            rule_args(),
+        )
         for f in (fn["chunk_gated_delta_rule"], TORCH["chunk_gated_delta_rule"])
-    )  # fmt: skip
+    )
     _compare(got, want, 2e-5)
 
 

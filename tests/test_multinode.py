@@ -29,8 +29,17 @@ def launch_two_nodes(cfg: Path, hostfile: Path, out: Path) -> list[str]:
     port = str(helpers.free_port())
     procs = []
     for node in (0, 1):
-        opts = ("--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node),
-                "--master_addr", "127.0.0.1", "--master_port", port)  # fmt: skip
+        opts = (
+            "--hostfile",
+            str(hostfile),
+            "--no_ssh",
+            "--node_rank",
+            str(node),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+        )
         procs.append(
             helpers.start(
                 helpers.deepspeed_cmd(cfg, out, launcher=opts), env={"WANDB_MODE": "disabled"}
@@ -76,8 +85,9 @@ def test_two_simulated_nodes_through_the_launcher(tmp_path):
     # the planner's attention bytes are the measured ones, the all-to-all inside the
     # nodes and the ring across them
     got = plan(RunConfig.load(cfg), world=4, hw=Hardware(gpus_per_node=2))["config"]
-    assert all(r["attention_comm_bytes_per_step"] == got["attention_comm_bytes_per_step"]
-               for r in two)  # fmt: skip
+    assert all(
+        r["attention_comm_bytes_per_step"] == got["attention_comm_bytes_per_step"] for r in two
+    )
     assert all(r["comm_bytes_per_step"] == got["comm_bytes_per_step_per_rank"] for r in two)
     ring = got["attention_comm_bytes_per_step"] - got["intra_node_bytes"]
     assert 0 < ring < got["inter_node_bytes"]  # the ring, and ZeRO's collectives

@@ -23,8 +23,9 @@ from ulysses_cp.plan.shapes import model_shape
 
 def test_settings_and_refusals_name_the_numbers():
     assert [offloaded_layers(s, 4) for s in (True, False, 0, 3, 4)] == [4, 0, 0, 3, 4]
-    ok = ModelConfig.from_dict({"n_layers": 3, "activation_checkpointing": True,
-                                "offload_activations": 2})  # fmt: skip
+    ok = ModelConfig.from_dict(
+        {"n_layers": 3, "activation_checkpointing": True, "offload_activations": 2}
+    )
     assert ok.offload_activations == 2
     with pytest.raises(ValueError, match="5 layers asked for, the model has 3 decoder layers"):
         ModelConfig.from_dict(
@@ -69,8 +70,11 @@ def test_hugging_face_layers_take_the_count():
     topo = ucp.init_topology(1, 1)
     ids = torch.randint(256, (1, 32))
     for offload, want in ((1, 1), (True, 2)):
-        mc = HFModelConfig(hf_config="configs/hf/tiny_llama.json", activation_checkpointing=True,
-                           offload_activations=offload)  # fmt: skip
+        mc = HFModelConfig(
+            hf_config="configs/hf/tiny_llama.json",
+            activation_checkpointing=True,
+            offload_activations=offload,
+        )
         model = hf.build_model(topo, mc, backend="math")
         model.train()
         logits = model(ids, torch.arange(32)[None])
@@ -85,8 +89,12 @@ def test_the_planner_finds_the_count_the_host_can_take():
     layer offloaded) is bound by the host; the planner names a count that reaches further,
     and at that count and length both the GPU and the host fit."""
     raw = RunConfig.load(ROOT / "configs" / "tiny_cpu_zero2_u2r2.json").raw
-    raw["model"] = {**raw["model"], "n_layers": 8, "activation_checkpointing": True,
-                    "offload_activations": True}  # fmt: skip
+    raw["model"] = {
+        **raw["model"],
+        "n_layers": 8,
+        "activation_checkpointing": True,
+        "offload_activations": True,
+    }
     run = RunConfig.load(raw)
     hw = Hardware(gpu_mem_gb=0.1, host_mem_gb=0.05, gpus_per_node=4)
     got = plan(run, world=4, hw=hw, seq_step=16)
@@ -94,12 +102,26 @@ def test_the_planner_finds_the_count_the_host_can_take():
     assert split is not None and 0 < split["offload_activations"] < 8
     assert split["max_seq_len"] > written["max_seq_len"] > 0
     host_budget = hw.host_mem_gb * GiB / hw.gpus_per_node
-    over = predict(model_shape(run.model), base_run(run), seq_len=split["max_seq_len"],
-                   batch=4, micro_steps=1, world=4, hw=hw)  # fmt: skip
+    over = predict(
+        model_shape(run.model),
+        base_run(run),
+        seq_len=split["max_seq_len"],
+        batch=4,
+        micro_steps=1,
+        world=4,
+        hw=hw,
+    )
     assert over["host_bytes_per_rank"] > host_budget  # every layer offloaded: too much
     n = replace(base_run(run), offload_activations=split["offload_activations"])
-    p = predict(model_shape(run.model), n, seq_len=split["max_seq_len"], batch=4,
-                micro_steps=1, world=4, hw=hw)  # fmt: skip
+    p = predict(
+        model_shape(run.model),
+        n,
+        seq_len=split["max_seq_len"],
+        batch=4,
+        micro_steps=1,
+        world=4,
+        hw=hw,
+    )
     assert p["peak_bytes_per_rank"] <= hw.gpu_mem_gb * GiB
     assert p["host_bytes_per_rank"] <= host_budget
     assert f'"offload_activations": {split["offload_activations"]} (the inputs' in table(got)

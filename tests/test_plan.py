@@ -85,8 +85,11 @@ def test_longest_sequence_within_one_search_step(pools):
     """benchmark_memory.py's search (measured peaks) and the planner's (predicted peaks)
     land within one step (2P*64 tokens) of each other, at P = 1 and 4 (u2 x r2)."""
     for world, (u, r) in ((1, (1, 1)), (4, (2, 2))):
-        cases = [dict(u=u, r=r, kind=kind, features=f, budget=8 * 2**20)
-                 for kind in ("reference", "hf") for f in ("none", "tiled+ckpt")]  # fmt: skip
+        cases = [
+            dict(u=u, r=r, kind=kind, features=f, budget=8 * 2**20)
+            for kind in ("reference", "hf")
+            for f in ("none", "tiled+ckpt")
+        ]
         for kw, measured in zip(cases, pools(world).run(_longest, cases)[0]):
             pred = pvm.predicted_longest(**kw)
             assert abs(pred - measured) <= 2 * u * r * 64, (kw, pred, measured)
@@ -184,14 +187,26 @@ def test_zero_stages_order_static_memory():
     hw = Hardware()
     knobs = ZeroKnobs(reduce_bucket_size=0)
     peaks = [
-        predict(shape, Run(2, 1, "zigzag", stage), seq_len=1024, batch=1, micro_steps=1,
-                world=8, hw=hw, zero_knobs=knobs)["static_bytes_per_rank"]
+        predict(
+            shape,
+            Run(2, 1, "zigzag", stage),
+            seq_len=1024,
+            batch=1,
+            micro_steps=1,
+            world=8,
+            hw=hw,
+            zero_knobs=knobs,
+        )["static_bytes_per_rank"]
         for stage in (1, 2, 3)
-    ]  # fmt: skip
+    ]
     assert peaks[0] == peaks[1] > peaks[2]  # ZeRO-2 all-reduces whole gradients here (mpu)
     act = activation_bytes(shape, seq_len=4096, batch=1, ulysses=2, ring=1)["total"]
-    assert act == predict(shape, Run(2, 1, "zigzag", 1), seq_len=4096, batch=1, micro_steps=1,
-                          world=8, hw=hw)["activation_bytes_per_rank"]  # fmt: skip
+    assert (
+        act
+        == predict(
+            shape, Run(2, 1, "zigzag", 1), seq_len=4096, batch=1, micro_steps=1, world=8, hw=hw
+        )["activation_bytes_per_rank"]
+    )
 
 
 # ---------------------------------------------------------------- the CLI
@@ -201,18 +216,41 @@ def test_zero_stages_order_static_memory():
 def test_cli_json_and_table(tmp_path):
     out = tmp_path / "plan.json"
     cfg = ROOT / "configs" / "tiny_cpu_zero2_u2r2.json"
-    args = ("--deepspeed_config", str(cfg), "--world", "4", "--gpus-per-node", "2",
-            "--gpu-mem-gb", "0.02", "--seq-step", "16", "--json", str(out))  # fmt: skip
+    args = (
+        "--deepspeed_config",
+        str(cfg),
+        "--world",
+        "4",
+        "--gpus-per-node",
+        "2",
+        "--gpu-mem-gb",
+        "0.02",
+        "--seq-step",
+        "16",
+        "--json",
+        str(out),
+    )
     printed = run([sys.executable, "-m", "ulysses_cp.plan", *args], timeout=300)
     assert "as written:" in printed and "best of" in printed
     got = json.loads(out.read_text())
-    fields = {"peak_bytes_per_rank", "static_bytes_per_rank", "activation_bytes_per_rank",
-              "comm_bytes_per_step_per_rank"}  # fmt: skip
+    fields = {
+        "peak_bytes_per_rank",
+        "static_bytes_per_rank",
+        "activation_bytes_per_rank",
+        "comm_bytes_per_step_per_rank",
+    }
     assert fields <= set(got["config"])
     assert got["config"]["ulysses_degree"] == 2 and got["config"]["zero_stage"] == 2
     assert got["config"]["inter_node_bytes"] > 0  # the ring runs across the two nodes
-    extra = {"ulysses_degree", "ring_degree", "layout", "zero_stage", "fits", "max_seq_len",
-             "predicted_step_s"}  # fmt: skip
+    extra = {
+        "ulysses_degree",
+        "ring_degree",
+        "layout",
+        "zero_stage",
+        "fits",
+        "max_seq_len",
+        "predicted_step_s",
+    }
     assert all(fields | extra <= set(c) for c in got["candidates"])
     fit = [c for c in got["candidates"] if c["fits"]]
     assert fit and len(fit) < len(got["candidates"])  # 20 MiB: some do not fit

@@ -30,8 +30,9 @@ VARIANTS = {"before": (1, False), "default": (2, False), "redo": (2, True)}
 
 def _predicted(mode: str, variant: str, N: int) -> int:
     (u, r), (c, redo) = MODES[mode], VARIANTS[variant]
-    return attention_layer_peak(LAYER, seq_len=N, batch=1, ulysses=u, ring=r, head_chunks=c,
-                                redo=redo)  # fmt: skip
+    return attention_layer_peak(
+        LAYER, seq_len=N, batch=1, ulysses=u, ring=r, head_chunks=c, redo=redo
+    )
 
 
 def test_kept_copies_are_saved_and_redo_saves_none():
@@ -42,12 +43,18 @@ def test_kept_copies_are_saved_and_redo_saves_none():
     # in a model the caller's q, k, v go (the copies replace them), the output stays
     assert kept["saved"] == q and redo["saved"] == redo["kept"] == 0
     # redo: all layers' saved bytes go, one layer's working set does not
-    deep = [activation_bytes(LAYER, seq_len=8192, batch=1, ulysses=4, ring=1, head_chunks=2,
-                             redo=flag)["layers"] for flag in (False, True)]  # fmt: skip
+    deep = [
+        activation_bytes(LAYER, seq_len=8192, batch=1, ulysses=4, ring=1, head_chunks=2, redo=flag)[
+            "layers"
+        ]
+        for flag in (False, True)
+    ]
     assert deep[0] - deep[1] == kept["saved"]
     # ring only: no all-to-all, nothing kept; redo changes nothing
-    ring = [attention_activation(LAYER, s_local=2048, batch=1, ulysses=1, ring=4, redo=flag)
-            for flag in (False, True)]  # fmt: skip
+    ring = [
+        attention_activation(LAYER, s_local=2048, batch=1, ulysses=1, ring=4, redo=flag)
+        for flag in (False, True)
+    ]
     assert ring[0] == ring[1] and ring[0]["saved"] == ring[0]["kept"] == 0
 
 
@@ -84,5 +91,9 @@ def test_one_layer_peak_against_live_bytes(pools):
         for variant in VARIANTS:
             measured = max(p[f"{mode}/{variant}"] for p in per_rank)
             predicted = _predicted(mode, variant, N)
-            assert abs(predicted - measured) <= 0.10 * measured, (mode, variant, predicted,
-                                                                   measured)  # fmt: skip
+            assert abs(predicted - measured) <= 0.10 * measured, (
+                mode,
+                variant,
+                predicted,
+                measured,
+            )

@@ -33,9 +33,17 @@ CASES = [
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_redo_matches_float64(pools, u, r, hq, hkv, c, layout):
     attend_and_check(
-        pools, u, r, layout, seed=7, hq=hq, hkv=hkv, backend="math", head_chunks=c,
+        pools,
+        u,
+        r,
+        layout,
+        seed=7,
+        hq=hq,
+        hkv=hkv,
+        backend="math",
+        head_chunks=c,
         options=REDO,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)])

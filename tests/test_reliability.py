@@ -75,8 +75,14 @@ def _input_check_bytes(rank, n_layers, planned):
     from ulysses_cp.models.decoder import Decoder
 
     topo = topology(2, 1, backend="math")
-    mc = ModelConfig(dim=16, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=32,
-                     activation_checkpointing=True)  # fmt: skip
+    mc = ModelConfig(
+        dim=16,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=32,
+        activation_checkpointing=True,
+    )
     model = Decoder(mc, ucp.Attention(topo))
     ids = torch.randint(256, (1, 32), generator=torch.Generator().manual_seed(0))
     ucp.comm_stats.reset()

@@ -34,9 +34,17 @@ def bounds_of(lengths: list[int]) -> list[int]:
 @pytest.mark.parametrize("docs", list(DOCS))
 def test_row_wise_matches_float64(pools, u, r, layout, docs):
     attend_and_check(
-        pools, u, r, layout, seed=3, hq=4, hkv=2, bounds=bounds_of(DOCS[docs]), options=ROW,
+        pools,
+        u,
+        r,
+        layout,
+        seed=3,
+        hq=4,
+        hkv=2,
+        bounds=bounds_of(DOCS[docs]),
+        options=ROW,
         backend="math",
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("u,r", [(1, 4), (2, 2), (1, 2)])
@@ -46,9 +54,18 @@ def test_row_wise_allgather_and_bidirectional(pools, u, r, layout):
     options = ROW | dict(kv_exchange="allgather")
     for causal in (True, False):
         attend_and_check(
-            pools, u, r, layout, seed=4, hq=4, hkv=1, bounds=bounds, options=options,
-            backend="math", causal=causal,
-        )  # fmt: skip
+            pools,
+            u,
+            r,
+            layout,
+            seed=4,
+            hq=4,
+            hkv=1,
+            bounds=bounds,
+            options=options,
+            backend="math",
+            causal=causal,
+        )
 
 
 @pytest.mark.parametrize("u,r", MODES)
@@ -60,9 +77,18 @@ def test_row_wise_allgather_and_bidirectional(pools, u, r, layout):
 def test_row_wise_windows_softcap_sinks(pools, u, r, variant):
     bounds = bounds_of([*DOCS["crosses_every_border"][:1], 17, 45])
     attend_and_check(
-        pools, u, r, seed=5, hq=4, hkv=2, bounds=bounds, options=ROW, backend="math",
-        sinks="softcap" in variant, **variant,
-    )  # fmt: skip
+        pools,
+        u,
+        r,
+        seed=5,
+        hq=4,
+        hkv=2,
+        bounds=bounds,
+        options=ROW,
+        backend="math",
+        sinks="softcap" in variant,
+        **variant,
+    )
 
 
 @pytest.mark.parametrize("u,r", [(1, 4), (2, 2), (4, 1)])
@@ -71,9 +97,16 @@ def test_row_wise_windows_softcap_sinks(pools, u, r, variant):
 )
 def test_row_wise_torch_backend_head_chunks_and_redo(pools, u, r, more):
     attend_and_check(
-        pools, u, r, seed=6, hq=8, hkv=4, bounds=bounds_of(DOCS["shorter_than_a_chunk"]),
-        options=ROW | more, backend="torch",
-    )  # fmt: skip
+        pools,
+        u,
+        r,
+        seed=6,
+        hq=8,
+        hkv=4,
+        bounds=bounds_of(DOCS["shorter_than_a_chunk"]),
+        options=ROW | more,
+        backend="torch",
+    )
 
 
 def _shards(rank, u, r):
@@ -90,8 +123,9 @@ def _shards(rank, u, r):
         ucp.shard_sequence(x[:, :60], topo, cu_seqlens=torch.tensor([0, 7, 60]))
     # a batch sharded row-wise, attended document-wise: refused, never a wrong answer
     q = make_qkv(seed=1, b=1, s=64, hq=4, hkv=4, d=8)[0]
-    plan = ucp.shard_batch({"input_ids": x[..., 0].long(), "cu_seqlens": cu,
-                            "shift_labels": x[..., 0].long()}, topo)["batch"]  # fmt: skip
+    plan = ucp.shard_batch(
+        {"input_ids": x[..., 0].long(), "cu_seqlens": cu, "shift_labels": x[..., 0].long()}, topo
+    )["batch"]
     ql = ucp.shard_sequence(q, topo)
     with pytest.raises(ValueError, match=r"packing 'row' and attention runs .* packing 'document'"):
         ucp.attention(ql, ql, ql, topo, batch=plan, packing="document", backend="math")

@@ -44,8 +44,22 @@ def test_bad_tile_settings_name_the_value_and_the_fix(bad):
 
 
 def _shape(**kw) -> ModelShape:
-    return ModelShape("hf", 128_256, 4096, 32, 32, 8, 128, 14_336, 8_030_000_000, 218_000_000,
-                      2, activation_checkpointing=True, offload_activations=True, **kw)  # fmt: skip
+    return ModelShape(
+        "hf",
+        128_256,
+        4096,
+        32,
+        32,
+        8,
+        128,
+        14_336,
+        8_030_000_000,
+        218_000_000,
+        2,
+        activation_checkpointing=True,
+        offload_activations=True,
+        **kw,
+    )
 
 
 def test_the_planner_resolves_auto_by_the_same_rule():
@@ -85,8 +99,16 @@ def test_auto_tiles_give_the_untiled_loss_and_gradients(monkeypatch):
     labels[:, :7] = -100
     results = []
     for setting in (0, "auto"):
-        mc = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32,
-                         tiled_mlp=setting, tiled_loss=setting)  # fmt: skip
+        mc = ModelConfig(
+            vocab_size=64,
+            dim=16,
+            n_layers=2,
+            n_heads=2,
+            n_kv_heads=1,
+            ffn_dim=32,
+            tiled_mlp=setting,
+            tiled_loss=setting,
+        )
         torch.manual_seed(0)
         model = Decoder(mc, ucp.Attention(topo, backend="math")).double()
         tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
@@ -115,8 +137,12 @@ def test_auto_tiles_on_a_hugging_face_model(monkeypatch):
     results = []
     for setting in (0, "auto"):
         torch.manual_seed(0)
-        mc = HFModelConfig(hf_config="configs/hf/tiny_llama.json", dtype="float64",
-                           tiled_mlp=setting, tiled_loss=setting)  # fmt: skip
+        mc = HFModelConfig(
+            hf_config="configs/hf/tiny_llama.json",
+            dtype="float64",
+            tiled_mlp=setting,
+            tiled_loss=setting,
+        )
         model = hf.build_model(topo, mc, backend="math")
         tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
         assert len(tiled) == (2 if setting == "auto" else 0)
@@ -140,20 +166,24 @@ def test_the_table_says_every_number_is_a_prediction():
     result = plan(run, world=4, hw=Hardware(gpu_mem_gb=0.02, gpus_per_node=2), seq_step=16)
     lines = table(result).splitlines()
     assert lines[0].startswith("PREDICTED, not measured.")
-    assert lines[-1].endswith("is a prediction of the planner's cost model (docs/planner.md), "
-                              "not a measurement")  # fmt: skip
+    assert lines[-1].endswith(
+        "is a prediction of the planner's cost model (docs/planner.md), not a measurement"
+    )
     n = result["config"]["max_seq_len"]
-    assert any(f"predicted peak of the config as written at its longest sequence, {n}" in x
-               for x in lines)  # fmt: skip
+    assert any(
+        f"predicted peak of the config as written at its longest sequence, {n}" in x for x in lines
+    )
     at = result["config_at_max_seq_len"]
     assert at["seq_len"] == n and at["peak_bytes_per_rank"] <= 0.02 * 2**30
 
 
 @pytest.mark.parametrize(
     "config, gib, goal",
-    [("llama3_8b_8gpu_zero3_u8r1.json", 80, 5_000_000),
-     ("llama3_8b_8xh200_zero3_u8r1.json", 141, 9_000_000)],
-)  # fmt: skip
+    [
+        ("llama3_8b_8gpu_zero3_u8r1.json", 80, 5_000_000),
+        ("llama3_8b_8xh200_zero3_u8r1.json", 141, 9_000_000),
+    ],
+)
 def test_the_8b_config_is_predicted_to_reach_the_goals(config, gib, goal):
     """The shipped Llama-3-8B configs (auto tiles) on 8 GPUs with 2 TiB of host memory per
     node: the planner's longest sequence for the config as written (its own search, no
@@ -169,5 +199,6 @@ def test_the_8b_config_is_predicted_to_reach_the_goals(config, gib, goal):
     assert run.model.tiled_mlp == run.model.tiled_loss == "auto"
     shape, base, hw = model_shape(run.model, dtype_bytes=2), base_run(run), Hardware(gib)
     fill = lambda n: filled(  # noqa: E731  (the GPU peak, or the host's share if fuller)
-        predict(shape, base, seq_len=n, batch=1, micro_steps=1, world=8, hw=hw), hw)  # fmt: skip
+        predict(shape, base, seq_len=n, batch=1, micro_steps=1, world=8, hw=hw), hw
+    )
     assert longest(fill, 16 * 1024, gib * GiB) >= goal

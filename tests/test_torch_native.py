@@ -371,8 +371,12 @@ def _rotated(rank, method):
         with ucp.context_parallel(mesh, buffers=qkv, buffer_seq_dims=[2, 2, 2]) as cp:
             out = F.scaled_dot_product_attention(*qkv, is_causal=True)
         out.square().mean().backward()
-        return dict(out=out.detach(), grads=[t.grad for t in qkv], calls=cp.calls,
-                    bytes=ucp.comm_stats.snapshot())  # fmt: skip
+        return dict(
+            out=out.detach(),
+            grads=[t.grad for t in qkv],
+            calls=cp.calls,
+            bytes=ucp.comm_stats.snapshot(),
+        )
     finally:
         ucp.set_rotate_method("alltoall")
 

@@ -15,8 +15,10 @@ from ulysses_cp.plan.search import Hardware
 
 pytestmark = pytest.mark.launcher
 
-WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
-                                         "warmup_num_steps": 3}}  # fmt: skip
+WARMUP = {
+    "type": "WarmupLR",
+    "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3},
+}
 CONFIG = run_config(
     **LAUNCH,
     gradient_accumulation_steps=2,

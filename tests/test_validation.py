@@ -81,8 +81,9 @@ def test_the_layout_is_stated_once():
         ),
     }
     for call in calls.values():
-        with pytest.raises(ValueError, match="layout='zigzag' disagrees with the run's layout "
-                                             "'contiguous'"):  # fmt: skip
+        with pytest.raises(
+            ValueError, match="layout='zigzag' disagrees with the run's layout 'contiguous'"
+        ):
             call()
     with pytest.raises(ValueError, match=r"\['zigzag', 'contiguous'\]"):
         ucp.init_topology(layout="striped")

@@ -28,9 +28,16 @@ CASE = dict(seed=11, hq=4, hkv=2)
 @pytest.mark.parametrize("softcap,with_sinks", [(5.0, False), (0.0, True), (2.0, True)])
 def test_softcap_and_sinks_match_float64(pools, u, r, layout, causal, softcap, with_sinks):
     attend_and_check(
-        pools, u, r, layout, **CASE, backend="math", causal=causal, softcap=softcap,
+        pools,
+        u,
+        r,
+        layout,
+        **CASE,
+        backend="math",
+        causal=causal,
+        softcap=softcap,
         sinks=with_sinks,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("u,r", [(4, 1), (1, 4), (2, 2)])
@@ -160,9 +167,19 @@ def test_window_in_packed_rows_is_per_document(pools, u, r, layout, window, caus
     chunks, so the window's offset in tokens differs per document group."""
     bounds = [0, 8, 32, 40, 64]
     attend_and_check(
-        pools, u, r, layout, seed=11, hq=8, hkv=2, bounds=bounds, backend=backend, causal=causal,
-        sinks=True, window=window,
-    )  # fmt: skip
+        pools,
+        u,
+        r,
+        layout,
+        seed=11,
+        hq=8,
+        hkv=2,
+        bounds=bounds,
+        backend=backend,
+        causal=causal,
+        sinks=True,
+        window=window,
+    )
 
 
 def test_flash_window_translation_sees_the_same_keys():
@@ -280,9 +297,11 @@ def _ring_split(rank, P, layout, split, window, causal):
 @pytest.mark.parametrize("window,causal", [((6, -1), True), ((4, 7), False)])
 def test_pieces_smaller_than_a_chunk_are_exact(pools, P, layout, split, window, causal):
     """Block-sparse attention: chunks cut in ``split`` pieces, pairs out of reach skipped."""
-    results = pools(max(P, 1)).run(_ring_split, P, layout, split, window, causal) if P > 1 else [
-        _ring_split(0, P, layout, split, window, causal)
-    ]  # fmt: skip
+    results = (
+        pools(max(P, 1)).run(_ring_split, P, layout, split, window, causal)
+        if P > 1
+        else [_ring_split(0, P, layout, split, window, causal)]
+    )
     q, k, v, dout = make_qkv(seed=4, b=1, s=64, hq=4, hkv=2, d=8)
     ref = reference(q, k, v, dout, causal=causal, window=window)
     for got, snap in results:
@@ -302,8 +321,10 @@ def test_window_split_picks_pieces_near_the_window():
     assert window_split(512, (5000, -1), 2) == 1  # chunks already within the window
 
 
-@pytest.mark.parametrize("u,r,layout", [(1, 1, "zigzag"), (4, 1, "zigzag"), (1, 4, "zigzag"),
-                                        (1, 4, "contiguous"), (2, 2, "zigzag")])  # fmt: skip
+@pytest.mark.parametrize(
+    "u,r,layout",
+    [(1, 1, "zigzag"), (4, 1, "zigzag"), (1, 4, "zigzag"), (1, 4, "contiguous"), (2, 2, "zigzag")],
+)
 @pytest.mark.parametrize("window", [(3, -1), (9, 2)], ids=str)
 def test_windowed_blocks_take_the_fused_kernel_where_they_can(pools, u, r, layout, window):
     """torch backend: blocks a window leaves whole (or aligned-causal) run torch's fused

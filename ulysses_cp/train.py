@@ -112,13 +112,16 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         micro = engine.train_micro_batch_size_per_gpu()
         evaluator = Evaluator(held_out, run.eval, topo, micro_batch=micro, device=engine.device)
     plan = LossPlan(mc.tiled_loss, mc.fused_loss)
-    trainer = Trainer(engine, topo, dataset, tc=tc, out=out, loss_plan=plan, hooks=hooks,
-                      evaluator=evaluator)  # fmt: skip
+    trainer = Trainer(
+        engine, topo, dataset, tc=tc, out=out, loss_plan=plan, hooks=hooks, evaluator=evaluator
+    )
     trainer.zero_bytes_per_step = zero_wire_bytes(
-        ds_run.raw, params=n_params, world=topo.world_size,
+        ds_run.raw,
+        params=n_params,
+        world=topo.world_size,
         element_bytes=next(engine.module.parameters()).element_size(),
         micro_steps=engine.gradient_accumulation_steps(),
-    )  # fmt: skip
+    )
     start, run_id = 0, None
     if resuming:
         run_id = checkpoint.latest_meta(out).get(RUN_ID_KEY)  # continue its wandb run
@@ -128,9 +131,14 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     elif args.resume == "auto":
         log.info(f"--resume auto: no checkpoint in {out}, starting at step 0")
     trainer.tracker = tracker = Tracker(
-        output_dir=out, config=run.raw, topo_info=info, is_main=dist.get_rank() == 0,
-        resume=resuming, start_step=start, run_id=run_id,
-    )  # fmt: skip
+        output_dir=out,
+        config=run.raw,
+        topo_info=info,
+        is_main=dist.get_rank() == 0,
+        resume=resuming,
+        start_step=start,
+        run_id=run_id,
+    )
     log.info(
         f"training {n_params / 1e6:.2f}M params, "
         f"{info}, seq_len {dc.seq_len}, steps {start}..{tc.max_steps}, output {out}"

@@ -256,9 +256,26 @@ def mha_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, zero_tensors, causa
 
 
 def mha_varlen_bwd(
-    dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, zero_tensors,
-    causal, wl, wr, cap,
-):  # fmt: skip
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    scale,
+    zero_tensors,
+    causal,
+    wl,
+    wr,
+    cap,
+):
     total_q, hq, _ = q.shape
     grads = []
     for name, g, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):

@@ -32,8 +32,20 @@ def conv(x, weight, bias=None, silu=False, seq_idx=None):
     return F.silu(out) if silu else out
 
 
-def ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial=None, seq_idx=None,
-        softplus=False, limit=(0.0, float("inf"))):  # fmt: skip
+def ssd(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial=None,
+    seq_idx=None,
+    softplus=False,
+    limit=(0.0, float("inf")),
+):
     """Mamba2's selective state space, one step at a time: ``x`` ``(b, s, h, p)``, ``dt``
     ``(b, s, h)``, ``A`` ``(h,)``, ``B``/``C`` ``(b, s, g, n)`` (head i reads group
     ``i // (h/g)``). ``h_t = exp(dt A) h_{t-1} + dt x_t B_t^T``, ``y_t = h_t C_t + D x_t``,

@@ -224,9 +224,13 @@ class PendingAllToAll:
         self._release = False  # free the send buffer once sent (post's ``release``)
 
     def post(
-        self, send: torch.Tensor, phase: str, op: str | None = "all_to_all", *,
+        self,
+        send: torch.Tensor,
+        phase: str,
+        op: str | None = "all_to_all",
+        *,
         release: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """Post the all-to-all of ``send`` (dim 0 = destination rank); its bytes counted
         under ``op`` (None: the caller counts them). ``release``: the caller will not use
         ``send`` again, so :meth:`wait` frees its storage once the transfer is done (the

@@ -42,5 +42,11 @@ def largest_peak_memory_mb(device: torch.device | str) -> float:
 
 def topology_info(topo: Topology) -> dict:
     """The run's degrees, mode and layout, as the wandb run's config holds them."""
-    return {"world_size": topo.world_size, "dp": topo.dp_degree, "ulysses": topo.ulysses_degree,
-            "ring": topo.ring_degree, "mode": topo.mode, "layout": topo.layout}  # fmt: skip
+    return {
+        "world_size": topo.world_size,
+        "dp": topo.dp_degree,
+        "ulysses": topo.ulysses_degree,
+        "ring": topo.ring_degree,
+        "mode": topo.mode,
+        "layout": topo.layout,
+    }

@@ -27,9 +27,14 @@ def full_numel(params) -> int:
 
 
 def zero_collectives(
-    *, params: int, element_bytes: int, stage: int, world: int, micro_steps: int = 1,
+    *,
+    params: int,
+    element_bytes: int,
+    stage: int,
+    world: int,
+    micro_steps: int = 1,
     max_live_parameters: float = 1e9,
-) -> dict[str, dict[str, int]]:  # fmt: skip
+) -> dict[str, dict[str, int]]:
     """``{op: {"logged": message bytes, "wire": bytes this rank sends}}`` per step (empty
     with one rank: nothing to reduce)."""
     n, S = world, params * element_bytes
@@ -39,10 +44,12 @@ def zero_collectives(
     if stage == 3:
         gathers = 2 if params > max_live_parameters else 1
         return {
-            "all_gather": {"logged": gathers * part * micro_steps,
-                           "wire": gathers * (n - 1) * part * micro_steps},
+            "all_gather": {
+                "logged": gathers * part * micro_steps,
+                "wire": gathers * (n - 1) * part * micro_steps,
+            },
             "reduce_scatter": {"logged": S * micro_steps, "wire": (n - 1) * S // n * micro_steps},
-        }  # fmt: skip
+        }
     reduces = micro_steps if stage == 2 else 1
     return {
         "all_reduce": {"logged": S * reduces, "wire": 2 * (n - 1) * S // n * reduces},
@@ -57,8 +64,11 @@ def zero_wire_bytes(
     (its ``zero_optimization`` stage and ``stage3_max_live_parameters``)."""
     zero = raw.get("zero_optimization") or {}
     ops = zero_collectives(
-        params=params, element_bytes=element_bytes, stage=int(zero.get("stage", 0)),
-        world=world, micro_steps=micro_steps,
+        params=params,
+        element_bytes=element_bytes,
+        stage=int(zero.get("stage", 0)),
+        world=world,
+        micro_steps=micro_steps,
         max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
-    )  # fmt: skip
+    )
     return sum(v["wire"] for v in ops.values())

@@ -74,17 +74,41 @@ def _cuda_backward(dout, q, k, v, out, lse, how: Scores):
         seed = torch.empty(2, dtype=torch.uint64, device=dev)
         offset = torch.empty((), dtype=torch.uint64, device=dev)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dop, qp, kp, vp, op, lse, None, None, q.shape[1], k.shape[1], 0.0, causal,
-            seed, offset, scale=scale,
-        )  # fmt: skip
+            dop,
+            qp,
+            kp,
+            vp,
+            op,
+            lse,
+            None,
+            None,
+            q.shape[1],
+            k.shape[1],
+            0.0,
+            causal,
+            seed,
+            offset,
+            scale=scale,
+        )
         return (_bhsd(t)[..., :d] for t in (dq, dk, dv))
     kq, vq = expand_kv(k, hq), expand_kv(v, hq)
     qp, kp, vp, op, dop = (_bhsd(_pad8(t)) for t in (q, kq, vq, out, dout.to(q.dtype)))
     zero = torch.zeros((), dtype=torch.int64, device=dev)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dop.contiguous(), qp, kp, vp, None, op, lse, zero, zero, 0.0,
-        [True, True, True, False], causal, scale=scale,
-    )  # fmt: skip
+        dop.contiguous(),
+        qp,
+        kp,
+        vp,
+        None,
+        op,
+        lse,
+        zero,
+        zero,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
     dk, dv = (reduce_kv(_bhsd(t)[..., :d], hkv) for t in (dk, dv))
     return _bhsd(dq)[..., :d], dk, dv
 

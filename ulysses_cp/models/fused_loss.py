@@ -201,8 +201,9 @@ def fused_cross_entropy(
         del hidden  # the caller's reference and the norm's node go when the loss returns
 
         def run_folded(h):
-            return _FusedHeadLoss.apply(h.detach(), linear.weight, linear.bias, flat_y, spec,
-                                        x, module.weight, norm)  # fmt: skip
+            return _FusedHeadLoss.apply(
+                h.detach(), linear.weight, linear.bias, flat_y, spec, x, module.weight, norm
+            )
 
         # inside the norm's call too: ZeRO-3 gathers its weight for this forward and again
         # before the backward, as for the head's

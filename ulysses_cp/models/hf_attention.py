@@ -201,10 +201,19 @@ class Registered:
 
         def run(q, k, v, cu_seqlens=None, batch=None, packing=None):
             return attention(
-                q, k, v, topo, causal=causal, layout=self.layout, softmax_scale=scaling,
-                backend=self.backend, cu_seqlens=cu_seqlens, batch=batch, packing=packing,
+                q,
+                k,
+                v,
+                topo,
+                causal=causal,
+                layout=self.layout,
+                softmax_scale=scaling,
+                backend=self.backend,
+                cu_seqlens=cu_seqlens,
+                batch=batch,
+                packing=packing,
                 **options,
-            )  # fmt: skip
+            )
 
         if kind == "chunked_attention":
             chunk = int(module.config.attention_chunk_size)
@@ -311,9 +320,13 @@ def _chunk_plan(bounds: list[int], chunk: int, topo: Topology, key: tuple):
             _PLANS.clear()
         inner = chunk_bounds(bounds, chunk)
         move = Relayout(
-            bounds, inner, P=topo.sp_world_size, rank=topo.sp_rank, layout=key[5],
+            bounds,
+            inner,
+            P=topo.sp_world_size,
+            rank=topo.sp_rank,
+            layout=key[5],
             group=topo.sp_group,
-        )  # fmt: skip
+        )
         _PLANS[full] = (move, torch.tensor(inner, dtype=torch.int32, device=key[6]))
     return _PLANS[full]
 

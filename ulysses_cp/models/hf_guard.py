@@ -287,8 +287,12 @@ def probe(wrapper: Any, topo: Topology | None, *, guard: bool | None = None) -> 
             try:
                 with whole_sequence(), recording() as record, _layer_io(layers) as whole:
                     hidden = wrapper.run_base(ids, pos, None)
-                    logits = model(input_ids=ids, position_ids=pos, use_cache=False,
-                                   **wrapper.extra_kwargs(pos, None)).logits  # fmt: skip
+                    logits = model(
+                        input_ids=ids,
+                        position_ids=pos,
+                        use_cache=False,
+                        **wrapper.extra_kwargs(pos, None),
+                    ).logits
                     natural = model(input_ids=ids, use_cache=False).logits  # its own positions
                     eager = eager_logits(model, ids, pos)  # transformers' own attention
             except ValueError as exc:

@@ -152,8 +152,16 @@ def gated_delta_net(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Te
     rule = _kernel(module, "torch_chunk_gated_delta_rule")
 
     def run(q, k, v, g, beta):
-        out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                      use_qk_l2norm_in_kernel=True)  # fmt: skip
+        out, _ = rule(
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=True,
+        )
         return out
 
     core = _by_document(ex, run, q, k, v, g, beta)  # (b, s, Hv/P, dv)
@@ -200,10 +208,11 @@ def mamba2(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor:
     heads = split_channels([_units(H, p)], ex.P, "heads")
     dts = split_channels([_units(H, 1, module.conv_dim)], ex.P, "heads")
     index = [
-        torch.cat([heads[r], *(_units(G, N, I + off)[groups[r]].flatten() for off in (0, G * N)),
-                   dts[r]])
+        torch.cat(
+            [heads[r], *(_units(G, N, I + off)[groups[r]].flatten() for off in (0, G * N)), dts[r]]
+        )
         for r in range(ex.P)
-    ]  # fmt: skip
+    ]
     rank = ex.topo.sp_rank
     full = ex.to_channels(source, index)  # (b, s, c)
     h_l, g_l = H // ex.P, len(groups[rank])
@@ -218,10 +227,18 @@ def mamba2(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor:
 
     def run(xs, dt_l, B, C):
         return scan(
-            xs.unflatten(-1, (h_l, p)), dt_l, A, B.unflatten(-1, (g_l, N)),
-            C.unflatten(-1, (g_l, N)), chunk_size=module.chunk_size, D=module.D[my], z=None,
-            dt_bias=module.dt_bias[my], dt_softplus=True, dt_limit=module.time_step_limit,
-        )  # fmt: skip
+            xs.unflatten(-1, (h_l, p)),
+            dt_l,
+            A,
+            B.unflatten(-1, (g_l, N)),
+            C.unflatten(-1, (g_l, N)),
+            chunk_size=module.chunk_size,
+            D=module.D[my],
+            z=None,
+            dt_bias=module.dt_bias[my],
+            dt_softplus=True,
+            dt_limit=module.time_step_limit,
+        )
 
     y = _by_document(ex, run, xs, dt_l, B, C).flatten(2)  # (b, s, H/P * p)
     y = ex.from_channels(y)  # (b, s_l, I)
@@ -308,8 +325,15 @@ def _exchange(topo: Topology, s_l: int, cu: torch.Tensor | None) -> MixerExchang
 _PLANS: dict[tuple, MixerExchange] = {}
 
 
-def _forward(adapter: Callable, module: Any, topo: Topology, hidden_states=None,
-             cache=None, attention_mask=None, **kwargs):  # fmt: skip
+def _forward(
+    adapter: Callable,
+    module: Any,
+    topo: Topology,
+    hidden_states=None,
+    cache=None,
+    attention_mask=None,
+    **kwargs,
+):
     if cache is not None or kwargs.get("cache_params") is not None:
         raise ValueError(
             f"{type(module).__name__} under sequence parallelism trains without a cache; "

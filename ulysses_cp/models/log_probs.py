@@ -216,9 +216,12 @@ def token_log_probs(
     flat_h = hidden.reshape(-1, hidden.shape[-1])  # (b*s_l, D)
     flat_y = labels.reshape(-1)
     n = resolve_tiles(
-        tiles, "loss", tokens=max(flat_y.numel(), 1), width=linear.weight.shape[0],
+        tiles,
+        "loss",
+        tokens=max(flat_y.numel(), 1),
+        width=linear.weight.shape[0],
         element_bytes=flat_h.element_size(),
-    )  # fmt: skip
+    )
     n = max(1, min(n, flat_y.numel()))
     spec = ((transform.scale, transform.softcap, float(temperature)), n, frozenset(outputs))
 

@@ -70,9 +70,12 @@ class TiledMLP(nn.Module):
     def pieces(self, x: torch.Tensor) -> int:
         """How many pieces ``x`` ``(b, s, D)`` runs in."""
         n = resolve_tiles(
-            self.chunks, "mlp", tokens=x.shape[0] * x.shape[1], width=self.width or 0,
+            self.chunks,
+            "mlp",
+            tokens=x.shape[0] * x.shape[1],
+            width=self.width or 0,
             element_bytes=x.element_size(),
-        )  # fmt: skip
+        )
         return min(n, x.shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -149,9 +149,15 @@ def attend(
         # compiled Ulysses: differentiable traceable ops (one graph, no overlap)
         inner = _inner(topo, call, choice, docs)
         return ulysses_attention(
-            q, k, v, group=topo.ulysses_group, inner=inner, order=order, sinks=sinks,
+            q,
+            k,
+            v,
+            group=topo.ulysses_group,
+            inner=inner,
+            order=order,
+            sinks=sinks,
             head_chunks=chunks,
-        )  # fmt: skip
+        )
     # Ulysses: a2a around the local kernel; hybrid: a2a around the ring. Head-sharded
     # copies kept for the backward and freed as it goes, or (redo_all_to_all) none kept
     # and the a2a redone there. Compiled hybrid or redo: eager as a whole (the graph
@@ -159,9 +165,15 @@ def attend(
     pair = _inner(topo, call, choice, docs, q.shape[1] * u)
     run = _eager_in_graph if compiling() else chunked_attention
     return run(
-        q, k, v, group=topo.ulysses_group, inner=pair, order=order, sinks=sinks,
+        q,
+        k,
+        v,
+        group=topo.ulysses_group,
+        inner=pair,
+        order=order,
+        sinks=sinks,
         chunks=HeadChunks(chunks, choice.redo_all_to_all),
-    )  # fmt: skip
+    )
 
 
 def _plan_of(

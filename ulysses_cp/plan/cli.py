@@ -25,8 +25,12 @@ from .shapes import model_shape
 
 __all__ = ["base_run", "breakdown", "main", "parse_args", "plan", "plan_for_launch", "table"]
 
-KEYS = ("peak_bytes_per_rank", "static_bytes_per_rank", "activation_bytes_per_rank",
-        "comm_bytes_per_step_per_rank")  # fmt: skip
+KEYS = (
+    "peak_bytes_per_rank",
+    "static_bytes_per_rank",
+    "activation_bytes_per_rank",
+    "comm_bytes_per_step_per_rank",
+)
 
 
 def base_run(run: RunConfig) -> Run:
@@ -39,13 +43,19 @@ def base_run(run: RunConfig) -> Run:
         resolve_head_chunks(sp.head_chunks, hq, hkv, sp.ulysses_degree, sp.ring_degree > 1)
         chunks = sp.head_chunks
     return Run(
-        ulysses=sp.ulysses_degree, ring=sp.ring_degree, layout=sp.layout,
-        zero_stage=int(zero.get("stage", 0)), head_chunks=chunks,
+        ulysses=sp.ulysses_degree,
+        ring=sp.ring_degree,
+        layout=sp.layout,
+        zero_stage=int(zero.get("stage", 0)),
+        head_chunks=chunks,
         activation_checkpointing=mc.activation_checkpointing,
-        offload_activations=mc.offload_activations, tiled_mlp=mc.tiled_mlp,
-        tiled_loss=mc.tiled_loss, offload_optimizer=off, kv_exchange=sp.kv_exchange,
+        offload_activations=mc.offload_activations,
+        tiled_mlp=mc.tiled_mlp,
+        tiled_loss=mc.tiled_loss,
+        offload_optimizer=off,
+        kv_exchange=sp.kv_exchange,
         redo_all_to_all=sp.redo_all_to_all,
-    )  # fmt: skip
+    )
 
 
 def _hf_heads(mc) -> tuple[int, int]:
@@ -68,9 +78,14 @@ def _describe(run: Run) -> dict:
 
 
 def plan(
-    run_config: RunConfig, *, world: int, hw: Hardware, seq_len: int | None = None,
-    seq_step: int = 1024, max_candidates: int | None = None,
-) -> dict:  # fmt: skip
+    run_config: RunConfig,
+    *,
+    world: int,
+    hw: Hardware,
+    seq_len: int | None = None,
+    seq_step: int = 1024,
+    max_candidates: int | None = None,
+) -> dict:
     """The planner's JSON for a loaded config (see the module docstring)."""
     raw = run_config.raw
     shape = model_shape(run_config.model, dtype_bytes=_dtype_bytes(raw))
@@ -91,8 +106,9 @@ def plan(
     shape = replace(shape, weights_file_bytes=_largest_weights_file(run_config.model))
 
     def at(r: Run, n: int) -> dict:
-        return predict(shape, r, seq_len=n, batch=batch, micro_steps=gas, world=world, hw=hw,
-                       zero_knobs=knobs)  # fmt: skip
+        return predict(
+            shape, r, seq_len=n, batch=batch, micro_steps=gas, world=world, hw=hw, zero_knobs=knobs
+        )
 
     def one(r: Run) -> dict:
         pred = at(r, N)
@@ -102,15 +118,22 @@ def plan(
             // _gcd(sequence_multiple(r.sp, r.layout), seq_step)
         )
         peak = lambda n: filled(at(r, n), hw)  # noqa: E731
-        return {**_describe(r), "fits": filled(pred, hw) <= budget,
-                "max_seq_len": longest(peak, unit, budget), **pred}  # fmt: skip
+        return {
+            **_describe(r),
+            "fits": filled(pred, hw) <= budget,
+            "max_seq_len": longest(peak, unit, budget),
+            **pred,
+        }
 
     written = one(base)
     longest_n = written["max_seq_len"]
     at_longest = None
     if longest_n:
-        at_longest = {"seq_len": longest_n, "tokens_per_rank": batch * longest_n // base.sp,
-                      **at(base, longest_n)}  # fmt: skip
+        at_longest = {
+            "seq_len": longest_n,
+            "tokens_per_rank": batch * longest_n // base.sp,
+            **at(base, longest_n),
+        }
     split = _offload_split(base, shape.layers, written["max_seq_len"], one)
     cands = [one(r) for r in candidates(shape, base, world=world, seq_len=N)]
     cands.sort(key=lambda c: (not c["fits"], c["predicted_step_s"], -c["max_seq_len"]))
@@ -118,16 +141,22 @@ def plan(
         cands = cands[:max_candidates]
     chosen = next((c for c in cands if c["fits"]), None)
     return {
-        "inputs": {"deepspeed_config": str(run_config.path), "world": world, "seq_len": N,
-                   "micro_batch": batch, "gradient_accumulation_steps": gas,
-                   "model_params": shape.params, "dtype_bytes": shape.dtype_bytes},
+        "inputs": {
+            "deepspeed_config": str(run_config.path),
+            "world": world,
+            "seq_len": N,
+            "micro_batch": batch,
+            "gradient_accumulation_steps": gas,
+            "model_params": shape.params,
+            "dtype_bytes": shape.dtype_bytes,
+        },
         "hardware": asdict(hw),
         "config": written,
         "config_at_max_seq_len": at_longest,
         "offload_split": split,
         "candidates": cands,
         "chosen": chosen,
-    }  # fmt: skip
+    }
 
 
 def _offload_split(base: Run, layers: int, written: int, one) -> dict | None:
@@ -288,8 +317,9 @@ def hardware(args: argparse.Namespace) -> Hardware:
         )
     names = {f.name for f in fields(Hardware)}
     vals = {k.replace("-", "_"): v for k, v in vars(args).items()}
-    return Hardware(**{k: vals[k] for k in names if k in vals and k != "gpus_per_node"},
-                    gpus_per_node=per_node)  # fmt: skip
+    return Hardware(
+        **{k: vals[k] for k in names if k in vals and k != "gpus_per_node"}, gpus_per_node=per_node
+    )
 
 
 def plan_for_launch(run_config: RunConfig, env: dict[str, str]) -> str:
@@ -315,8 +345,13 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(f"--world must be >= 1, got {args.world}")
         if not Path(args.deepspeed_config).is_file():
             raise ValueError(f"--deepspeed_config {args.deepspeed_config}: no such file")
-        result = plan(RunConfig.load(args.deepspeed_config), world=args.world,
-                      hw=hardware(args), seq_len=args.seq_len, seq_step=args.seq_step)  # fmt: skip
+        result = plan(
+            RunConfig.load(args.deepspeed_config),
+            world=args.world,
+            hw=hardware(args),
+            seq_len=args.seq_len,
+            seq_step=args.seq_step,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -62,9 +62,16 @@ def forward_comm_bytes(
 
 
 def attention_bytes(
-    shape: ModelShape, *, seq_len: int, batch: int, ulysses: int, ring: int, micro_steps: int = 1,
-    kv_exchange: str = "ring", redo: bool = False,
-) -> dict[str, int]:  # fmt: skip
+    shape: ModelShape,
+    *,
+    seq_len: int,
+    batch: int,
+    ulysses: int,
+    ring: int,
+    micro_steps: int = 1,
+    kv_exchange: str = "ring",
+    redo: bool = False,
+) -> dict[str, int]:
     """All-to-all and ring bytes this rank sends in one step (every layer, forward and
     backward, ``micro_steps`` micro batches), as ``ulysses_cp.core.comm.stats`` counts.
     Activation checkpointing runs every layer's forward, and its attention traffic, again
@@ -73,9 +80,15 @@ def attention_bytes(
     (``all_to_all_redo``)."""
     B = shape.dtype_bytes
     a2a, ring_fwd = forward_comm_bytes(
-        batch=batch, seq_len=seq_len, hq=shape.hq, hkv=shape.hkv, head_dim=shape.head_dim,
-        ulysses_degree=ulysses, ring_degree=ring, bytes_per_element=B,
-    )  # fmt: skip
+        batch=batch,
+        seq_len=seq_len,
+        hq=shape.hq,
+        hkv=shape.hkv,
+        head_dim=shape.head_dim,
+        ulysses_degree=ulysses,
+        ring_degree=ring,
+        bytes_per_element=B,
+    )
     acc = 8 if B == 8 else 4  # the dk/dv accumulators' dtype
     shares = ring if kv_exchange == "ring" else ring - 1  # dk/dv blocks sent in backward
     ring_bwd = ring_fwd + (ring_fwd // (ring - 1) * shares * acc // B if ring > 1 else 0)
@@ -108,22 +121,35 @@ def mixer_bytes(shape: ModelShape, *, seq_len: int, batch: int, sp: int) -> int:
 
 
 def zero_bytes(
-    shape: ModelShape, *, stage: int, world: int, micro_steps: int = 1,
+    shape: ModelShape,
+    *,
+    stage: int,
+    world: int,
+    micro_steps: int = 1,
     max_live_parameters: float = 1e9,
-) -> dict[str, dict[str, int]]:  # fmt: skip
+) -> dict[str, dict[str, int]]:
     """ZeRO's collectives per step: ``{op: {"logged": message bytes, "wire": bytes this
     rank sends}}`` (empty with one rank: nothing to reduce), by the rule the run logs
     (``core.zero_comm``)."""
     return zero_collectives(
-        params=shape.params, element_bytes=shape.dtype_bytes, stage=stage, world=world,
-        micro_steps=micro_steps, max_live_parameters=max_live_parameters,
-    )  # fmt: skip
+        params=shape.params,
+        element_bytes=shape.dtype_bytes,
+        stage=stage,
+        world=world,
+        micro_steps=micro_steps,
+        max_live_parameters=max_live_parameters,
+    )
 
 
 def split_nodes(
-    *, world: int, gpus_per_node: int, ulysses: int, ring: int, attention: dict[str, int],
+    *,
+    world: int,
+    gpus_per_node: int,
+    ulysses: int,
+    ring: int,
+    attention: dict[str, int],
     zero: dict[str, dict[str, int]],
-) -> dict[str, int]:  # fmt: skip
+) -> dict[str, int]:
     """``{"intra": bytes, "inter": bytes}`` per step for rank 0 (the rank layout makes
     every rank's groups alike), from the groups ``plan_groups`` builds."""
     plan = plan_groups(world, ulysses, ring)
@@ -132,8 +158,7 @@ def split_nodes(
     intra = inter = 0
     mixers = attention.get("mixers", 0)  # all-to-alls over the whole SP group
     ulysses_sent = attention["all_to_all"] - mixers + attention.get("all_to_all_redo", 0)
-    for group, sent in ((mine(plan.ulysses_groups), ulysses_sent),
-                        (mine(plan.sp_groups), mixers)):  # fmt: skip
+    for group, sent in ((mine(plan.ulysses_groups), ulysses_sent), (mine(plan.sp_groups), mixers)):
         if len(group) > 1:
             off = sum(node[r] != node[0] for r in group)  # peers on other nodes
             inter += sent * off // (len(group) - 1)

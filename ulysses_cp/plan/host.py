@@ -34,9 +34,14 @@ FP32 = 4
 
 
 def host_bytes(
-    shape: ModelShape, *, zero_stage: int, world: int, tokens: int,
-    offload_optimizer: bool = False, partitioned_load: bool = False,
-) -> dict[str, int]:  # fmt: skip
+    shape: ModelShape,
+    *,
+    zero_stage: int,
+    world: int,
+    tokens: int,
+    offload_optimizer: bool = False,
+    partitioned_load: bool = False,
+) -> dict[str, int]:
     """Host bytes per rank: ``optimizer``, ``activations``, ``training`` (their sum),
     ``load`` and ``peak``. ``tokens``: tokens this rank holds in one micro-batch. The
     piece held whole while loading: ``shape.weights_file_bytes`` (the largest shard file)

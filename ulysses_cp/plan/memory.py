@@ -85,9 +85,16 @@ def static_bytes(
 
 
 def attention_activation(
-    shape: ModelShape, *, s_local: int, batch: int, ulysses: int, ring: int,
-    head_chunks: int = 1, kv_exchange: str = "ring", redo: bool = False,
-) -> dict[str, int]:  # fmt: skip
+    shape: ModelShape,
+    *,
+    s_local: int,
+    batch: int,
+    ulysses: int,
+    ring: int,
+    head_chunks: int = 1,
+    kv_exchange: str = "ring",
+    redo: bool = False,
+) -> dict[str, int]:
     """Attention's share of one layer beyond what :func:`_layer_saved` counts (the caller's
     q, k, v, output and lse, as local attention saves them), in bytes: ``kept`` (the
     head-sharded copies kept from the forward to the backward), ``saved`` (what they add
@@ -159,9 +166,16 @@ def attention_activation(
 
 
 def attention_layer_peak(
-    shape: ModelShape, *, seq_len: int, batch: int, ulysses: int, ring: int,
-    head_chunks: int = 1, kv_exchange: str = "ring", redo: bool = False,
-) -> int:  # fmt: skip
+    shape: ModelShape,
+    *,
+    seq_len: int,
+    batch: int,
+    ulysses: int,
+    ring: int,
+    head_chunks: int = 1,
+    kv_exchange: str = "ring",
+    redo: bool = False,
+) -> int:
     """The per-rank peak of one attention layer's forward and backward, inputs included:
     the caller's q, k, v and output gradient, the output, its lse, and
     :func:`attention_activation`'s ``saved`` and ``staging`` (what
@@ -170,9 +184,15 @@ def attention_layer_peak(
     t, B = batch * s_l, shape.dtype_bytes
     own = (3 * shape.q_width + 2 * shape.kv_width) * t * B + shape.hq * t * FP32
     attn = attention_activation(
-        shape, s_local=s_l, batch=batch, ulysses=ulysses, ring=ring,
-        head_chunks=head_chunks, kv_exchange=kv_exchange, redo=redo,
-    )  # fmt: skip
+        shape,
+        s_local=s_l,
+        batch=batch,
+        ulysses=ulysses,
+        ring=ring,
+        head_chunks=head_chunks,
+        kv_exchange=kv_exchange,
+        redo=redo,
+    )
     return own + attn["kept"] + attn["staging"]
 
 
@@ -208,9 +228,16 @@ def _layer_saved(shape: ModelShape, t: int, mlp_tiles: int) -> int:
 
 
 def activation_bytes(
-    shape: ModelShape, *, seq_len: int, batch: int, ulysses: int, ring: int,
-    head_chunks: int = 1, kv_exchange: str = "ring", redo: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    shape: ModelShape,
+    *,
+    seq_len: int,
+    batch: int,
+    ulysses: int,
+    ring: int,
+    head_chunks: int = 1,
+    kv_exchange: str = "ring",
+    redo: bool = False,
+) -> dict[str, Any]:
     """The activation peak of one training step on one rank, and its parts (bytes):
     ``layers`` (what every layer keeps), ``top`` (the final norm's tensors at the peak:
     its input and output in the loss's phase, the gradient into the last layer after it),
@@ -221,9 +248,15 @@ def activation_bytes(
     t = batch * (seq_len // P)
     B, D, V, F = shape.dtype_bytes, shape.dim, shape.vocab, shape.ffn
     attn = attention_activation(
-        shape, s_local=seq_len // P, batch=batch, ulysses=ulysses, ring=ring,
-        head_chunks=head_chunks, kv_exchange=kv_exchange, redo=redo,
-    )  # fmt: skip
+        shape,
+        s_local=seq_len // P,
+        batch=batch,
+        ulysses=ulysses,
+        ring=ring,
+        head_chunks=head_chunks,
+        kv_exchange=kv_exchange,
+        redo=redo,
+    )
     tiles = tile_counts(shape, t)
     layer = _layer_saved(shape, t, tiles["mlp"]) + attn["saved"]
     rope_top = 2 * shape.head_dim * FP32 * t if shape.family == "hf" else 0
@@ -247,8 +280,11 @@ def activation_bytes(
         layers = (shape.layers - shape.offloaded_layers) * D * B * t
         # the loss backward, or the last layer recomputed and its attention backward
         grads = (2 * shape.q_width + shape.kv_width) * B * t
-        parts = {"loss": loss, "recomputed_layer": layer,
-                 "layer_backward": max(grads, attn["staging"])}  # fmt: skip
+        parts = {
+            "loss": loss,
+            "recomputed_layer": layer,
+            "layer_backward": max(grads, attn["staging"]),
+        }
         # by the attention's backward the layer's MLP half is done: its saved tensors
         # (the MLP's intermediates when untiled, the second norm's input and output and
         # the MLP output: about half of the layer's hidden-size tensors) are gone, so the
@@ -270,5 +306,10 @@ def activation_bytes(
         transient = loss
     else:
         top, transient = after_top, in_layers
-    return {"layers": layers, "top": top, "transient": transient,
-            "total": layers + top + transient, "transient_parts": parts}  # fmt: skip
+    return {
+        "layers": layers,
+        "top": top,
+        "transient": transient,
+        "total": layers + top + transient,
+        "transient_parts": parts,
+    }

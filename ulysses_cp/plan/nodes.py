@@ -35,8 +35,9 @@ def node_of(rank: int, gpus_per_node: int) -> int:
     return rank // gpus_per_node
 
 
-def group_spans(groups: list[list[int]], node: dict[int, str] | None = None, *,
-                gpus_per_node: int | None = None) -> list[int]:  # fmt: skip
+def group_spans(
+    groups: list[list[int]], node: dict[int, str] | None = None, *, gpus_per_node: int | None = None
+) -> list[int]:
     """How many nodes each group touches (from ``node``: rank -> node, or ranks numbered
     node by node with ``gpus_per_node``)."""
     if node is None:

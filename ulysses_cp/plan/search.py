@@ -118,47 +118,79 @@ def _flops(shape: ModelShape, run: Run, seq_len: int, batch: int) -> float:
 
 
 def predict(
-    shape: ModelShape, run: Run, *, seq_len: int, batch: int, micro_steps: int, world: int,
-    hw: Hardware, zero_knobs: ZeroKnobs = ZeroKnobs(),
-) -> dict:  # fmt: skip
+    shape: ModelShape,
+    run: Run,
+    *,
+    seq_len: int,
+    batch: int,
+    micro_steps: int,
+    world: int,
+    hw: Hardware,
+    zero_knobs: ZeroKnobs = ZeroKnobs(),
+) -> dict:
     """Memory, communication and step time of ``run`` for one rank."""
     sh = _shape(shape, run)
     static = static_bytes(
-        sh, zero_stage=run.zero_stage, world=world, offload_optimizer=run.offload_optimizer,
+        sh,
+        zero_stage=run.zero_stage,
+        world=world,
+        offload_optimizer=run.offload_optimizer,
         reduce_bucket_size=zero_knobs.reduce_bucket_size,
         persistence_threshold=zero_knobs.persistence_threshold,
-    )  # fmt: skip
+    )
     chunks = 1  # what the run uses: 0 is the automatic rule
     if run.ulysses > 1:
         head = batch * (seq_len // run.ring) * sh.head_dim * sh.dtype_bytes  # one q head, sharded
         chunks = resolve_head_chunks(
             run.head_chunks, sh.hq, sh.hkv, run.ulysses, run.ring > 1, head
-        )  # fmt: skip
+        )
     act = activation_bytes(
-        sh, seq_len=seq_len, batch=batch, ulysses=run.ulysses, ring=run.ring,
-        head_chunks=chunks, kv_exchange=run.kv_exchange, redo=run.redo_all_to_all,
-    )  # fmt: skip
+        sh,
+        seq_len=seq_len,
+        batch=batch,
+        ulysses=run.ulysses,
+        ring=run.ring,
+        head_chunks=chunks,
+        kv_exchange=run.kv_exchange,
+        redo=run.redo_all_to_all,
+    )
     attn = attention_bytes(
-        sh, seq_len=seq_len, batch=batch, ulysses=run.ulysses, ring=run.ring,
-        micro_steps=micro_steps, kv_exchange=run.kv_exchange, redo=run.redo_all_to_all,
-    )  # fmt: skip
+        sh,
+        seq_len=seq_len,
+        batch=batch,
+        ulysses=run.ulysses,
+        ring=run.ring,
+        micro_steps=micro_steps,
+        kv_exchange=run.kv_exchange,
+        redo=run.redo_all_to_all,
+    )
     zero = zero_bytes(
-        sh, stage=run.zero_stage, world=world, micro_steps=micro_steps,
+        sh,
+        stage=run.zero_stage,
+        world=world,
+        micro_steps=micro_steps,
         max_live_parameters=zero_knobs.max_live_parameters,
-    )  # fmt: skip
+    )
     nodes = split_nodes(
-        world=world, gpus_per_node=min(hw.gpus_per_node, world), ulysses=run.ulysses,
-        ring=run.ring, attention=attn, zero=zero,
-    )  # fmt: skip
+        world=world,
+        gpus_per_node=min(hw.gpus_per_node, world),
+        ulysses=run.ulysses,
+        ring=run.ring,
+        attention=attn,
+        zero=zero,
+    )
     t = batch * seq_len // run.sp
     host = 2 * sh.offloaded_layers * sh.dim * sh.dtype_bytes * t * micro_steps
     if run.offload_optimizer:
         host += 2 * -(-sh.params // world) * sh.dtype_bytes
     host_mem = host_bytes(
-        sh, zero_stage=run.zero_stage, world=world, tokens=t,
+        sh,
+        zero_stage=run.zero_stage,
+        world=world,
+        tokens=t,
         offload_optimizer=run.offload_optimizer,
         partitioned_load=run.zero_stage == 3 and sh.family == "hf",
-    )  # fmt: skip
+    )
     flops = _flops(sh, run, seq_len, batch) * micro_steps
     step_s = (
         flops / (hw.peak_tflops * 1e12 * hw.mfu)
@@ -239,8 +271,20 @@ def candidates(shape: ModelShape, base: Run, *, world: int, seq_len: int) -> lis
             ):
                 if seq_len % sequence_multiple(sp, layout):
                     continue
-                run = Run(u, r, layout, stage, c, ck, off, tl, tl, base.offload_optimizer,
-                          base.kv_exchange, redo)  # fmt: skip
+                run = Run(
+                    u,
+                    r,
+                    layout,
+                    stage,
+                    c,
+                    ck,
+                    off,
+                    tl,
+                    tl,
+                    base.offload_optimizer,
+                    base.kv_exchange,
+                    redo,
+                )
                 if run != base:
                     out.append(run)
     return out

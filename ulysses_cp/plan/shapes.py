@@ -113,10 +113,18 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
         with torch.device("meta"):
             model = Decoder(mc, attn=lambda q, k, v: q)
         return ModelShape(
-            "reference", mc.vocab_size, mc.dim, mc.n_layers, mc.n_heads, mc.n_kv_heads,
-            mc.head_dim, mc.ffn_dim, dtype_bytes=dtype_bytes or 4,
-            **_count(model, model.layers), **feats,
-        )  # fmt: skip
+            "reference",
+            mc.vocab_size,
+            mc.dim,
+            mc.n_layers,
+            mc.n_heads,
+            mc.n_kv_heads,
+            mc.head_dim,
+            mc.ffn_dim,
+            dtype_bytes=dtype_bytes or 4,
+            **_count(model, model.layers),
+            **feats,
+        )
     from ..models.hf import _transformers, ffn_width, heads, load_config
     from ..models.lean_norm import lean_norms
 
@@ -127,11 +135,20 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
         model = _transformers().AutoModelForCausalLM.from_config(cfg)
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     return ModelShape(
-        "hf", cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, hq, hkv, d,
-        ffn_width(cfg), dtype_bytes=dtype_bytes or DTYPE_BYTES[mc.dtype],
-        **_count(model, layers), **feats, **_hybrid(cfg, model),
+        "hf",
+        cfg.vocab_size,
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        hq,
+        hkv,
+        d,
+        ffn_width(cfg),
+        dtype_bytes=dtype_bytes or DTYPE_BYTES[mc.dtype],
+        **_count(model, layers),
+        **feats,
+        **_hybrid(cfg, model),
         lean_norms=bool(mc.lean_norms and lean_norms(model)),  # probed on the meta model
-    )  # fmt: skip
+    )
 
 
 def _hybrid(cfg: Any, model: torch.nn.Module) -> dict[str, Any]:

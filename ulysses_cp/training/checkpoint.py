@@ -110,8 +110,12 @@ def save(
     torch.save(_rng_state(), out / tmp_tag / f"rng_rank{rank}.pt")
     state = portable_state(engine) if portable else None  # collective
     if rank == 0:
-        info = {**(meta or {}), "world_size": dist.get_world_size(),
-                "zero_stage": zero_stage(engine), "step": step}  # fmt: skip
+        info = {
+            **(meta or {}),
+            "world_size": dist.get_world_size(),
+            "zero_stage": zero_stage(engine),
+            "step": step,
+        }
         (out / tmp_tag / "meta.json").write_text(json.dumps(info))
         if state is not None:
             torch.save(state, out / tmp_tag / "portable.pt")

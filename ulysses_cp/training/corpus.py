@@ -216,8 +216,14 @@ def _build(paths: list[Path], tok: Tokenizer, field: str, final: Path, workers: 
         else:
             _init_worker(tok.backend_json, process=False)
         offsets = [0]
-        bar = tqdm(total=total, unit="doc", desc="tokenizing", disable=not progress,
-                   file=sys.stderr, dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(
+            total=total,
+            unit="doc",
+            desc="tokenizing",
+            disable=not progress,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
         with bar, (tmp / "tokens.bin").open("wb") as out:
             for docs in _ordered(pool, _batches(paths, tok, field), tok.eos_id, 2 * workers):
                 lens = [len(ids) for ids in docs]

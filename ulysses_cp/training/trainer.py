@@ -188,9 +188,13 @@ class Trainer:
         """A checkpoint after ``step``; its ``meta.json`` keeps the wandb run's id."""
         meta = self.tracker.checkpoint_meta() if self.tracker is not None else {}
         return checkpoint.save(
-            self.engine, self.out, step, portable=self.tc.portable_checkpoint, hook=self.hooks,
+            self.engine,
+            self.out,
+            step,
+            portable=self.tc.portable_checkpoint,
+            hook=self.hooks,
             meta=meta,
-        )  # fmt: skip
+        )
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The evaluator's metrics after ``step``, with the model in eval mode; logged."""

@@ -124,8 +124,15 @@ def _shard(run: SequenceParallelRun, batch: dict) -> tuple[dict, torch.Tensor | 
     return run.shard(batch), lead, s
 
 
-def _fused(run: SequenceParallelRun, wrapper: HFCausalLM, temperature: float, batch: dict,
-           labels, shift_labels, num_items_in_batch) -> Any:  # fmt: skip
+def _fused(
+    run: SequenceParallelRun,
+    wrapper: HFCausalLM,
+    temperature: float,
+    batch: dict,
+    labels,
+    shift_labels,
+    num_items_in_batch,
+) -> Any:
     from trl.trainer.utils import FusedCausalLMOutput
 
     if shift_labels is not None:  # already shifted on the full rows: (b, s) outputs
@@ -137,9 +144,14 @@ def _fused(run: SequenceParallelRun, wrapper: HFCausalLM, temperature: float, ba
     local, lead, s = _shard(run, batch)
     hidden = wrapper(local["input_ids"], local["position_ids"], local["batch"], return_hidden=True)
     full = sequence_log_probs(
-        hidden, wrapper.head, local["shift_labels"], run.topo,
-        cu_seqlens=local.get("cu_seqlens"), temperature=temperature, outputs=OUTPUTS,
-    )  # fmt: skip
+        hidden,
+        wrapper.head,
+        local["shift_labels"],
+        run.topo,
+        cu_seqlens=local.get("cu_seqlens"),
+        temperature=temperature,
+        outputs=OUTPUTS,
+    )
     n = mask.shape[1]  # the end padding the shard added, and the last token (no target), cut
     out = {name: _restored(x[:, :n], lead, s).masked_fill(~mask, 0) for name, x in full.items()}
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
@@ -165,19 +177,28 @@ def _logits(run: SequenceParallelRun, wrapper: HFCausalLM, batch: dict) -> Any:
     return CausalLMOutputWithPast(logits=_restored(run.full_logits(logits, local), lead, s))
 
 
-def install(model: Any, run: SequenceParallelRun, wrapper: HFCausalLM, *,
-            temperature: float = 1.0) -> None:  # fmt: skip
+def install(
+    model: Any, run: SequenceParallelRun, wrapper: HFCausalLM, *, temperature: float = 1.0
+) -> None:
     """Give the transformers ``model`` (a PEFT model's base model) the sequence-parallel
     forward of the module docstring, in place of the one it has (TRL's fused head). Call
     after the model's probe (:meth:`HFCausalLM.probe`), which runs the model's own
     forward."""
 
-    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
-                num_items_in_batch=None, **kwargs):  # fmt: skip
+    def forward(
+        self,
+        *args,
+        fused_lm_head=False,
+        labels=None,
+        shift_labels=None,
+        num_items_in_batch=None,
+        **kwargs,
+    ):
         batch = _batch(kwargs, args)
         if fused_lm_head:
-            return _fused(run, wrapper, temperature, batch, labels, shift_labels,
-                          num_items_in_batch)  # fmt: skip
+            return _fused(
+                run, wrapper, temperature, batch, labels, shift_labels, num_items_in_batch
+            )
         if labels is not None or shift_labels is not None:
             raise ValueError(
                 "under sequence parallelism a model call with labels needs fused_lm_head=True "

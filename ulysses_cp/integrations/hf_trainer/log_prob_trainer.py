@@ -78,14 +78,16 @@ class LogProbTrainerMixin(SequenceParallelMixin):
         # the parent's loss: skip SequenceParallelMixin.compute_loss (a causal-LM loss)
         parent = super(SequenceParallelMixin, self).compute_loss  # type: ignore[misc]
         if sp is None:
-            return parent(model, inputs, return_outputs=return_outputs,
-                          num_items_in_batch=num_items_in_batch)  # fmt: skip
+            return parent(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         self._prepare_heads()
         if model.training:
             self._count_tokens(inputs)
         before = getattr(self, "_total_train_tokens", None)
-        result = parent(model, inputs, return_outputs=return_outputs,
-                        num_items_in_batch=num_items_in_batch)  # fmt: skip
+        result = parent(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
         # DPO's count was gathered over every process: each replica P times
         added = 0 if before is None else self._total_train_tokens - before
         if added:

@@ -52,9 +52,12 @@ def zero_bytes_per_step(model: Any, deepspeed_config: dict, *, world: int, micro
     if not params or not all(p.requires_grad for p in params):
         return None
     return zero_wire_bytes(
-        deepspeed_config, params=full_numel(params), element_bytes=params[0].element_size(),
-        world=world, micro_steps=micro_steps,
-    )  # fmt: skip
+        deepspeed_config,
+        params=full_numel(params),
+        element_bytes=params[0].element_size(),
+        world=world,
+        micro_steps=micro_steps,
+    )
 
 
 class StepMeter:
@@ -158,8 +161,11 @@ def resumed_wandb_run(folder: Path | None) -> Iterator[None]:
         yield
         return
     run_id = json.loads(path.read_text())["id"]
-    ours = {k: v for k, v in (("WANDB_RUN_ID", run_id), ("WANDB_RESUME", "allow"))
-            if k not in os.environ}  # fmt: skip
+    ours = {
+        k: v
+        for k, v in (("WANDB_RUN_ID", run_id), ("WANDB_RESUME", "allow"))
+        if k not in os.environ
+    }
     os.environ.update(ours)
     try:
         yield

@@ -74,9 +74,11 @@ class SequenceParallelMixin:
         self.gather_function = self._gather_for_metrics
         ds_config = getattr(getattr(self.args, "hf_deepspeed_config", None), "config", None)
         zero = zero_bytes_per_step(
-            self.model, ds_config or {}, world=self.args.world_size,
+            self.model,
+            ds_config or {},
+            world=self.args.world_size,
             micro_steps=self.args.gradient_accumulation_steps,
-        )  # fmt: skip
+        )
         self._meter = StepMeter(
             self.sequence_parallel.topo, device=self.args.device, zero_bytes=zero
         )

@@ -69,8 +69,9 @@ class ReplicaAccelerator:
             out = out / self._topo.dp_degree
         return out * scale if scale != 1.0 else out
 
-    def pad_across_processes(self, x: torch.Tensor, dim: int = 0, pad_index: Any = 0,
-                             pad_first: bool = False) -> torch.Tensor:  # fmt: skip
+    def pad_across_processes(
+        self, x: torch.Tensor, dim: int = 0, pad_index: Any = 0, pad_first: bool = False
+    ) -> torch.Tensor:
         size = torch.tensor([x.shape[dim]], device=x.device)
         longest = int(self._gather_one(size).max())
         if longest == x.shape[dim]:

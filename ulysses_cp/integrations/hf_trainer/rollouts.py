@@ -135,8 +135,13 @@ class RolloutTrainerMixin(LogProbTrainerMixin):
 
     # ------------------------------------------------------------ loss
 
-    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: Any = None):  # fmt: skip
+    def compute_loss(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ):
         with self._replica_collectives():
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch

@@ -20,9 +20,20 @@ class flash_attn_gpu:  # stands in for `import flash_attn_2_cuda as flash_attn_g
 
     @staticmethod
     def fwd(
-        q, k, v, out_, alibi_slopes_, p_dropout, softmax_scale, is_causal,
-        window_size_left, window_size_right, softcap, return_softmax, gen_,
-    ):  # fmt: skip
+        q,
+        k,
+        v,
+        out_,
+        alibi_slopes_,
+        p_dropout,
+        softmax_scale,
+        is_causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        return_softmax,
+        gen_,
+    ):
         _k.check_inputs(q, k, v, fwd=True, pads=False)
         _k.check_unsupported(p_dropout, alibi_slopes_, return_softmax, out_=out_)
         _k._check(q.shape[0] > 0, "batch size must be positive")
@@ -33,47 +44,147 @@ class flash_attn_gpu:  # stands in for `import flash_attn_2_cuda as flash_attn_g
 
     @staticmethod
     def varlen_fwd(
-        q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k_, block_table_,
-        alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors,
-        is_causal, window_size_left, window_size_right, softcap, return_softmax, gen_,
-    ):  # fmt: skip
+        q,
+        k,
+        v,
+        out_,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_k,
+        leftpad_k_,
+        block_table_,
+        alibi_slopes_,
+        max_seqlen_q,
+        max_seqlen_k,
+        p_dropout,
+        softmax_scale,
+        zero_tensors,
+        is_causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        return_softmax,
+        gen_,
+    ):
         _k.check_inputs(q, k, v, fwd=True, pads=False, cu=(cu_seqlens_q, cu_seqlens_k))
         _k.check_unsupported(
-            p_dropout, alibi_slopes_, return_softmax,
-            out_=out_, seqused_k=seqused_k, leftpad_k=leftpad_k_, block_table=block_table_,
-        )  # fmt: skip
+            p_dropout,
+            alibi_slopes_,
+            return_softmax,
+            out_=out_,
+            seqused_k=seqused_k,
+            leftpad_k=leftpad_k_,
+            block_table=block_table_,
+        )
         out, lse = _k.mha_varlen_fwd(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            zero_tensors, is_causal, window_size_left, window_size_right, softcap,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            zero_tensors,
+            is_causal,
+            window_size_left,
+            window_size_right,
+            softcap,
+        )
         return out, lse, q.new_empty((0,)), _k.rng_state(q)
 
     @staticmethod
     def bwd(
-        dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_, p_dropout, softmax_scale,
-        is_causal, window_size_left, window_size_right, softcap, deterministic, gen_, rng_state,
-    ):  # fmt: skip
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq_,
+        dk_,
+        dv_,
+        alibi_slopes_,
+        p_dropout,
+        softmax_scale,
+        is_causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        deterministic,
+        gen_,
+        rng_state,
+    ):
         _k.check_inputs(q, k, v, fwd=False, pads=False, out=out, dout=dout)
         _k.check_unsupported(p_dropout, alibi_slopes_)
         return _k.mha_bwd(
-            dout, q, k, v, out, softmax_lse, dq_, dk_, dv_,
-            softmax_scale, is_causal, window_size_left, window_size_right, softcap,
-        )  # fmt: skip
+            dout,
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            dq_,
+            dk_,
+            dv_,
+            softmax_scale,
+            is_causal,
+            window_size_left,
+            window_size_right,
+            softcap,
+        )
 
     @staticmethod
     def varlen_bwd(
-        dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k,
-        alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors,
-        is_causal, window_size_left, window_size_right, softcap, deterministic, gen_, rng_state,
-    ):  # fmt: skip
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq_,
+        dk_,
+        dv_,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes_,
+        max_seqlen_q,
+        max_seqlen_k,
+        p_dropout,
+        softmax_scale,
+        zero_tensors,
+        is_causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        deterministic,
+        gen_,
+        rng_state,
+    ):
         cu = (cu_seqlens_q, cu_seqlens_k)
         _k.check_inputs(q, k, v, fwd=False, pads=False, out=out, dout=dout, cu=cu)
         _k.check_unsupported(p_dropout, alibi_slopes_)
         return _k.mha_varlen_bwd(
-            dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k,
-            max_seqlen_q, max_seqlen_k, softmax_scale, zero_tensors, is_causal, window_size_left,
-            window_size_right, softcap,
-        )  # fmt: skip
+            dout,
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            dq_,
+            dk_,
+            dv_,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            zero_tensors,
+            is_causal,
+            window_size_left,
+            window_size_right,
+            softcap,
+        )
 
 
 def maybe_contiguous(x):
@@ -125,9 +236,20 @@ def _flash_attn_forward(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = [maybe_contiguous(x) for x in (q, k, v)]
     out, softmax_lse, S_dmask, rng_state = flash_attn_gpu.fwd(
-        q, k, v, None, alibi_slopes, dropout_p, softmax_scale, causal,
-        window_size_left, window_size_right, softcap, return_softmax, None,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        None,
+        alibi_slopes,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        return_softmax,
+        None,
+    )
     return out, softmax_lse, S_dmask, rng_state
 
 
@@ -163,10 +285,28 @@ def _flash_attn_varlen_forward(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = [maybe_contiguous(x) for x in (q, k, v)]
     out, softmax_lse, S_dmask, rng_state = flash_attn_gpu.varlen_fwd(
-        q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
-        alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, zero_tensors,
-        causal, window_size_left, window_size_right, softcap, return_softmax, None,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        None,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_k,
+        leftpad_k,
+        block_table,
+        alibi_slopes,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        zero_tensors,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        return_softmax,
+        None,
+    )
     return out, softmax_lse, S_dmask, rng_state
 
 
@@ -206,9 +346,26 @@ def _flash_attn_backward(
     # dq, dk, dv are allocated by us so they should already be contiguous
     dout, q, k, v, out = [maybe_contiguous(x) for x in (dout, q, k, v, out)]
     dq, dk, dv, softmax_d = flash_attn_gpu.bwd(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p, softmax_scale,
-        causal, window_size_left, window_size_right, softcap, deterministic, None, rng_state,
-    )  # fmt: skip
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        alibi_slopes,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        deterministic,
+        None,
+        rng_state,
+    )
     return softmax_d
 
 
@@ -251,10 +408,31 @@ def _flash_attn_varlen_backward(
     # dq, dk, dv are allocated by us so they should already be contiguous
     dout, q, k, v, out = [maybe_contiguous(x) for x in (dout, q, k, v, out)]
     dq, dk, dv, softmax_d = flash_attn_gpu.varlen_bwd(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, zero_tensors, causal,
-        window_size_left, window_size_right, softcap, deterministic, None, rng_state,
-    )  # fmt: skip
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        zero_tensors,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        deterministic,
+        None,
+        rng_state,
+    )
     return softmax_d
 
 

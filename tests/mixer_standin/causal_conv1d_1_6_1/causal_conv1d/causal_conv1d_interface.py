@@ -34,10 +34,16 @@ def _expected(ok: bool, expression: str) -> None:  # TORCH_CHECK without a messa
 
 def _layout(x, weight, bias, seq_idx, where):
     """The checks ``causal_conv1d_fwd`` and ``causal_conv1d_bwd`` share; True if channel-last."""
-    _expected(x.dtype in _DTYPES, "input_type == at::ScalarType::Float || input_type == "
-              "at::ScalarType::Half || input_type == at::ScalarType::BFloat16")  # fmt: skip
-    _expected(weight.dtype in _DTYPES, "weight_type == at::ScalarType::Float || weight_type =="
-              " at::ScalarType::Half || weight_type == at::ScalarType::BFloat16")  # fmt: skip
+    _expected(
+        x.dtype in _DTYPES,
+        "input_type == at::ScalarType::Float || input_type == "
+        "at::ScalarType::Half || input_type == at::ScalarType::BFloat16",
+    )
+    _expected(
+        weight.dtype in _DTYPES,
+        "weight_type == at::ScalarType::Float || weight_type =="
+        " at::ScalarType::Half || weight_type == at::ScalarType::BFloat16",
+    )
     batch, dim, seqlen = x.shape
     width = weight.shape[-1]
     _check(tuple(weight.shape) == (dim, width), "weight must have shape (dim, width)")
@@ -55,15 +61,25 @@ def _layout(x, weight, bias, seq_idx, where):
         _check(channel_last, f"seq_idx {where}supported for channel last layout")
         _expected(seq_idx.dtype == torch.int32, "seq_idx.scalar_type() == torch::kInt32")
         _expected(seq_idx.is_contiguous(), "seq_idx.is_contiguous()")
-        _check(tuple(seq_idx.shape) == (batch, seqlen), "seq_idx must have shape "
-               "(batch_size, seqlen)")  # fmt: skip
+        _check(
+            tuple(seq_idx.shape) == (batch, seqlen), "seq_idx must have shape (batch_size, seqlen)"
+        )
     return channel_last
 
 
 class CausalConv1dFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias=None, seq_idx=None, initial_states=None,
-                return_final_states=False, final_states_out=None, activation=None):  # fmt: skip
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias=None,
+        seq_idx=None,
+        initial_states=None,
+        return_final_states=False,
+        final_states_out=None,
+        activation=None,
+    ):
         if activation not in [None, "silu", "swish"]:
             raise NotImplementedError("activation must be None, silu, or swish")
         if x.stride(2) != 1 and x.stride(1) != 1:
@@ -126,6 +142,12 @@ def causal_conv1d_fn(
     """Depthwise causal conv of x ``(batch, dim, seqlen)`` with weight ``(dim, width)``."""
     kernels.CALLS["causal_conv1d_fn"] += 1
     return CausalConv1dFn.apply(
-        x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
+        x,
+        weight,
+        bias,
+        seq_idx,
+        initial_states,
+        return_final_states,
+        final_states_out,
         activation,
-    )  # fmt: skip
+    )

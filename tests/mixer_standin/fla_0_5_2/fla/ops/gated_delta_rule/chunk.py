@@ -26,8 +26,10 @@ from tests.mixer_standin import kernels
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, options):
-        tensors = tuple(t.contiguous() if t is not None else None  # input_guard
-                        for t in (q, k, v, g, beta, initial_state))  # fmt: skip
+        tensors = tuple(
+            t.contiguous() if t is not None else None  # input_guard
+            for t in (q, k, v, g, beta, initial_state)
+        )
         ctx.options = {"scale": scale, **options}
         o, final = _rule(*map(kernels.as64, tensors), **ctx.options)
         ctx.save_for_backward(*tensors)
@@ -81,8 +83,11 @@ def chunk_gated_delta_rule(
             raise ValueError(
                 "Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`."
             )
-        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
-                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        warnings.warn(
+            "`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         state_v_first = kwargs.pop("transpose_state_layout")
     if q.shape[2] != k.shape[2]:
         raise ValueError(

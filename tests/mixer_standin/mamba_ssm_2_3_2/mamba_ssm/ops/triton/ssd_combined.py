@@ -49,10 +49,25 @@ def _checks(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx):
 
 class MambaChunkScanCombinedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
-                initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
-                dt_limit=(0.0, float("inf")), return_final_states=False,
-                return_varlen_states=False):  # fmt: skip
+    def forward(
+        ctx,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=None,
+        z=None,
+        dt_bias=None,
+        initial_states=None,
+        seq_idx=None,
+        cu_seqlens=None,
+        dt_softplus=False,
+        dt_limit=(0.0, float("inf")),
+        return_final_states=False,
+        return_varlen_states=False,
+    ):
         if return_varlen_states:
             assert cu_seqlens is not None, (
                 "cu_seqlens must be provided if return_varlen_states is True"
@@ -91,15 +106,43 @@ class MambaChunkScanCombinedFn(torch.autograd.Function):
         return dx, ddt, dA, dB, dC, None, dD, dz, ddt_bias, dinit, *[None] * 6
 
 
-def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
-                              initial_states=None, seq_idx=None, cu_seqlens=None,
-                              dt_softplus=False, dt_limit=(0.0, float("inf")),
-                              return_final_states=False, return_varlen_states=False):  # fmt: skip
+def mamba_chunk_scan_combined(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    cu_seqlens=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+    return_varlen_states=False,
+):
     """x ``(batch, seqlen, nheads, headdim)``, dt ``(batch, seqlen, nheads)``, A ``(nheads,)``,
     B and C ``(batch, seqlen, ngroups, dstate)``, D ``(nheads, headdim)`` or ``(nheads,)``,
     z like x, dt_bias ``(nheads,)``: out like x."""
     kernels.CALLS["mamba_chunk_scan_combined"] += 1
     return MambaChunkScanCombinedFn.apply(
-        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-        dt_softplus, dt_limit, return_final_states, return_varlen_states,
-    )  # fmt: skip
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D,
+        z,
+        dt_bias,
+        initial_states,
+        seq_idx,
+        cu_seqlens,
+        dt_softplus,
+        dt_limit,
+        return_final_states,
+        return_varlen_states,
+    )
