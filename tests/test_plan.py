@@ -232,6 +232,7 @@ def test_cli_json_and_table(tmp_path):
     )
     printed = run([sys.executable, "-m", "ulysses_cp.plan", *args], timeout=300)
     assert "as written:" in printed and "best of" in printed
+    assert "ranked by the longest sequence that fits (max seq)" in printed  # the default goal
     got = json.loads(out.read_text())
     fields = {
         "peak_bytes_per_rank",
@@ -254,7 +255,8 @@ def test_cli_json_and_table(tmp_path):
     assert all(fields | extra <= set(c) for c in got["candidates"])
     fit = [c for c in got["candidates"] if c["fits"]]
     assert fit and len(fit) < len(got["candidates"])  # 20 MiB: some do not fit
-    assert got["chosen"]["predicted_step_s"] == min(c["predicted_step_s"] for c in fit)
+    assert got["goal"] == "longest"  # both goals: tests/test_plan_goal.py
+    assert got["chosen"]["max_seq_len"] == max(c["max_seq_len"] for c in fit)
     for c in got["candidates"]:
         assert c["fits"] == (c["peak_bytes_per_rank"] <= 0.02 * 2**30)
         assert c["max_seq_len"] >= 512 if c["fits"] else c["max_seq_len"] < 512

@@ -2,16 +2,18 @@
 before launch, for the config as written and for every valid alternative.
 
     python -m ulysses_cp.plan --deepspeed_config CFG --world N [--gpus-per-node G]
-        [--gpu-mem-gb M] [--seq-len S] [--json FILE]
+        [--gpu-mem-gb M] [--seq-len S] [--goal longest|fastest] [--json FILE]
 
-Prints a table (the config as written, then the candidates that fit ranked by predicted
-step time) and writes JSON with ``config``, ``candidates`` and ``chosen``.
+Prints a table (the config as written, then the candidates that fit, ranked as ``--goal``
+asks: by the longest sequence that fits, the default, or by the predicted step time) and
+writes JSON with ``config``, ``candidates``, ``chosen`` and ``goal``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, fields, replace
 from pathlib import Path
@@ -20,6 +22,7 @@ from ..config import ModelConfig, RunConfig
 from ..core.sharding import sequence_multiple
 from ..core.topology import validate_degrees
 from ..modes.ulysses import kv_replication, resolve_head_chunks
+from .ranking import GOALS, changes, rank, versus
 from .search import GiB, Hardware, Run, ZeroKnobs, candidates, filled, longest, predict
 from .shapes import model_shape
 
@@ -85,8 +88,12 @@ def plan(
     seq_len: int | None = None,
     seq_step: int = 1024,
     max_candidates: int | None = None,
+    goal: str = "longest",
 ) -> dict:
-    """The planner's JSON for a loaded config (see the module docstring)."""
+    """The planner's JSON for a loaded config (see the module docstring); ``goal`` orders
+    ``candidates`` and picks ``chosen`` (:data:`~ulysses_cp.plan.ranking.GOALS`)."""
+    if goal not in GOALS:
+        raise ValueError(f"--goal {goal!r}: choose one of {', '.join(GOALS)}")
     raw = run_config.raw
     shape = model_shape(run_config.model, dtype_bytes=_dtype_bytes(raw))
     base = base_run(run_config)
@@ -112,11 +119,7 @@ def plan(
 
     def one(r: Run) -> dict:
         pred = at(r, N)
-        unit = (
-            sequence_multiple(r.sp, r.layout)
-            * seq_step
-            // _gcd(sequence_multiple(r.sp, r.layout), seq_step)
-        )
+        unit = math.lcm(sequence_multiple(r.sp, r.layout), seq_step)
         peak = lambda n: filled(at(r, n), hw)  # noqa: E731
         return {
             **_describe(r),
@@ -135,12 +138,15 @@ def plan(
             **at(base, longest_n),
         }
     split = _offload_split(base, shape.layers, written["max_seq_len"], one)
-    cands = [one(r) for r in candidates(shape, base, world=world, seq_len=N)]
-    cands.sort(key=lambda c: (not c["fits"], c["predicted_step_s"], -c["max_seq_len"]))
-    if max_candidates is not None:
-        cands = cands[:max_candidates]
+    runs = candidates(shape, base, world=world, seq_len=N)
+    if split:  # the config as written with the count of offloaded layers named above
+        n = replace(base, offload_activations=split["offload_activations"])
+        runs += [n] if n not in runs else []
+    cands = rank([one(r) for r in runs], goal)[:max_candidates]
     chosen = next((c for c in cands if c["fits"]), None)
     return {
+        "goal": goal,
+        "ranked_by": GOALS[goal].format(n=N),
         "inputs": {
             "deepspeed_config": str(run_config.path),
             "world": world,
@@ -156,6 +162,7 @@ def plan(
         "offload_split": split,
         "candidates": cands,
         "chosen": chosen,
+        "chosen_is_config": chosen is not None and not changes(written, chosen),
     }
 
 
@@ -183,12 +190,6 @@ def _largest_weights_file(mc) -> int:
 
     files = set(checkpoint_files(folder).values())
     return max((f.stat().st_size for f in files), default=0)
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def _row(c: dict, unit: int) -> str:
@@ -236,8 +237,10 @@ def table(result: dict, top: int = 10) -> str:
         head,
         "as written:",
         _row(result["config"], unit),
-        f"best of {len(fit)} that fit (of {len(result['candidates'])} candidates):",
+        f"best of {len(fit)} that fit (of {len(result['candidates'])} candidates), ranked by "
+        f"{result['ranked_by']} (--goal {result['goal']}):",
         *[_row(c, unit) for c in fit[:top]],
+        *versus(result),
     ]
     if result["chosen"] is None:
         lines.append(
@@ -299,6 +302,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seq-len", type=int, default=None, help="default: the config's data.seq_len")
     p.add_argument("--seq-step", type=int, default=1024, help="search step of max_seq_len")
+    p.add_argument(
+        "--goal",
+        choices=tuple(GOALS),
+        default="longest",
+        help="rank the candidates that fit by the longest sequence that fits (default) or by "
+        "the predicted step time at --seq-len (fastest)",
+    )
     p.add_argument("--peak-tflops", type=float, default=hw.peak_tflops)
     p.add_argument("--mfu", type=float, default=hw.mfu)
     p.add_argument("--intra-gbs", type=float, default=hw.intra_gbs, help="GB/s inside a node")
@@ -351,6 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
             hw=hardware(args),
             seq_len=args.seq_len,
             seq_step=args.seq_step,
+            goal=args.goal,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
