@@ -332,9 +332,25 @@ def heads(config: Any) -> tuple[int, int]:
 def build_model(
     topo: Topology, mc: HFModelConfig, *, backend: str | None = None, layout: str | None = None
 ) -> HFCausalLM:
-    """Build (random init) or load (``mc.hf_weights``: a local folder) the causal LM of a
-    ``"model"`` block with ulysses_cp attention and the block's dtype and memory features,
-    probed (:meth:`HFCausalLM.probe`: collective over the SP group)."""
+    """The causal LM of a ``"model"`` block, built or loaded, wrapped and probed.
+
+    Registers the attention, builds the model (random init, or ``mc.hf_weights``: a local
+    folder) with the block's dtype and memory features, and runs the guard and probe
+    (`HFCausalLM.probe`, a collective over the SP group).
+
+    Args:
+        topo: The run's topology.
+        mc: The ``"model"`` block (``HFModelConfig``).
+        backend: The local kernel; None takes the run's.
+        layout: None takes the run's; one that disagrees raises.
+
+    Returns:
+        The probed model.
+
+    Raises:
+        ValueError: A model the guard or the probe refuses (naming the layer, the module
+            and the way out), on every rank, before any step.
+    """
     _transformers()  # a clear error without transformers
     register_attention(topo, backend=backend, layout=layout)
     config = load_config(mc.hf_config)
@@ -345,8 +361,17 @@ def build_model(
 
 
 def wrap(model: Any, topo: Topology, mc: HFModelConfig, *, layout: str | None = None) -> HFCausalLM:
-    """A built transformers model with the ``"model"`` block's memory features, as
-    :class:`HFCausalLM` (not probed yet)."""
+    """A built transformers model with the ``"model"`` block's memory features.
+
+    Args:
+        model: A transformers causal LM built with ``attn_implementation="ulysses_cp"``.
+        topo: The run's topology.
+        mc: The ``"model"`` block (tiled MLP, lean norms, checkpointing, offload).
+        layout: None takes the run's.
+
+    Returns:
+        The model as `HFCausalLM`, not probed yet.
+    """
     # "auto" sizes the tiles from the MLP's intermediate width (core/tiles.py)
     tile_mlps(model, mc.tiled_mlp, width=ffn_width(model.config))
     if mc.lean_norms:
