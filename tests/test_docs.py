@@ -79,3 +79,12 @@ def test_trainer_quick_start_gives_the_settings_the_tests_run():
     for key, settings in (("ARGS", sft), ("DPO", trl["dpo"][1]), ("GRPO", trl["grpo"][1])):
         assert key in found, (key, sorted(found))
         assert " ".join(settings) in found[key], (key, settings, found[key])
+
+
+def test_the_repository_layout_names_every_module():
+    page = (ROOT / "docs" / "development.md").read_text()
+    tree = page[page.index("## Layout of the repository") :]
+    names = set(re.findall(r"[\w.]+\.py", tree))
+    package = ROOT / "ulysses_cp"
+    modules = {p.name for p in package.rglob("*.py") if p.name != "__init__.py"}
+    assert modules <= names, sorted(modules - names)
