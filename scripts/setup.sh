@@ -14,7 +14,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "setup: installing torch==2.13.0"
   .venv/bin/python -m pip install -q torch==2.13.0
 fi
-echo "setup: installing ulysses_cp[dev] (deepspeed with DS_BUILD_OPS=0, einops, wandb, transformers, datasets, pyarrow, accelerate, trl, peft, pytest, ruff, mypy)"
+echo "setup: installing ulysses_cp[dev] (deepspeed with DS_BUILD_OPS=0, einops, wandb, transformers, datasets, pyarrow, accelerate, trl, peft, pytest, ruff, mypy, mkdocs)"
 # the torch in .venv stays as it is (accelerate, peft and trl accept any torch >= 2)
 TORCH_PIN=$(mktemp)
 trap 'rm -f "$TORCH_PIN"' EXIT

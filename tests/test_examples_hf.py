@@ -1,10 +1,10 @@
-"""examples/hf_trainer_sft.py as the README starts it: under ``accelerate launch`` (with
-examples/accelerate_config.yaml) and under the ``deepspeed`` launcher, 2 CPU ranks,
-Ulysses 2, ZeRO-2, row-wise packing of chats of every length; against the same example
-in one process without DeepSpeed (transformers' sdpa attention), all three side by side.
-SGD with a constant learning rate and no clipping, so a wrong gradient scale changes the
-losses of steps 2 and 3. Also: the saved folder is a plain transformers model, and bad
-input stops the example with a message naming the line and the fix."""
+"""examples/hf_trainer_sft.py as docs/huggingface.md ("Quick start") starts it: under
+``accelerate launch`` (with examples/accelerate_config.yaml) and under the ``deepspeed``
+launcher, 2 CPU ranks, Ulysses 2, ZeRO-2, row-wise packing of chats of every length; against
+the same example in one process without DeepSpeed (transformers' sdpa attention), all three
+side by side. SGD with a constant learning rate and no clipping, so a wrong gradient scale
+changes the losses of steps 2 and 3. Also: the saved folder is a plain transformers model,
+and bad input stops the example with a message naming the line and the fix."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ pytest.importorskip("accelerate")
 
 EXAMPLE = ROOT / "examples" / "hf_trainer_sft.py"
 RTOL = 1e-5
-# the README's settings (a short run that shows a wrong gradient scale)
+# the quick start's settings in docs/huggingface.md (a short run that shows a wrong
+# gradient scale; tests/test_docs.py checks the page gives these)
 SETTINGS = (
     "--max_length",
     "64",
@@ -43,7 +44,7 @@ SETTINGS = (
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    """The tiny Qwen3, tokenizer (with a chat template) and chats of the README."""
+    """The tiny Qwen3, tokenizer (with a chat template) and chats of the quick start."""
     return tiny_assets(tmp_path_factory.mktemp("hf_example_assets"))
 
 

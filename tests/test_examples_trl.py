@@ -1,10 +1,10 @@
-"""The TRL examples (examples/dpo_long.py, examples/grpo_long.py) as the README starts
-them: under ``accelerate launch`` and under the ``deepspeed`` launcher (2 CPU ranks,
-Ulysses 2, ZeRO-2), against the same example in one process without DeepSpeed, all three
-side by side; SGD with a constant learning rate, so a wrong gradient scale changes the
-losses of steps 2 and 3. GRPO's completions are sampled by the model, so its equal losses
-also say that the sequence-parallel runs drew the one-process completions. Bad input stops
-each example with a message naming the line and the fix."""
+"""The TRL examples (examples/dpo_long.py, examples/grpo_long.py) as docs/huggingface.md
+("Quick start") starts them: under ``accelerate launch`` and under the ``deepspeed``
+launcher (2 CPU ranks, Ulysses 2, ZeRO-2), against the same example in one process without
+DeepSpeed, all three side by side; SGD with a constant learning rate, so a wrong gradient
+scale changes the losses of steps 2 and 3. GRPO's completions are sampled by the model, so
+its equal losses also say that the sequence-parallel runs drew the one-process completions.
+Bad input stops each example with a message naming the line and the fix."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.launcher
 pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
-# each example: its file, the README's settings (a short run that shows a wrong gradient
+# each example: its file, the quick start's settings (a short run that shows a wrong gradient
 # scale), the line it prints first, and a data line it refuses with its message
 EXAMPLES = {
     "dpo": (
@@ -71,7 +71,8 @@ EXAMPLES = {
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    """The tiny Qwen3, tokenizer and preference pairs (their prompts: GRPO's) of the README."""
+    """The tiny Qwen3, tokenizer and preference pairs (their prompts: GRPO's) of the quick
+    start."""
     return tiny_assets(tmp_path_factory.mktemp("trl_example_assets"))
 
 

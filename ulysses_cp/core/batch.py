@@ -197,17 +197,30 @@ def _targets(batch: dict[str, torch.Tensor], cu: torch.Tensor | None) -> torch.T
 def shard_batch(
     batch: dict[str, torch.Tensor], topo: Topology, layout: str | None = None
 ) -> dict[str, Any]:
-    """This SP rank's ``input_ids``, global ``position_ids`` and ``shift_labels``, in the
-    run's layout (``topo.layout``; a ``layout=`` that disagrees raises), and the batch's
-    :class:`BatchPlan` under ``"batch"``.
+    """This SP rank's share of a batch, and the batch's plan.
 
-    ``batch`` holds full ``(b, s)`` tensors: ``input_ids`` and either ``shift_labels`` or
-    ``labels`` (shifted here, on the full sequence); ``position_ids`` default to
-    ``0..s-1``. A packed row (``cu_seqlens`` in ``batch``, b = 1) is sharded in the run's
-    packing (``topo.options.packing``: document-wise, or row-wise like an unpacked row),
-    ``labels`` are shifted inside each document, and ``cu_seqlens`` is passed on. Every
-    SP rank must hold the same full tensors (one all-gather of checksums compares them,
-    unless the run's ``check_inputs`` is off)."""
+    Every SP rank must hold the same full tensors: one all-gather of checksums compares
+    them, unless the run's ``check_inputs`` is off. A packed row (``cu_seqlens`` in the
+    batch, batch size 1) is sharded in the run's packing, its ``labels`` are shifted inside
+    each document, and ``cu_seqlens`` is passed on.
+
+    Args:
+        batch: Full ``(b, s)`` tensors: ``input_ids`` and either ``shift_labels`` or
+            ``labels`` (shifted here, on the full sequence); ``position_ids`` default to
+            ``0..s-1``; ``cu_seqlens`` for a packed row.
+        topo: The run's topology.
+        layout: None takes the run's; one that disagrees raises.
+
+    Returns:
+        This rank's ``input_ids``, global ``position_ids`` and ``shift_labels``, each
+        ``(b, s / P)``, and the batch's `BatchPlan` under ``"batch"``, which the models
+        hand to every attention call.
+
+    Raises:
+        ValueError: A length the layout cannot split, a layout that disagrees with the
+            run's, packed labels equal to the input ids, bad ``cu_seqlens``, or tensors
+            that differ between SP ranks.
+    """
     layout = layout_of(topo, layout)
     ids, cu = batch["input_ids"], batch.get("cu_seqlens")
     plan = BatchPlan.of(topo, layout, (ids.shape[0], ids.shape[1]), cu)

@@ -44,21 +44,30 @@ __all__ = [
 
 
 class CommStats:
-    """Bytes and calls per ``(op, phase)``; process-wide, reset by the caller."""
+    """Bytes this rank sent to other ranks, and calls, per ``(op, phase)``.
+
+    One process-wide instance, ``ulysses_cp.core.comm.stats`` (``ucp.comm_stats``); the
+    caller resets it. Ops: ``all_to_all``, ``ring``, ``kv_allgather``,
+    ``kv_reduce_scatter``, and ``all_gather`` / ``input check`` for the input checks.
+    Phases: ``forward``, ``backward``.
+    """
 
     def __init__(self) -> None:
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
 
     def add(self, op: str, phase: str, nbytes: int) -> None:
+        """Count one call of ``nbytes`` bytes."""
         self.bytes[(op, phase)] += int(nbytes)
         self.calls[(op, phase)] += 1
 
     def reset(self) -> None:
+        """Forget every count."""
         self.bytes.clear()
         self.calls.clear()
 
     def total(self, op: str | None = None, phase: str | None = None) -> int:
+        """Bytes of one op and phase; None sums over all."""
         return sum(
             n
             for (o, p), n in self.bytes.items()
@@ -66,6 +75,7 @@ class CommStats:
         )
 
     def snapshot(self) -> dict[str, int]:
+        """Bytes as ``{"op/phase": n}``."""
         return {f"{op}/{phase}": n for (op, phase), n in sorted(self.bytes.items())}
 
     @contextmanager

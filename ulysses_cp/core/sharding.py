@@ -38,10 +38,22 @@ __all__ = [
 
 
 def layout_of(topo: Topology | None, layout: str | None = None) -> str:
-    """The layout a call uses: the run's (``topo.layout``, fixed by ``init_topology`` or
-    the ``"sequence_parallel"`` block) when ``layout`` is None. A ``layout`` that disagrees
-    with the run's raises ``ValueError`` naming both: shards, attention and gathers in two
-    layouts give a wrong result with no error."""
+    """The layout a call uses: the run's unless the call names one.
+
+    Shards, attention and gathers in two layouts would give a wrong result with no error,
+    so a layout that disagrees with the run's is refused.
+
+    Args:
+        topo: The run's topology (its ``layout`` is fixed by ``init_topology`` or the
+            ``"sequence_parallel"`` block).
+        layout: The call's ``layout=``; None takes the run's.
+
+    Returns:
+        The layout.
+
+    Raises:
+        ValueError: An unknown layout, or one that disagrees with the run's (naming both).
+    """
     run = getattr(topo, "layout", "zigzag")
     if layout is None:
         return run
@@ -93,8 +105,18 @@ def check_same_on_every_rank(
 
 
 def sequence_multiple(sp_world_size: int, layout: str) -> int:
-    """The multiple a full sequence length must be of: P (contiguous) or 2P (zigzag);
-    1 without sequence parallelism (P = 1 holds the whole sequence in either layout)."""
+    """The multiple a full sequence length must be of.
+
+    Args:
+        sp_world_size: The SP degree ``P``.
+        layout: ``"zigzag"`` or ``"contiguous"``.
+
+    Returns:
+        ``P`` (contiguous) or ``2P`` (zigzag); 1 when ``P`` is 1.
+
+    Raises:
+        ValueError: An unknown layout.
+    """
     check_layout(layout)
     return sp_world_size * (2 if layout == "zigzag" and sp_world_size > 1 else 1)
 
@@ -157,7 +179,17 @@ def _natural_to_pairs(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 
 def layout_indices(seq_len: int, sp_world_size: int, sp_rank: int, layout: str) -> torch.Tensor:
-    """Global token indices held by ``sp_rank``, in local order."""
+    """The global token indices an SP rank holds, in local order (for position ids).
+
+    Args:
+        seq_len: The full length.
+        sp_world_size: The SP degree ``P``.
+        sp_rank: The rank in the SP group.
+        layout: ``"zigzag"`` or ``"contiguous"``.
+
+    Returns:
+        ``(seq_len / P,)`` int64 indices.
+    """
     idx = torch.arange(seq_len)
     return _shard(idx, sp_world_size, sp_rank, layout, 0)
 
@@ -220,13 +252,26 @@ def shard_sequence(
     cu_seqlens: torch.Tensor | None = None,
     packing: str | None = None,
 ) -> torch.Tensor:
-    """This SP rank's tokens of ``x``, a tensor every SP rank holds in full (the same on
-    every rank), in the run's layout (``topo.layout``; see :func:`layout_of`).
+    """This SP rank's tokens of a tensor every SP rank holds in full.
 
-    ``cu_seqlens``: ``x`` is a packed row, sharded in the run's packing
-    (``topo.options.packing``, or ``packing=``): ``"document"``: every document is split
-    on its own; ``"row"``: the row is split like an unpacked sequence (see
-    :mod:`ulysses_cp.core.varlen`)."""
+    Args:
+        x: The full tensor, the same on every SP rank.
+        topo: The run's topology.
+        dim: The sequence dimension of ``x``.
+        layout: ``"zigzag"`` or ``"contiguous"``; None takes the run's (``topo.layout``).
+        cu_seqlens: ``x`` is a packed row with these int32 document boundaries; it is
+            sharded in the run's packing: ``"document"`` splits every document on its own,
+            ``"row"`` splits the row like an unpacked sequence.
+        packing: Overrides the run's packing for this call.
+
+    Returns:
+        This rank's shard: ``x.shape[dim] / P`` tokens along ``dim``.
+
+    Raises:
+        ValueError: A length that does not split (the message names the multiple to pad
+            to), a layout that disagrees with the run's, bad ``cu_seqlens``, or an ``x``
+            that differs between SP ranks (when ``topo.check_inputs`` is on).
+    """
     layout = layout_of(topo, layout)
     P = topo.sp_world_size
     bounds = _packed(cu_seqlens, x.shape[dim], P, layout, packing_of(topo, packing))
@@ -247,11 +292,27 @@ def gather_sequence(
     cu_seqlens: torch.Tensor | None = None,
     packing: str | None = None,
 ) -> torch.Tensor:
-    """Exact inverse of :func:`shard_sequence` (all-gather over the SP group), in the run's
-    layout (``topo.layout``) and packing.
+    """The full tensor from every SP rank's shard: the exact inverse of `shard_sequence`.
 
-    Differentiable: the backward returns this rank's slice of the incoming gradient, which
-    is right when every SP rank computes the same function of the gathered tensor."""
+    An all-gather over the SP group. Its backward returns this rank's slice of the
+    incoming gradient, which is right when every SP rank computes the same function of
+    the gathered tensor.
+
+    Args:
+        x_local: This rank's shard.
+        topo: The run's topology.
+        dim: The sequence dimension.
+        layout: None takes the run's; one that disagrees raises.
+        cu_seqlens: The packed row's int32 document boundaries, as given to
+            `shard_sequence`.
+        packing: Overrides the run's packing for this call.
+
+    Returns:
+        The full tensor, ``P`` times ``x_local``'s length along ``dim``, on every SP rank.
+
+    Raises:
+        ValueError: A layout that disagrees with the run's, or bad ``cu_seqlens``.
+    """
     layout = layout_of(topo, layout)
     P = topo.sp_world_size
     bounds = _packed(cu_seqlens, x_local.shape[dim] * P, P, layout, packing_of(topo, packing))
@@ -265,7 +326,18 @@ def gather_sequence(
 def pad_to_multiple(
     x: torch.Tensor, multiple: int, *, dim: int = 1, value: float | int = 0
 ) -> torch.Tensor:
-    """Pad ``x`` at the end of ``dim`` with ``value`` up to a multiple of ``multiple``."""
+    """Pad a tensor at the end of one dimension up to a multiple.
+
+    Args:
+        x: The tensor.
+        multiple: The length along ``dim`` becomes a multiple of this (see
+            `sequence_multiple`).
+        dim: The dimension to pad.
+        value: The fill value.
+
+    Returns:
+        ``x`` itself when its length is already a multiple, else a padded copy.
+    """
     pad = -x.shape[dim] % multiple
     if pad == 0:
         return x
@@ -281,13 +353,21 @@ def pad_batch(
     pad_token_id: int = 0,
     ignore_index: int = -100,
 ) -> dict[str, torch.Tensor]:
-    """Pad ``(b, s)`` tensors at the end of the sequence so ``s`` is a multiple of
-    ``multiple`` (use :func:`sequence_multiple`). ``labels``/``shift_labels`` get
-    ``ignore_index``, ``position_ids`` keep counting, anything else gets ``pad_token_id``.
+    """Pad a batch's ``(b, s)`` tensors at the end so ``s`` is a multiple.
 
-    In a causal model, end padding changes neither the real tokens' outputs nor the loss
-    (padded tokens come after every real token and carry no target). Non-causal attention
-    would attend to padded keys: pack them as a separate document instead."""
+    In a causal model end padding changes neither the real tokens' outputs nor the loss:
+    padded tokens come after every real token and carry no target. Non-causal attention
+    would attend to padded keys; pack them as a separate document instead.
+
+    Args:
+        batch: Full ``(b, s)`` tensors by name.
+        multiple: The multiple (see `sequence_multiple`).
+        pad_token_id: The fill value of ``input_ids`` and any other tensor.
+        ignore_index: The fill value of ``labels`` and ``shift_labels``.
+
+    Returns:
+        The padded batch; ``position_ids`` keep counting.
+    """
     out = {}
     for key, x in batch.items():
         if key in ("labels", "shift_labels"):

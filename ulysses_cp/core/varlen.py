@@ -160,9 +160,17 @@ class Docs:
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """int32 ``cu_seqlens`` of a packed row whose position ids restart at 0 per document.
+    """The int32 ``cu_seqlens`` of a packed row whose position ids restart at 0 per document.
 
-    ``position_ids`` ``(s,)`` or ``(1, s)``, in global (unsharded) order."""
+    Args:
+        position_ids: ``(s,)`` or ``(1, s)``, in global (unsharded) order.
+
+    Returns:
+        The document boundaries, ``(documents + 1,)``, starting at 0 and ending at ``s``.
+
+    Raises:
+        ValueError: Another shape, or position ids that do not start at 0.
+    """
     pos = position_ids
     if pos.dim() == 2 and pos.shape[0] == 1:
         pos = pos[0]
@@ -188,18 +196,28 @@ def pack_documents(
 ) -> dict[str, torch.Tensor]:
     """Pack 1-D token tensors into one row for causal LM training.
 
-    Returns ``(1, N)`` ``input_ids``, ``position_ids`` (restarting at 0 per document),
-    ``shift_labels`` (token t's target; the last token of every document has none, so no
-    target crosses a border) and int32 ``cu_seqlens``. Each document is padded at its end to
-    a multiple of ``multiple`` (the document-wise packing: use ``ucp.sequence_multiple(P,
-    layout)``), and the row at its end to a multiple of ``row_multiple`` (the row-wise
-    packing, ``packing="row"``: ``multiple=1, row_multiple=ucp.sequence_multiple(P,
-    layout)``; the row's padding joins the last document); the padding has no target and, in
-    causal attention, comes after every real token of its document, so it changes no loss.
-    Also ``labels``: the same targets unshifted (each document's tokens, ``ignore_index`` on
-    its first position when ``labels`` are given and on its padding), for code that shifts
-    itself. ``labels`` optionally gives per-document targets already shifted
-    (``shift_labels``) instead of the next token."""
+    The padding has no target and, in causal attention, comes after every real token of
+    its document, so it changes no loss. No target crosses a document border.
+
+    Args:
+        documents: Non-empty 1-D token tensors.
+        multiple: Each document is padded at its end to this multiple (the document-wise
+            packing: pass ``sequence_multiple(P, layout)``).
+        row_multiple: The row is padded at its end to this multiple (the row-wise packing,
+            ``packing="row"``: ``multiple=1``, ``row_multiple=sequence_multiple(P,
+            layout)``); the row's padding joins the last document.
+        pad_token_id: The id of padded tokens.
+        ignore_index: The label of tokens without a target.
+        labels: Per-document targets, already shifted, instead of the next token.
+
+    Returns:
+        ``(1, N)`` ``input_ids``, ``position_ids`` (restarting at 0 per document),
+        ``shift_labels`` (token t's target), ``labels`` (the same targets unshifted, for
+        code that shifts itself) and the int32 ``cu_seqlens``.
+
+    Raises:
+        ValueError: No documents, or one that is empty or not 1-D.
+    """
     if not documents:
         raise ValueError("pack_documents needs at least one document")
     ids, pos, tgt, unshifted, cu = [], [], [], [], [0]

@@ -1,13 +1,6 @@
 """A drop-in for PyTorch's experimental ``context_parallel``: PyTorch-native training code
 (plain loops, FSDP2, torchtitan) gets Ulysses, the ring and the hybrid by changing one
-import::
-
-    from ulysses_cp import context_parallel          # was torch.distributed.tensor.experimental
-
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), context_parallel(
-        mesh, buffers=(q, k, v), buffer_seq_dims=(2, 2, 2)
-    ):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # this rank's tokens
+import, ``from ulysses_cp import context_parallel`` (example: docs/pytorch.md).
 
 Inside the context ``torch.nn.functional.scaled_dot_product_attention`` on ``(b, h, s, d)``
 tensors runs :func:`ulysses_cp.attention`; outside it nothing is patched (also after an
@@ -51,10 +44,15 @@ _active: list[_Context] = []  # the entered context (one at a time)
 
 
 def set_rotate_method(rotate_method: str) -> None:
-    """PyTorch's ``set_rotate_method``: how KV moves inside a ring group, for the contexts
-    entered afterwards. ``"alltoall"`` (the default here; PyTorch's rotation by all-to-all)
-    is our point-to-point ring, the same data movement; ``"allgather"`` (PyTorch's default)
-    gathers every rank's KV once (``kv_exchange="allgather"``)."""
+    """PyTorch's ``set_rotate_method``: how KV moves in a ring group, for later contexts.
+
+    Args:
+        rotate_method: ``"alltoall"`` (the default here: our point-to-point ring, PyTorch's
+            rotation) or ``"allgather"`` (PyTorch's default: every rank's KV gathered once).
+
+    Raises:
+        NotImplementedError: Another method, with PyTorch's message.
+    """
     global _rotate_method
     if rotate_method not in ROTATE_METHODS:
         raise NotImplementedError(
@@ -289,18 +287,28 @@ def context_parallel(
     dims: Sequence[str] | None = None,
     backend: str = "auto",
 ) -> Iterator[_Context]:
-    """PyTorch's ``context_parallel`` (same arguments, same meaning) over our modes.
+    """PyTorch's ``context_parallel``, with the same arguments and meaning, over our modes.
 
-    ``buffers`` / ``buffer_seq_dims``: tensors to shard along those dims (input ids, labels,
-    position ids, ...), in place, and restored on exit unless in ``no_restore_buffers``.
-    Buffers that require grad (q/k/v leaves) cannot be resized: they stay whole, SDPA shards
-    them when it reads them, and their ``.grad`` has the full shape (this rank's
-    contribution; summed over ranks it is the gradient of the summed per-rank losses).
+    Buffers that require grad (q/k/v leaves) stay whole; SDPA shards them when it reads
+    them, and their ``.grad`` has the full shape (this rank's contribution).
 
-    Ours on top: ``mode`` (``"ulysses"`` / ``"ring"`` on a 1-D mesh; None chooses by the
-    head counts), ``dims`` (the names of a 2-D mesh's ulysses and ring dims), ``backend``
-    (the local kernel while no ``sdpa_kernel`` narrows it; see :func:`sdpa_backend`).
-    Yields an object whose ``calls`` lists ``(mode, backend)`` of each SDPA call."""
+    Args:
+        mesh: A 1-D ``DeviceMesh`` (Ulysses or ring), or a 2-D one with ``"ulysses"`` and
+            ``"ring"`` dims (the hybrid).
+        buffers: Tensors to shard in place along ``buffer_seq_dims``; restored on exit.
+        buffer_seq_dims: The sequence dimension of each buffer.
+        no_restore_buffers: Buffers (by identity) that stay sharded after the context.
+        mode: ``"ulysses"`` or ``"ring"`` on a 1-D mesh; None chooses by the head counts.
+        dims: The names of a 2-D mesh's ulysses and ring dims.
+        backend: The local kernel while no ``sdpa_kernel`` narrows it.
+
+    Yields:
+        The context; its ``calls`` lists ``(mode, backend)`` of each SDPA call.
+
+    Raises:
+        ValueError: An unknown ``mode``, one the mesh cannot run, or buffers that do not fit.
+        RuntimeError: A context is already active.
+    """
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)} or None, got {mode!r}")
     if _active:
@@ -356,8 +364,20 @@ def context_parallel_unshard(
     *,
     dims: Sequence[str] | None = None,
 ) -> list[torch.Tensor]:
-    """PyTorch's ``context_parallel_unshard``: the full tensors (every rank gets them) from
-    this rank's shards, in natural token order. ``dims`` as for :func:`context_parallel`."""
+    """PyTorch's ``context_parallel_unshard``: the full tensors from this rank's shards.
+
+    Args:
+        mesh: The mesh given to `context_parallel`.
+        buffers: This rank's shards.
+        seq_dims: The sequence dimension of each shard.
+        dims: As for `context_parallel`.
+
+    Returns:
+        The full tensors in natural token order, on every rank.
+
+    Raises:
+        ValueError: ``seq_dims`` does not have one entry per buffer.
+    """
     if len(buffers) != len(seq_dims):
         raise ValueError(
             f"seq_dims must have one entry per buffer: {len(buffers)} buffers, "

@@ -38,10 +38,16 @@ __all__ = [
 
 
 class WorkStats:
-    """Attention work per phase (``"forward"``, ``"backward"``), process-wide, reset by the
-    caller: ``scores`` = score entries the kernels computed (batch x query heads x queries x
-    keys per call, masked entries included), ``skipped`` = blocks a mode left out because no
-    query could see them (sliding windows)."""
+    """Attention work per phase (``"forward"``, ``"backward"``).
+
+    One process-wide instance, ``ulysses_cp.kernels.blocks.work``; the caller resets it.
+
+    Attributes:
+        scores: Score entries the kernels computed per phase (batch x query heads x
+            queries x keys per call, masked entries included).
+        skipped: Blocks a mode left out per phase because no query could see them
+            (sliding windows).
+    """
 
     def __init__(self) -> None:
         self.scores: dict[str, int] = defaultdict(int)

@@ -42,14 +42,19 @@ __all__ = [
 
 @dataclass(frozen=True, eq=False)
 class KernelCall:
-    """One local kernel call: the call's ``spec``, its resolved ``backend`` (a name other
-    than ``"auto"``, or a :class:`~ulysses_cp.kernels.backends.Kernel`) and where the block
-    sits: ``causal`` (None: the spec's; ring blocks off the diagonal: False), packed
-    documents ``cu_q``/``cu_k`` (local int32 boundaries, batch 1), ``offset`` (tokens from
-    the block's first key to its first query, for a window), ``chunk_offset`` (packed rows:
-    the same in chunks of each document's own length), ``accumulate`` (block gradients are
-    summed: bf16/fp16 blocks on the CPU are computed on float32 copies and return float32
-    gradients, not rounded to 16 bits before the sum)."""
+    """One local kernel call on one block: what to compute, with which kernel, and where.
+
+    Attributes:
+        spec: The attention's spec (causal, scale, softcap, window, sinks).
+        backend: A resolved backend name (not ``"auto"``) or a ``Kernel``.
+        causal: None takes the spec's; ring blocks off the diagonal are False.
+        cu_q: Packed rows (batch 1): the queries' local int32 document boundaries.
+        cu_k: The keys' boundaries, as ``cu_q``.
+        offset: Tokens from the block's first key to its first query, for a window.
+        chunk_offset: Packed rows: the same in chunks of each document's own length.
+        accumulate: Block gradients are summed: bf16/fp16 blocks on the CPU are computed
+            on float32 copies and return float32 gradients.
+    """
 
     spec: AttentionSpec
     backend: str | Kernel
@@ -171,14 +176,22 @@ def _varlen_backward(dout, q, k, v, out, lse, call: KernelCall):
 def attn_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (b, sq, hq, d) in q.dtype, lse (b, hq, sq) fp32/fp64)``; no autograd.
+    """The local kernel's forward, without autograd.
 
-    Packed (``call.cu_q``/``cu_k``, batch 1): document i's queries
-    ``q[:, cu_q[i]:cu_q[i+1]]`` attend only its keys ``k[:, cu_k[i]:cu_k[i+1]]``; rows in
-    no document come back empty (out 0, lse -inf). Causal documents must be square. A
-    window is taken for a block whose first query comes ``call.offset`` tokens after its
-    first key (packed rows: ``chunk_offset`` chunks, documents cut in chunks of their own
-    length); rows that see no key come back empty."""
+    Packed rows (``call.cu_q``/``cu_k``, batch 1): document i's queries attend only its
+    keys; causal documents must be square. Rows that see no key come back empty (out 0,
+    lse -inf).
+
+    Args:
+        q: Queries ``(b, sq, hq, d)``.
+        k: Keys ``(b, sk, hkv, d)``.
+        v: Values, shaped like ``k``.
+        call: The call: spec, backend and where the block sits.
+
+    Returns:
+        ``(out, lse)``: ``out (b, sq, hq, d)`` in q's dtype and ``lse (b, hq, sq)`` in
+        float32 (float64 for float64 inputs).
+    """
     with torch.no_grad():
         if call.cu_q is not None:
             assert call.offset == 0, "packed rows take chunk_offset, not offset"
@@ -195,9 +208,21 @@ def attn_backward(
     lse: torch.Tensor,
     call: KernelCall,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq, dk, dv)`` from the final ``out`` and ``lse``, in the inputs' dtypes
-    (``call.accumulate``: float32 for bf16/fp16 CPU blocks; flash-attn and the CUDA kernels
-    return the input dtype either way)."""
+    """The local kernel's backward, from the final ``out`` and ``lse``.
+
+    Args:
+        dout: The output's gradient, shaped like ``out``.
+        q: Queries, as given to `attn_forward`.
+        k: Keys, as given to `attn_forward`.
+        v: Values, as given to `attn_forward`.
+        out: The final output (after any merge of ring blocks).
+        lse: The final log-sum-exp.
+        call: The call, as given to `attn_forward`.
+
+    Returns:
+        ``(dq, dk, dv)`` in the inputs' dtypes (``call.accumulate``: float32 for bf16/fp16
+        CPU blocks; flash-attn and the CUDA kernels return the input dtype either way).
+    """
     low = q.dtype in (torch.bfloat16, torch.float16)
     if call.accumulate and low and q.device.type == "cpu" and call.backend in ("math", "torch"):
         dout, q, k, v, out = (t.float() for t in (dout, q, k, v, out))
@@ -229,12 +254,21 @@ def local_attention(
     cu_seqlens: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Differentiable single-device attention, ``(b, s, hq, d)`` in and out.
+    """Differentiable single-device attention.
 
-    ``spec``: causal (the default), scale, softcap, window (:class:`AttentionSpec`).
-    ``cu_seqlens``: int32 document boundaries of a packed row (batch 1); attention stays
-    inside each document. ``sinks``: ``(hq,)`` attention-sink logits (GPT-OSS),
-    differentiable."""
+    Args:
+        q: Queries ``(b, s, hq, d)``.
+        k: Keys ``(b, s, hkv, d)``.
+        v: Values, shaped like ``k``.
+        spec: Causal (the default), scale, softcap and window; None is causal attention.
+        backend: ``"auto"``, ``"torch"``, ``"math"``, ``"flash_attn"`` or a ``Kernel``.
+        cu_seqlens: Int32 document boundaries of a packed row (batch 1); attention stays
+            inside each document.
+        sinks: ``(hq,)`` attention-sink logits (GPT-OSS), differentiable.
+
+    Returns:
+        The output ``(b, s, hq, d)`` in q's dtype.
+    """
     spec = replace(spec or AttentionSpec(), sinks=sinks is not None)
     call = KernelCall(spec, resolve_backend(backend, q), cu_q=cu_seqlens, cu_k=cu_seqlens)
     return attend_local(q, k, v, call, sinks)

@@ -92,17 +92,12 @@ def _global_temperature(forward, module, *args, **kwargs):
 
 
 class HFCausalLM(nn.Module):
-    """A transformers causal LM as ulysses_cp trains it: ``forward(input_ids,
-    position_ids, batch=None, return_hidden=False)`` on this rank's shard, returning
-    the model's own logits, or the final hidden states for
-    :func:`~ulysses_cp.models.memory.tiled_cross_entropy` with :attr:`head`. Global
-    ``position_ids`` are required.
+    """A transformers causal LM as ulysses_cp trains it, on this rank's shard.
 
-    ``topo``: the run's topology (default: the one given to :func:`register_attention`).
-    :meth:`probe` runs the guard and the start-up probe (:mod:`.hf_guard`) once, collectively
-    on the SP group: call it before ``deepspeed.initialize`` (:func:`build_model` does);
-    otherwise the first forward runs it. ``probe=False`` skips it (then the head is
-    ``lm_head`` alone and nothing is checked: for tests of the checks themselves)."""
+    ``topo`` defaults to the one given to `register_attention`. `probe` runs the guard and
+    the start-up probe once, collectively on the SP group: call it before
+    ``deepspeed.initialize`` (`build_model` does), else the first forward runs it.
+    ``probe=False`` skips it (nothing is checked: for tests of the checks themselves)."""
 
     def __init__(
         self,
@@ -151,9 +146,14 @@ class HFCausalLM(nn.Module):
         return self._probe and self.probed is None
 
     def probe(self) -> ProbeResult:
-        """The guard, the probe and the head check (:func:`.hf_guard.probe`), once;
-        collective over the SP group. Raises ``ValueError`` on every rank if the model
-        is not exact under this run's sequence parallelism."""
+        """Run the guard, the start-up probe and the head check, once, on every SP rank.
+
+        Returns:
+            What the probe found: the head to train with, the modules checked.
+
+        Raises:
+            ValueError: On every rank, for a model not exact under this run's split.
+        """
         if self.probed is None:
             self.probed = probe(self, self.topo)
             self._transform = self.probed.head
@@ -211,9 +211,18 @@ class HFCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         batch: BatchPlan | None = None,
         return_hidden: bool = False,
-    ):
-        """``batch``: the batch's plan (``ucp.shard_batch``), handed to every attention
-        call and mixer."""
+    ) -> torch.Tensor:
+        """The model on this rank's shard.
+
+        Args:
+            input_ids: This rank's token ids ``(b, s_local)``.
+            position_ids: Their global positions; required.
+            batch: The batch's plan from ``shard_batch``, for every attention and mixer.
+            return_hidden: Return the final hidden states instead of the logits.
+
+        Returns:
+            The model's own logits ``(b, s_local, V)``, or the final hidden states.
+        """
         if position_ids is None:
             raise ValueError(
                 "position_ids are required under sequence parallelism: pass the GLOBAL "
@@ -247,9 +256,20 @@ class HFCausalLM(nn.Module):
         tiled_loss: int | str = 0,
         fused_loss: bool = False,
     ) -> torch.Tensor:
-        """SP cross-entropy of shifted ``labels`` (tiled when ``tiled_loss`` is > 1 or
-        ``"auto"`` resolves to more than one tile; ``fused_loss``: the head's and the
-        loss's gradients computed in the forward, :mod:`.fused_loss`)."""
+        """The sequence-parallel cross-entropy of this rank's shard.
+
+        Args:
+            input_ids: This rank's token ids ``(b, s_local)``.
+            position_ids: Their global positions.
+            labels: This rank's shifted labels (``shard_batch``'s ``shift_labels``).
+            topo: The run's topology.
+            batch: The batch's plan from ``shard_batch``.
+            tiled_loss: LM head + loss in tiles of tokens (``"auto"``: by bytes; 0: untiled).
+            fused_loss: Compute the head's and the loss's gradients in the forward.
+
+        Returns:
+            The full-sequence token-mean loss, the same on every SP rank.
+        """
         return lm_loss(
             self,
             self.head,
@@ -332,9 +352,20 @@ def heads(config: Any) -> tuple[int, int]:
 def build_model(
     topo: Topology, mc: HFModelConfig, *, backend: str | None = None, layout: str | None = None
 ) -> HFCausalLM:
-    """Build (random init) or load (``mc.hf_weights``: a local folder) the causal LM of a
-    ``"model"`` block with ulysses_cp attention and the block's dtype and memory features,
-    probed (:meth:`HFCausalLM.probe`: collective over the SP group)."""
+    """The causal LM of a ``"model"`` block, built or loaded, wrapped and probed.
+
+    Args:
+        topo: The run's topology.
+        mc: The ``"model"`` block: config, weights (a local folder), dtype, memory features.
+        backend: The local kernel; None takes the run's.
+        layout: None takes the run's; one that disagrees raises.
+
+    Returns:
+        The model, probed (a collective over the SP group).
+
+    Raises:
+        ValueError: A model the guard or the probe refuses, on every rank.
+    """
     _transformers()  # a clear error without transformers
     register_attention(topo, backend=backend, layout=layout)
     config = load_config(mc.hf_config)
@@ -345,8 +376,14 @@ def build_model(
 
 
 def wrap(model: Any, topo: Topology, mc: HFModelConfig, *, layout: str | None = None) -> HFCausalLM:
-    """A built transformers model with the ``"model"`` block's memory features, as
-    :class:`HFCausalLM` (not probed yet)."""
+    """A built transformers model as `HFCausalLM`, with the block's memory features.
+
+    Args:
+        model: A transformers causal LM built with ``attn_implementation="ulysses_cp"``.
+        topo: The run's topology.
+        mc: The ``"model"`` block (tiled MLP, lean norms, checkpointing, offload).
+        layout: None takes the run's.
+    """
     # "auto" sizes the tiles from the MLP's intermediate width (core/tiles.py)
     tile_mlps(model, mc.tiled_mlp, width=ffn_width(model.config))
     if mc.lean_norms:

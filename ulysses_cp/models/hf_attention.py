@@ -344,10 +344,23 @@ def _chunk_plan_of(cu: torch.Tensor, chunk: int, topo: Topology, key: tuple):
 def register_attention(
     topo: Topology, backend: str | None = None, layout: str | None = None
 ) -> str:
-    """Register ``ucp.attention`` over ``topo`` as ``attn_implementation="ulysses_cp"``
-    (process-wide; registering again replaces the topology), with the run's choices
-    (``topo.options``: a ``layout=`` that disagrees raises; ``backend=`` overrides the run's
-    backend). Returns the key."""
+    """Register ``attention`` over ``topo`` as ``attn_implementation="ulysses_cp"``.
+
+    Process-wide: registering again replaces the topology. A transformers model built
+    with that attention implementation then runs sequence-parallel attention with the
+    run's choices.
+
+    Args:
+        topo: The run's topology.
+        backend: The local kernel; None takes the run's.
+        layout: None takes the run's; one that disagrees raises.
+
+    Returns:
+        The key to pass as ``attn_implementation`` (``"ulysses_cp"``).
+
+    Raises:
+        ValueError: A layout that disagrees with the run's.
+    """
     transformers = transformers_module()
     transformers.AttentionInterface.register(
         KEY, Registered(topo, backend, layout_of(topo, layout))

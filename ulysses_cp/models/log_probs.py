@@ -189,17 +189,32 @@ def token_log_probs(
     tiles: int | str = "auto",
     outputs: Sequence[str] = ("log_probs",),
 ) -> dict[str, torch.Tensor]:
-    """Per-token ``log p(label)`` (and the other ``outputs``) of this rank's tokens.
+    """Per-token ``log p(label)`` of this rank's tokens, from the LM head in tiles.
 
-    hidden ``(b, s_l, D)`` (final hidden states), labels ``(b, s_l)`` (already shifted,
-    ``-100`` where no target: those tokens get 0 in every output); ``head``: an
-    ``nn.Linear`` or an :class:`~ulysses_cp.models.hf_head.LMHead` around one (the
-    family's logit scale and softcap are applied, then ``/ temperature``). ``tiles``: how
-    many pieces of the tokens (``"auto"``: each piece's float32 logits at most 1 GiB,
-    :mod:`ulysses_cp.core.tiles`). Returns ``{name: (b, s_l)}`` for the names asked,
-    in float32 (float64 for float64 models; ``is_top1`` bool). Gradients flow through
-    ``log_probs`` and ``entropy``; the head's weight is used inside the head module's
-    call, so ZeRO-3 gathers it for the forward and again for the backward."""
+    No ``(tokens, V)`` logits are kept: the backward recomputes each tile. The head's
+    weight is used inside the head module's call, so ZeRO-3 gathers it for the forward
+    and again for the backward.
+
+    Args:
+        hidden: The final hidden states, ``(b, s_l, D)``.
+        head: An ``nn.Linear``, or an ``LMHead`` around one (the family's logit scale and
+            softcap are applied, then ``/ temperature``).
+        labels: ``(b, s_l)``, already shifted; ``-100`` where there is no target (those
+            tokens get 0 in every output).
+        temperature: Divides the logits; must be > 0.
+        tiles: How many pieces of the tokens; ``"auto"`` keeps each piece's float32 logits
+            at most 1 GiB.
+        outputs: The names to compute: ``"log_probs"`` (required), ``"entropy"``,
+            ``"log_sum_sq_probs"``, ``"mean_logits"``, ``"is_top1"``.
+
+    Returns:
+        ``{name: (b, s_l)}`` for the names asked, float32 (float64 for float64 models;
+        ``is_top1`` bool). Gradients flow through ``log_probs`` and ``entropy``.
+
+    Raises:
+        ValueError: ``outputs`` without ``"log_probs"`` or with an unknown name, ``hidden``
+            and ``labels`` that disagree in (batch, seq), or ``temperature <= 0``.
+    """
     unknown = sorted(set(outputs) - set(OUTPUTS))
     if unknown or "log_probs" not in outputs:
         raise ValueError(
@@ -247,15 +262,29 @@ def sequence_log_probs(
     tiles: int | str = "auto",
     outputs: Sequence[str] = ("log_probs",),
 ) -> dict[str, torch.Tensor]:
-    """:func:`token_log_probs` of this rank's shard, gathered to the whole sequence on
-    every SP rank: ``{name: (b, s)}`` in natural token order (``cu_seqlens``: the packed
-    row's document bounds the shard was made with; ``s`` includes the end padding the
-    shard added: slice it off). Position ``t`` holds the value for the target of token ``t``
-    (``shift_labels[t]``, i.e. token ``t + 1``).
+    """`token_log_probs` of this rank's shard, gathered to the whole sequence.
 
-    Gradient: each rank gets the gradient of its own tokens only, times
-    ``topo.grad_scale`` (module docstring), when every SP rank computes the same loss from
-    the gathered values."""
+    Position ``t`` holds the value for the target of token ``t`` (``shift_labels[t]``, that
+    is token ``t + 1``). When every SP rank computes the same loss from the gathered
+    values, each rank gets the gradient of its own tokens only, times ``topo.grad_scale``.
+
+    Args:
+        hidden: This rank's final hidden states, ``(b, s_l, D)``.
+        head: The LM head, as for `token_log_probs`.
+        labels: This rank's shifted labels, ``(b, s_l)``.
+        topo: The run's topology.
+        cu_seqlens: The packed row's document bounds the shard was made with.
+        temperature: As for `token_log_probs`.
+        tiles: As for `token_log_probs`.
+        outputs: As for `token_log_probs`.
+
+    Returns:
+        ``{name: (b, s)}`` in natural token order, the same on every SP rank. ``s`` includes
+        the end padding the shard added: slice it off.
+
+    Raises:
+        ValueError: As for `token_log_probs`.
+    """
     local = token_log_probs(
         hidden, head, labels, temperature=temperature, tiles=tiles, outputs=outputs
     )
@@ -269,11 +298,22 @@ def sequence_log_probs(
 def sequence_sums(
     values: torch.Tensor, mask: torch.Tensor, topo: Topology
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row sums over the whole sequence of this rank's ``values * mask`` (``(b, s_l)``
-    each) and the rows' token counts ``mask.sum``, summed over the SP group: ``(b,)`` and
-    ``(b,)``, the same on every SP rank. ``sums / counts.clamp(min=1)`` is the
-    length-normalised mean. Gradient: this rank's share times ``topo.grad_scale`` (the
-    rule of ``ucp.local_loss_term``)."""
+    """Per-row sums over the whole sequence, and the rows' token counts.
+
+    ``sums / counts.clamp(min=1)`` is the length-normalised mean. The gradient is this
+    rank's share times ``topo.grad_scale`` (the rule of `local_loss_term`).
+
+    Args:
+        values: This rank's per-token values, ``(b, s_l)``.
+        mask: Which tokens count, ``(b, s_l)``.
+        topo: The run's topology.
+
+    Returns:
+        ``(sums, counts)``, each ``(b,)`` and the same on every SP rank.
+
+    Raises:
+        ValueError: ``values`` and ``mask`` differ in shape.
+    """
     if values.shape != mask.shape:
         raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ")
     sums = local_loss_term((values * mask.to(values.dtype)).sum(dim=1), topo)
@@ -287,11 +327,23 @@ KLKind = Literal["k1", "k2", "k3"]
 def kl_to_reference(
     log_probs: torch.Tensor, ref_log_probs: torch.Tensor, *, kind: KLKind = "k3"
 ) -> torch.Tensor:
-    """Per-token estimate of ``KL(policy || reference)`` from the sampled tokens' log-probs
-    (Schulman's estimators): ``k1 = log p - log r``, ``k2 = (log p - log r)^2 / 2``,
+    """Per-token estimate of ``KL(policy || reference)`` from the sampled tokens' log-probs.
+
+    Schulman's estimators: ``k1 = log p - log r``, ``k2 = (log p - log r)^2 / 2``,
     ``k3 = exp(log r - log p) - (log r - log p) - 1`` (GRPO's, always >= 0). Elementwise,
-    so it applies to the gathered values of :func:`sequence_log_probs` and to the local
-    ones alike; the gradient flows through ``log_probs``."""
+    so it applies to gathered and local values alike.
+
+    Args:
+        log_probs: The policy's log-probabilities; the gradient flows through them.
+        ref_log_probs: The reference model's, the same shape.
+        kind: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+        The estimate, the shape of ``log_probs``.
+
+    Raises:
+        ValueError: An unknown ``kind``.
+    """
     delta = ref_log_probs - log_probs
     if kind == "k1":
         return -delta

@@ -67,12 +67,26 @@ def scale_gradient(loss: torch.Tensor, factor: float) -> torch.Tensor:
 def sequence_parallel_cross_entropy(
     logits_local: torch.Tensor, labels_local: torch.Tensor, topo: Topology, ignore_index: int = -100
 ) -> torch.Tensor:
-    """Mean cross-entropy over every non-ignored token of the whole sequence (all SP ranks).
+    """The token-mean cross-entropy of the whole sequence, on every SP rank.
 
-    logits ``(b, s_local, V)``, labels ``(b, s_local)`` already shifted on the full
-    sequence. Computed in float32 (float64 stays float64). The gradient is multiplied by
-    the run's ``topo.grad_scale`` (``ucp.topology_from_config`` sets it to compensate a
-    ZeRO stage whose reduction averages over the SP ranks too); the value is unchanged."""
+    Computed in float32 (float64 stays float64). The value is the mean over every
+    non-ignored token of all SP ranks. Each rank's gradient is its share, times
+    ``topo.grad_scale``: `topology_from_config` sets that scale to make up for a ZeRO stage
+    whose reduction also averages over the SP ranks.
+
+    Args:
+        logits_local: This rank's logits, ``(b, s_local, V)``.
+        labels_local: This rank's labels, ``(b, s_local)``, already shifted on the full
+            sequence (``shard_batch`` gives them as ``shift_labels``).
+        topo: The run's topology.
+        ignore_index: The label of tokens without a target.
+
+    Returns:
+        A scalar loss, the same on every SP rank.
+
+    Raises:
+        ValueError: ``logits_local`` and ``labels_local`` disagree in (batch, seq).
+    """
     if logits_local.shape[:-1] != labels_local.shape:
         raise ValueError(
             f"logits {tuple(logits_local.shape)} and labels "
@@ -103,19 +117,37 @@ def sequence_parallel_loss_from_sums(
 
 
 def replicated_loss_term(term: torch.Tensor, topo: Topology) -> torch.Tensor:
-    """A loss term of your own that every SP rank computes identically (from the
-    parameters, or from data every SP rank holds in full: a regulariser, say). Same value;
-    gradient times ``topo.grad_scale / sp_world_size``: the gradient reduction SUMS over the
-    SP ranks, so without this the term would count ``sp_world_size`` times. Add it to the
-    SP cross-entropy before ``engine.backward``."""
+    """A loss term of your own that every SP rank computes identically.
+
+    A regulariser on the parameters, say, or a term from data every SP rank holds in
+    full. The gradient reduction sums over the SP ranks, so without this the term would
+    count ``sp_world_size`` times. Add the result to the SP cross-entropy before
+    ``engine.backward``.
+
+    Args:
+        term: The term, the same on every SP rank.
+        topo: The run's topology.
+
+    Returns:
+        The same value, with its gradient times ``topo.grad_scale / sp_world_size``.
+    """
     return scale_gradient(term, topo.grad_scale / topo.sp_world_size)
 
 
 def local_loss_term(term_local: torch.Tensor, topo: Topology) -> torch.Tensor:
-    """A loss term of your own summed over this rank's tokens (an auxiliary per-token loss:
-    normalise by the GLOBAL token count yourself, as the SP cross-entropy does). Value: the
-    sum over the SP group, the same on every rank; gradient: this rank's share, times
-    ``topo.grad_scale`` (the rule of :func:`sequence_parallel_cross_entropy`)."""
+    """A loss term of your own, summed over this rank's tokens.
+
+    An auxiliary per-token loss, say: normalise it by the global token count yourself, as
+    the SP cross-entropy does.
+
+    Args:
+        term_local: This rank's sum.
+        topo: The run's topology.
+
+    Returns:
+        The sum over the SP group, the same on every rank. The gradient is this rank's
+        share, times ``topo.grad_scale`` (the rule of `sequence_parallel_cross_entropy`).
+    """
     if group_size(topo.sp_group) > 1:
         term_local = _SumKeepGrad.apply(term_local, topo.sp_group)
     return scale_gradient(term_local, topo.grad_scale)

@@ -61,37 +61,50 @@ def attention(
     batch: BatchPlan | None = None,
     packing: str | None = None,
 ) -> torch.Tensor:
-    """Sequence-parallel attention equal to full attention on the gathered sequence.
+    """Sequence-parallel attention, equal to full attention on the gathered sequence.
 
-    q ``(b, s_local, hq, d)``, k/v ``(b, s_local, hkv, d)`` sharded in the run's layout
-    (``topo.layout``; a ``layout=`` that disagrees raises, see :func:`layout_of`);
-    returns ``(b, s_local, hq, d)`` in q's dtype, differentiable in q, k, v.
+    The mode follows the topology: Ulysses (an all-to-all of heads around the local
+    kernel), ring (KV blocks passed between ranks) or hybrid (both). Before any collective
+    the inputs are compared across the SP ranks when ``topo.check_inputs`` is on (once per
+    call, or once per batch given ``batch``).
 
-    ``cu_seqlens``: a packed row (batch 1): int32 global document boundaries, the same on
-    every rank; q/k/v sharded in the run's packing (``shard_sequence(..., cu_seqlens=cu)``):
-    document-wise (``"document"``) or like an unpacked row (``"row"``); ``packing=``
-    overrides the run's for this call (for code that shards its own tokens, as Llama 4's
-    chunk relayout). Attention stays inside each document. ``batch``: the :class:`BatchPlan` that
-    ``ucp.shard_batch`` made for this batch (what the models pass down): its documents
-    are planned and the call checked across the ranks once per batch, not per layer.
+    Args:
+        q: This rank's queries, ``(b, s_local, hq, d)``, sharded in the run's layout.
+        k: This rank's keys, ``(b, s_local, hkv, d)``; ``hq`` must be a multiple of ``hkv``.
+        v: This rank's values, shaped like ``k``.
+        topo: The run's topology (``init_topology`` or ``topology_from_config``).
+        causal: Causal masking over global token positions.
+        layout: ``"zigzag"`` or ``"contiguous"``; None takes the run's (``topo.layout``).
+        softmax_scale: The score scale; None is ``1 / sqrt(d)``.
+        backend: The local kernel (``"auto"``, ``"torch"``, ``"math"``, ``"flash_attn"``);
+            None takes the run's.
+        cu_seqlens: A packed row (batch 1): int32 global document boundaries, the same on
+            every rank. Attention stays inside each document.
+        softcap: flash-attn's logit softcap; scores become ``softcap * tanh(s / softcap)``
+            (Gemma 2). 0 is off.
+        sinks: ``(hq,)`` attention-sink logits (GPT-OSS), the same on every SP rank; each
+            rank's gradient is its share.
+        window: flash-attn's sliding window ``(left, right)`` over global positions; -1 is
+            unbounded, ``(-1, -1)`` full attention. Packed rows: within each document.
+        kv_exchange: How KV moves inside a ring group, ``"ring"`` or ``"allgather"``; None
+            takes the run's.
+        head_chunks: The Ulysses all-to-alls in this many chunks of heads (0: automatic);
+            None takes the run's.
+        batch: The batch's plan from ``shard_batch``: its documents are planned and the
+            call checked once per batch, not per layer.
+        packing: ``"document"`` or ``"row"`` for a packed row sharded by your own code; None
+            takes the run's.
 
-    ``backend``: the local kernel; None takes the run's (``topo.backend``).
+    Returns:
+        This rank's output ``(b, s_local, hq, d)`` in q's dtype, differentiable in q, k, v
+        (and ``sinks``).
 
-    ``softcap`` (flash-attn's meaning, 0 = off): scores become ``softcap * tanh(scores /
-    softcap)`` before the mask (Gemma 2). ``sinks``: ``(hq,)`` logits, one per query head,
-    that join every softmax denominator with a zero value vector (GPT-OSS attention sinks);
-    differentiable, every SP rank passes the same values (the gradient of each rank is its
-    share: sum it over the SP group, as for every replicated parameter). ``window=(left,
-    right)``: flash-attn's sliding window over global token positions (query i sees keys
-    ``i - left .. i + right``, -1 unbounded; ``(-1, -1)`` is full attention); packed rows:
-    within each document. ``kv_exchange``: how KV moves inside the ring group, ``"ring"``
-    or ``"allgather"``; None takes the run's (``topo.options.kv_exchange``).
-    ``head_chunks``: the Ulysses all-to-alls in this many chunks of heads (0: automatic;
-    :func:`~ulysses_cp.modes.ulysses.head_chunk_choices` lists the counts that work);
-    None takes the run's (``topo.options.head_chunks``).
-
-    The keywords build one :class:`~ulysses_cp.kernels.spec.AttentionSpec` and one
-    :class:`~ulysses_cp.modes.checks.Choices`; :func:`attend` takes them from there."""
+    Raises:
+        ValueError: A ``layout`` or ``packing`` that disagrees with the run's, a length the
+            layout cannot split, head counts the Ulysses degree cannot split (the message
+            lists the degrees that work), an invalid option value, ``cu_seqlens`` and
+            ``batch`` both given, or inputs that differ between SP ranks.
+    """
     layout = layout_of(topo, layout)  # the same verdict on every rank: before any collective
     choice = Choices.of(topo, layout, backend, kv_exchange, head_chunks, packing)
     window = tuple(window) if isinstance(window, list) else window
@@ -222,11 +235,18 @@ def _inner(
 
 
 class Attention:
-    """:func:`attention` over one topology as a callable, ``attn(q, k, v, batch=None)``:
-    what the models take (``Decoder(cfg, Attention(topo))``), instead of a hand-written
-    closure; ``batch``: the batch's plan from ``ucp.shard_batch``. The run's layout and
-    backend come from ``topo.options``; ``backend=`` here overrides the backend for this
-    callable only."""
+    """`attention` over one topology, as the callable ``attn(q, k, v, batch=None)``.
+
+    What the models take (``Decoder(cfg, Attention(topo))``) instead of a hand-written
+    closure; ``batch`` is the batch's plan from ``shard_batch``. The run's layout and
+    backend come from ``topo.options``.
+
+    Args:
+        topo: The run's topology.
+        causal: Causal masking over global token positions.
+        softmax_scale: The score scale; None is ``1 / sqrt(d)``.
+        backend: Overrides the run's backend for this callable only.
+    """
 
     def __init__(
         self,

@@ -36,9 +36,20 @@ def _divisors(n: int) -> list[int]:
 
 
 def kv_replication(hq: int, hkv: int, ulysses_degree: int) -> int:
-    """How many times each kv head is replicated before the all-to-all (1 = none).
+    """How many times each kv head is replicated before the Ulysses all-to-all.
 
-    Raises ``ValueError`` naming the degrees that would work when the heads do not split."""
+    Args:
+        hq: Query heads.
+        hkv: Key/value heads.
+        ulysses_degree: The Ulysses degree ``u``.
+
+    Returns:
+        1 when ``hkv`` splits over ``u``, else ``u / hkv``.
+
+    Raises:
+        ValueError: The heads do not split over ``u`` (the message names the degrees that
+            would work).
+    """
     u = ulysses_degree
     if hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")

@@ -48,11 +48,25 @@ def forward_comm_bytes(
     ring_degree: int,
     bytes_per_element: int,
 ) -> tuple[int, int]:
-    """Bytes one rank sends in one forward call, ``(all_to_all, ring)``:
+    """Bytes one rank sends in one forward attention call, by formula.
 
-    all-to-all over u ranks: b * (N/P) * (2*hq + 2*hkv_sent) * d * (u-1)/u * B;
-    kv ring over r ranks:    2 * b * (N/r) * (hkv_sent/u) * d * (r-1) * B;
-    hkv_sent = hkv times its replication for u."""
+    All-to-all over u ranks: ``b * (N/P) * (2*hq + 2*hkv_sent) * d * (u-1)/u * B``; KV ring
+    over r ranks: ``2 * b * (N/r) * (hkv_sent/u) * d * (r-1) * B``; ``hkv_sent`` is ``hkv``
+    times its replication for u. The byte counters equal these (tested).
+
+    Args:
+        batch: ``b``.
+        seq_len: The full length ``N``.
+        hq: Query heads.
+        hkv: Key/value heads.
+        head_dim: ``d``.
+        ulysses_degree: ``u``.
+        ring_degree: ``r``.
+        bytes_per_element: ``B``.
+
+    Returns:
+        ``(all_to_all, ring)`` bytes.
+    """
     u, r = ulysses_degree, ring_degree
     b, N, d, B = batch, seq_len, head_dim, bytes_per_element
     hkv_sent = hkv * kv_replication(hq, hkv, u)

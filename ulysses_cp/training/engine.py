@@ -55,9 +55,14 @@ def deepspeed_part(run: RunConfig) -> dict:
 
 
 def init_distributed(timeout_s: float | None = None) -> None:
-    """``deepspeed.init_distributed`` with nccl on CUDA machines, gloo elsewhere;
-    ``timeout_s``: the collective timeout (DeepSpeed's default when None). Imports
-    DeepSpeed (the first import in a run: see :func:`_quiet_cpu_deepspeed`)."""
+    """Start ``torch.distributed`` through DeepSpeed: NCCL on CUDA machines, gloo elsewhere.
+
+    On CUDA each rank first binds to the GPU of its ``LOCAL_RANK``. Does nothing to the
+    process group when one is already initialised. Imports DeepSpeed.
+
+    Args:
+        timeout_s: The collective timeout in seconds; None keeps DeepSpeed's default.
+    """
     cpu = not torch.cuda.is_available()
     if cpu:
         # DeepSpeed's own switch, set unless the user set it: without it every rank warns
@@ -118,9 +123,22 @@ def run_options(run: RunConfig) -> RunOptions:
 
 
 def topology_from_config(config: RunConfig | str | Path | dict) -> Topology:
-    """Validate the ``"sequence_parallel"`` block against the world, then build the groups
-    with the run's choices (:func:`run_options`). A path or dict is read once
-    (``RunConfig.load``)."""
+    """The topology a config's ``"sequence_parallel"`` block asks for.
+
+    The degrees are checked against the world size, then the groups are built with the
+    run's choices (layout, backend, packing, ...) and the gradient scale the ZeRO stage
+    needs. Call after `init_distributed`.
+
+    Args:
+        config: The run's config: a ``RunConfig``, or a path or dict read once.
+
+    Returns:
+        The run's topology.
+
+    Raises:
+        ValueError: Degrees that do not divide the world size (the message names every
+            number), or an invalid config.
+    """
     run = RunConfig.load(config)
     sp = run.sequence_parallel
     validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
@@ -258,11 +276,30 @@ def initialize(
     model_parameters: Any = None,
     lr_scheduler: Any = None,
 ) -> Engine:
-    """``deepspeed.initialize`` with our mpu; returns the DeepSpeed engine.
+    """``deepspeed.initialize`` with the sequence-parallel groups.
 
-    ``config``: the run's config (a path or dict is read once, ``RunConfig.load``).
-    ``engine.topology`` is the topology (built from the config's ``"sequence_parallel"``
-    block unless given). Call :func:`init_distributed` first."""
+    DeepSpeed gets our mpu (its data-parallel group spans the replicas, and ZeRO-3
+    partitions over every rank) and the config without our blocks. Call
+    `init_distributed` first. A Hugging Face model built partitioned runs its guard and
+    probe here, before any step.
+
+    Args:
+        model: The model; its attention calls ``attention`` with the topology.
+        config: The run's config: a ``RunConfig``, or a path or dict read once.
+        topo: The topology; None builds it from the config (`topology_from_config`).
+        optimizer: Passed to DeepSpeed; None lets the config's ``"optimizer"`` block make
+            one.
+        model_parameters: Passed to DeepSpeed; None takes the parameters that require
+            grad when no optimizer is given.
+        lr_scheduler: Passed to DeepSpeed.
+
+    Returns:
+        The DeepSpeed engine, with the topology as ``engine.topology``.
+
+    Raises:
+        ValueError: A ``topo`` whose degrees or choices differ from the config's (each
+            named), or an invalid config.
+    """
     import deepspeed
 
     run = RunConfig.load(config)

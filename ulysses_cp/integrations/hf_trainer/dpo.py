@@ -12,19 +12,21 @@ __all__ = ["SequenceParallelDPOTrainer"]
 
 
 class SequenceParallelDPOTrainer(LogProbTrainerMixin, DPOTrainer):
-    """A drop-in ``trl.DPOTrainer`` (the same arguments: ``ref_model``, ``peft_config``,
-    ...). With a ``"sequence_parallel"`` block in the DeepSpeed config of
-    ``args.deepspeed``, the chosen and rejected rows are sharded in the run's layout
-    (padded to its multiple here), the policy and the reference run sequence parallel,
-    and every ``loss_type`` TRL ships gives the one-process losses and metrics (they are
-    computed by ``DPOTrainer`` itself from the gathered per-token log-probs,
-    :mod:`.log_prob_trainer`). Without the block it is ``DPOTrainer``.
+    """A drop-in ``trl.DPOTrainer`` whose policy and reference run sequence parallel.
+
+    It takes ``DPOTrainer``'s arguments (``ref_model``, ``peft_config``, ...). With a
+    ``"sequence_parallel"`` block in the DeepSpeed config of ``args.deepspeed``, the
+    chosen and rejected rows are sharded in the run's layout (padded to its multiple
+    here), and the policy and the reference run sequence parallel. Every ``loss_type``
+    TRL ships gives the one-process losses and metrics: ``DPOTrainer`` itself computes
+    them from the gathered per-token log-probs. Without the block it is ``DPOTrainer``.
 
     Refused under sequence parallelism, on every rank, naming the option: the MoE
     load-balancing loss (``router_aux_loss_coef`` on a model with router logits: set it
     to 0.0), vision datasets (``pixel_values``). ``precompute_ref_log_probs=True`` works
     and is exact, but runs before sequence parallelism is set up: each rank computes
-    whole rows of its share of the dataset (without gradients)."""
+    whole rows of its share of the dataset (without gradients).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -10,7 +10,10 @@ __all__ = ["SequenceParallelTrainer"]
 
 
 class SequenceParallelTrainer(SequenceParallelMixin, Trainer):
-    """A drop-in ``transformers.Trainer`` (the same arguments). With a
-    ``"sequence_parallel"`` block in the DeepSpeed config of ``args.deepspeed``, training
-    and evaluation run sequence parallel (:mod:`ulysses_cp.integrations.hf_trainer.mixin`)
-    and give the one-process losses; without one it is ``Trainer``."""
+    """A drop-in ``transformers.Trainer`` that trains and evaluates sequence parallel.
+
+    It takes ``Trainer``'s arguments. With a ``"sequence_parallel"`` block in the DeepSpeed
+    config of ``args.deepspeed``, training and evaluation run sequence parallel and give
+    the one-process losses; without one it is ``Trainer``. Needs transformers and
+    accelerate (``pip install .[trainer]``).
+    """
