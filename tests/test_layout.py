@@ -24,8 +24,9 @@ TOP_LEVEL = {
     "__init__.py": "face",
 }
 MAX_LINES, MAX_PARAMS = 400, 8
-# the public ucp.attention keeps API.md's keywords (it builds the AttentionSpec)
-MANY_PARAMS = {("modes/attention.py", "attention")}
+# the public ucp.attention keeps API.md's keywords (it builds the AttentionSpec), and
+# init_topology names every run option (RunOptions' fields) for type checkers and IDEs
+MANY_PARAMS = {("modes/attention.py", "attention"), ("core/topology.py", "init_topology")}
 # names listed in a module's __all__ whose home is another module: the public face, and
 # shard_batch and register_attention, which API.md has Hugging Face users import from
 # ulysses_cp.models.hf (their homes: core/batch.py, models/hf_attention.py)

@@ -15,7 +15,7 @@ from torch.compiler import is_compiling as compiling
 
 from ..core.batch import BatchPlan
 from ..core.derived import once
-from ..core.options import KV_EXCHANGES
+from ..core.options import KV_EXCHANGES, RunOptions
 from ..core.rows import RowDocs
 from ..core.sharding import layout_of
 from ..core.topology import Topology
@@ -24,7 +24,6 @@ from ..kernels.backends import Kernel, resolve_backend
 from ..kernels.dispatch import KernelCall, attend_local, attn_backward, attn_forward
 from ..kernels.spec import AttentionSpec
 from .checks import (
-    Choices,
     check_across_ranks,
     check_sinks,
     checked_in_graph,
@@ -91,9 +90,16 @@ def attention(
     None takes the run's (``topo.options.head_chunks``).
 
     The keywords build one :class:`~ulysses_cp.kernels.spec.AttentionSpec` and one
-    :class:`~ulysses_cp.modes.checks.Choices`; :func:`attend` takes them from there."""
+    :class:`~ulysses_cp.core.options.RunOptions` (``topo.options.for_call``, the run's
+    options with the call's); :func:`attend` takes them from there."""
     layout = layout_of(topo, layout)  # the same verdict on every rank: before any collective
-    choice = Choices.of(topo, layout, backend, kv_exchange, head_chunks, packing)
+    choice = topo.options.for_call(
+        layout=layout,
+        backend=backend,
+        kv_exchange=kv_exchange,
+        head_chunks=head_chunks,
+        packing=packing,
+    )
     window = tuple(window) if isinstance(window, list) else window
     spec = AttentionSpec(causal, softmax_scale, softcap, window, sinks is not None)
     if batch is None:
@@ -109,7 +115,7 @@ def attend(
     v: torch.Tensor,
     topo: Topology,
     spec: AttentionSpec,
-    choice: Choices,
+    choice: RunOptions,
     batch: BatchPlan | torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -197,7 +203,7 @@ _eager_in_graph = torch.compiler.disable(chunked_attention)
 def _inner(
     topo: Topology,
     call: KernelCall,
-    choice: Choices,
+    choice: RunOptions,
     docs: Docs | RowDocs | None,
     split: int = 0,
 ) -> Any:
@@ -242,7 +248,7 @@ class Attention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchPlan | None = None
     ) -> torch.Tensor:
-        choice = Choices.of(self.topo, self.topo.layout, self.backend)
+        choice = self.topo.options.for_call(backend=self.backend)
         return attend(q, k, v, self.topo, self.spec, choice, batch)
 
     def __repr__(self) -> str:
