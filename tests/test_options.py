@@ -14,7 +14,7 @@ from tests.helpers import run_config
 from ulysses_cp.config import SequenceParallelConfig
 from ulysses_cp.core.options import CONFIG_KEYS, OPTION_NAMES, RunOptions
 from ulysses_cp.core.topology import Topology
-from ulysses_cp.training.engine import check_topology
+from ulysses_cp.training.engine import check_topology, run_options
 
 
 def test_the_choices_cannot_change_halfway():
@@ -41,7 +41,7 @@ def test_the_choices_cannot_change_halfway():
 )
 def test_bad_choices_are_refused_with_the_value(bad, words):
     with pytest.raises(ValueError) as err:
-        ucp.RunOptions(**bad)
+        RunOptions(**bad)
     for word in words:
         assert word in str(err.value)
 
@@ -50,7 +50,7 @@ def test_bad_choices_are_refused_with_the_value(bad, words):
 def test_the_config_fixes_every_choice(stage, scale):
     sp = dict(layout="contiguous", check_inputs=False)
     cfg = ucp.RunConfig.load(run_config(2, 2, stage, backend="math", sp=sp))
-    assert ucp.run_options(cfg) == ucp.RunOptions(
+    assert run_options(cfg) == RunOptions(
         layout="contiguous", backend="math", check_inputs=False, grad_scale=scale
     )
 

@@ -19,11 +19,11 @@ V vocabulary, P = sp_world_size.
 - :func:`kl_to_reference`: the per-token KL estimators to a reference policy.
 
 The gradient rule is the one of the SP cross-entropy (``ucp.sequence_parallel_cross_entropy``
-and ``ucp.local_loss_term``): a loss that every SP rank computes identically from the
-gathered (or summed) values gives each rank the gradient of its own tokens only (its
-share), times the run's ``topo.grad_scale``; summed over the SP ranks by the gradient
-reduction, the shares are the one-process gradient. Do not also pass such a loss through
-``replicated_loss_term``: the scale is applied here, once per path through the gather.
+and ``ulysses_cp.models.loss.local_loss_term``): a loss that every SP rank computes
+identically from the gathered (or summed) values gives each rank the gradient of its own
+tokens only (its share), times the run's ``topo.grad_scale``; summed over the SP ranks by
+the gradient reduction, the shares are the one-process gradient. Do not also pass such a
+loss through ``replicated_loss_term``: the scale is applied here, once per path through the gather.
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def sequence_sums(
     each) and the rows' token counts ``mask.sum``, summed over the SP group: ``(b,)`` and
     ``(b,)``, the same on every SP rank. ``sums / counts.clamp(min=1)`` is the
     length-normalised mean. Gradient: this rank's share times ``topo.grad_scale`` (the
-    rule of ``ucp.local_loss_term``)."""
+    rule of ``ulysses_cp.models.loss.local_loss_term``)."""
     if values.shape != mask.shape:
         raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ")
     sums = local_loss_term((values * mask.to(values.dtype)).sum(dim=1), topo)
