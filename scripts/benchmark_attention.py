@@ -35,6 +35,8 @@ from profiling import longest_fitting, peak_memory
 
 import ulysses_cp as ucp
 import ulysses_cp.modes.ring as ring_mod
+from ulysses_cp.kernels.dispatch import KernelCall, local_attention
+from ulysses_cp.kernels.spec import AttentionSpec
 from ulysses_cp.modes.ulysses import head_chunk_choices
 from ulysses_cp.plan.comm import forward_comm_bytes
 
@@ -97,13 +99,13 @@ def attention_fn(topos: dict, name: str, spec, backend: str):
         from deepspeed.sequence.layer import DistributedAttention
 
         def local(q, k, v, *args, **kwargs):
-            return ucp.local_attention(q, k, v, backend=backend)
+            return local_attention(q, k, v, backend=backend)
 
         peer = DistributedAttention(local, topo.ulysses_group, scatter_idx=2, gather_idx=1)
         return lambda q, k, v: peer(q, k, v, batch_dim_idx=0)
     if "overlap" in extra:
         ring = ring_mod.Ring(topo.ring_group, layout, overlap=extra["overlap"])
-        call = ucp.KernelCall(ucp.AttentionSpec(causal=True), backend)
+        call = KernelCall(AttentionSpec(causal=True), backend)
         return lambda q, k, v: ring_mod.ring_attention(q, k, v, ring=ring, call=call)
     return ucp.Attention(topo)
 

@@ -3,7 +3,7 @@
 On 4 spawned ranks (gloo on CPU, NCCL with a GPU per rank; ``scripts/benchlib.py``) it
 times causal attention forward+backward on one row of N tokens, full and with a window of
 N/8 tokens to the left, interleaved, medians over repeats, and reads the work counter
-(``ucp.work_stats``: score entries the kernels computed, summed over the ranks; blocks the
+(``work_stats``: score entries the kernels computed, summed over the ranks; blocks the
 ring skipped). ``x full`` is the time ratio to full causal attention in the same mode,
 measured in the same run.
 
@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchlib import barrier, gather_floats, run_ranks, sync
 
 import ulysses_cp as ucp
+from ulysses_cp.kernels.blocks import work as work_stats
 
 HQ, HKV, D = 8, 4, 64
 MODES = {
@@ -58,7 +59,7 @@ def worker(rank, world, args, device):
         for rep in range(args.warmup + args.repeats):
             for (mode, name), acc in times.items():  # interleaved: same noise for all
                 q, k, v, dout = (t.detach().requires_grad_(i < 3) for i, t in enumerate(inputs))
-                ucp.work_stats.reset()
+                work_stats.reset()
                 barrier(device)
                 t0 = time.perf_counter()
                 out = ucp.attention(
@@ -69,7 +70,7 @@ def worker(rank, world, args, device):
                 barrier(device)
                 if rep >= args.warmup:
                     acc.append(time.perf_counter() - t0)
-                snap = ucp.work_stats.snapshot()
+                snap = work_stats.snapshot()
                 work[(mode, name)] = [
                     float(snap.get("scores/forward", 0)),
                     float(snap.get("skipped/forward", 0)),

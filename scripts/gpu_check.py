@@ -44,6 +44,8 @@ from benchlib import run_ranks, sync  # noqa: E402
 
 import ulysses_cp as ucp  # noqa: E402
 from ulysses_cp.kernels import flash_backend  # noqa: E402
+from ulysses_cp.kernels.dispatch import local_attention  # noqa: E402
+from ulysses_cp.kernels.spec import AttentionSpec  # noqa: E402
 from ulysses_cp.modes.ulysses import head_chunk_choices  # noqa: E402
 
 # max |error| / max |reference| allowed, by dtype (float64 reference)
@@ -79,8 +81,8 @@ def inputs(N: int, hq: int, hkv: int, d: int, g: torch.Generator) -> list[torch.
 def reference(q, k, v, dout, causal, cu=None):
     """float64 math attention: out and the three gradients."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    spec = ucp.AttentionSpec(causal=causal)
-    out = ucp.local_attention(*leaves, spec, backend="math", cu_seqlens=cu)
+    spec = AttentionSpec(causal=causal)
+    out = local_attention(*leaves, spec, backend="math", cu_seqlens=cu)
     return [out.detach(), *torch.autograd.grad(out, leaves, dout.double())]
 
 
@@ -103,8 +105,8 @@ def kernel_rows(device: torch.device, dry: bool) -> list[dict]:
             ref = reference(q, k, v, do, causal, cu)
             leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
             cud = None if cu is None else cu.to(device)
-            spec = ucp.AttentionSpec(causal=causal)
-            out = ucp.local_attention(*leaves, spec, backend=backend, cu_seqlens=cud)
+            spec = AttentionSpec(causal=causal)
+            out = local_attention(*leaves, spec, backend=backend, cu_seqlens=cud)
             out.backward(do.to(device, dtype))
             errs = rel_errors([out.detach().cpu()] + [t.grad.cpu() for t in leaves], ref)
             case = dict(backend=backend, dtype=dname, hq=hq, hkv=hkv, d=d, causal=causal)
@@ -249,7 +251,7 @@ def timing_rows(device: torch.device, dry: bool, peak_tflops: float) -> list[dic
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
                 sync(device)
                 t0 = time.perf_counter()
-                ucp.local_attention(*leaves, backend=backend).backward(do)
+                local_attention(*leaves, backend=backend).backward(do)
                 sync(device)
                 if rep >= 2:
                     times.append(time.perf_counter() - t0)

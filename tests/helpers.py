@@ -19,6 +19,7 @@ import torch
 import ulysses_cp as ucp
 from tests.distributed import COLLECTIVE_TIMEOUT_S
 from ulysses_cp.config import ModelConfig, RunConfig
+from ulysses_cp.training.engine import run_options
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
@@ -207,7 +208,7 @@ def offloaded_inputs(out: torch.Tensor) -> list[torch.Tensor]:
 
 def topology(u: int, r: int, layout: str = "zigzag", **options):
     """One set of process groups per degrees per process (group creation is collective and
-    slow), with the run's ``layout`` and other ``options`` (``ucp.RunOptions`` fields)."""
+    slow), with the run's ``layout`` and other ``options`` (``RunOptions`` fields)."""
     if (u, r) not in _TOPOS:
         _TOPOS[(u, r)] = ucp.init_topology(u, r, timeout_s=COLLECTIVE_TIMEOUT_S)
     return _TOPOS[(u, r)].with_options(layout=layout, **options)
@@ -218,7 +219,7 @@ def topology_for(config: dict):
     ``ucp.topology_from_config`` gives, without creating new groups per engine)."""
     run = RunConfig.load(config)
     sp = run.sequence_parallel
-    return topology(sp.ulysses_degree, sp.ring_degree, **asdict(ucp.run_options(run)))
+    return topology(sp.ulysses_degree, sp.ring_degree, **asdict(run_options(run)))
 
 
 # what the launcher tests train: a tiny decoder on kv_recall, AdamW, 2 CPU ranks

@@ -8,7 +8,7 @@ import torch
 import ulysses_cp as ucp
 from tests.helpers import make_qkv, topology
 from ulysses_cp.core.comm import head_to_seq, seq_to_head
-from ulysses_cp.core.sharding import natural_to_pairs, pairs_to_natural
+from ulysses_cp.core.sharding import layout_indices, natural_to_pairs, pairs_to_natural
 from ulysses_cp.modes.ulysses import head_chunk_choices
 
 
@@ -25,7 +25,7 @@ def _placement(rank, P, layout):
     b, s, h, d = 3, 8 * P, 2 * P, 5
     full = encoded(b, s, h, d)
     local = ucp.shard_sequence(full, topo, layout=layout)
-    idx = ucp.layout_indices(s, P, topo.sp_rank, layout)
+    idx = layout_indices(s, P, topo.sp_rank, layout)
     assert torch.equal(local, full[:, idx])  # shard holds the tokens the layout says
     heads = seq_to_head(local, topo.ulysses_group)  # (b, s, h/P, d), SP-rank order
     if layout == "zigzag":

@@ -22,7 +22,9 @@ from tests.helpers import (
 )
 from ulysses_cp.config import DataConfig, ModelConfig, RunConfig, read_config
 from ulysses_cp.core.batch import shard_batch
+from ulysses_cp.kernels.dispatch import local_attention
 from ulysses_cp.models.decoder import Decoder
+from ulysses_cp.models.loss import local_loss_term, replicated_loss_term
 from ulysses_cp.training.data import KVRecall, global_batch
 from ulysses_cp.training.engine import zero_grad_scale
 
@@ -60,8 +62,8 @@ def _step(rank, u, r, stage, layout, grad_factor=1.0, own_terms=False):
     fixed = torch.ones(3, TINY.dim)  # the same on every rank
     n_tokens = local["input_ids"].numel() * topo.sp_world_size  # of this replica's batch
     if own_terms:  # a replicated regulariser and a per-token auxiliary loss of the user's
-        loss = loss + 0.5 * ucp.replicated_loss_term(engine.module.norm(fixed).pow(2).mean(), topo)
-        loss = loss + 0.1 * ucp.local_loss_term(logits.float().pow(2).sum() / n_tokens, topo)
+        loss = loss + 0.5 * replicated_loss_term(engine.module.norm(fixed).pow(2).mean(), topo)
+        loss = loss + 0.1 * local_loss_term(logits.float().pow(2).sum() / n_tokens, topo)
     engine.backward(loss * grad_factor)  # grad_factor != 1: a wrong gradient, on purpose
     engine.step()
     # single process: mean over the replicas of each replica's token-mean loss
@@ -96,8 +98,8 @@ def test_training_step_equals_single_process(pools, stage, u, r, layout):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("u,r", [(2, 2), (2, 1)])
 def test_loss_terms_of_your_own_follow_the_same_rule(pools, stage, u, r):
-    """A replicated regulariser (ucp.replicated_loss_term) and a per-token auxiliary loss
-    (ucp.local_loss_term) added to the SP loss give the single-process update, ZeRO 1-3,
+    """A replicated regulariser (replicated_loss_term) and a per-token auxiliary loss
+    (local_loss_term) added to the SP loss give the single-process update, ZeRO 1-3,
     with and without data parallelism."""
     for loss, ref_loss, err, moved in pools(4).run(_step, u, r, stage, "zigzag", 1.0, True):
         assert abs(loss - ref_loss) < 1e-5, (loss, ref_loss)
@@ -292,7 +294,7 @@ def test_the_skip_path_keeps_the_tiled_loss():
     from ulysses_cp.models.memory import LossPlan
     from ulysses_cp.training.trainer import Trainer
 
-    model = Decoder(TINY, lambda q, k, v: ucp.local_attention(q, k, v, backend="math"))
+    model = Decoder(TINY, lambda q, k, v: local_attention(q, k, v, backend="math"))
 
     class Engine:  # what the trainer's losses need of a DeepSpeed engine
         module = model

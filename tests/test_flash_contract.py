@@ -1,6 +1,6 @@
 """The contract with flash-attn 2.6, 2.7 and 2.8, pinned on CPU.
 
-Every test drives the public API (``ucp.local_attention`` / ``ucp.attention`` with
+Every test drives the public API (``local_attention`` / ``ucp.attention`` with
 ``backend="flash_attn"``) against the stand-ins in ``tests/flash_standin`` (each release's
 exact interface, custom-op wrapping included, over pure-torch kernels with flash-attn's
 conventions) and compares outputs and gradients with float64 math attention.
@@ -14,10 +14,10 @@ import sys
 import pytest
 import torch
 
-import ulysses_cp as ucp
 from tests.flash_standin import unuse, use
 from tests.helpers import reference as float64_attention
 from ulysses_cp.kernels import backends, flash_backend, torch_backend
+from ulysses_cp.kernels.dispatch import local_attention
 from ulysses_cp.kernels.spec import AttentionSpec, Scores
 
 # (release, wrap): 2.6 has plain functions; 2.7/2.8 custom ops (torch 2.4-2.9) or plain
@@ -99,7 +99,7 @@ def test_local_attention_matches_float64(standin, hq, hkv, d, causal, packed):
             v,
             do,
             dtype,
-            lambda *t: ucp.local_attention(
+            lambda *t: local_attention(
                 *t, AttentionSpec(causal=causal), backend="flash_attn", cu_seqlens=cu
             ),
         )
@@ -118,7 +118,7 @@ def test_batch_and_scale_reach_the_kernel(standin):
         v,
         do,
         torch.bfloat16,
-        lambda *t: ucp.local_attention(*t, AttentionSpec(scale=0.3), backend="flash_attn"),
+        lambda *t: local_attention(*t, AttentionSpec(scale=0.3), backend="flash_attn"),
     )
     for a, b in zip(got, ref):
         assert rel_err(a, b) < TOL[torch.bfloat16]
@@ -171,7 +171,7 @@ def test_an_essential_argument_not_taken_is_refused(standin):
     q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
     match = r"flash-attn 2\.8\.3: _flash_attn_forward does not take \['window_size_left', "
     with pytest.raises(ValueError, match=match + r"'window_size_right'\]"):
-        ucp.local_attention(q, q, q, backend="flash_attn")
+        local_attention(q, q, q, backend="flash_attn")
 
 
 @pytest.mark.parametrize("standin", [("2.8.3", "plain")], indirect=True)
@@ -199,7 +199,7 @@ def test_an_unknown_required_argument_is_refused(standin):
         match=r"2\.8\.3: _flash_attn_forward requires argument "
         r"'sink_scale'",
     ):
-        ucp.local_attention(q, q, q, backend="flash_attn")
+        local_attention(q, q, q, backend="flash_attn")
 
 
 @pytest.mark.parametrize("standin", [("2.7.4", "custom_op")], indirect=True)
@@ -223,7 +223,7 @@ def test_an_unknown_return_convention_is_refused(standin):
     _swap("_flash_attn_forward", three)
     q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"2\.7\.4: _flash_attn_forward returned 3 values"):
-        ucp.local_attention(q, q, q, backend="flash_attn")
+        local_attention(q, q, q, backend="flash_attn")
 
 
 @pytest.mark.parametrize("version", ["2.5.9", "3.0.0b1"])
@@ -234,7 +234,7 @@ def test_unsupported_versions_are_refused(version):
         flash_backend.reset()
         q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match=rf"flash-attn {version} is installed; "):
-            ucp.local_attention(q, q, q, backend="flash_attn")
+            local_attention(q, q, q, backend="flash_attn")
     finally:
         uninstall()
 
@@ -243,12 +243,12 @@ def test_missing_broken_and_flash3_installs_say_which(tmp_path, monkeypatch):
     uninstall()
     q = torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="needs flash-attn, which is not installed; install"):
-        ucp.local_attention(q, q, q, backend="flash_attn")
+        local_attention(q, q, q, backend="flash_attn")
     (tmp_path / "flash_attn_interface.py").write_text("")  # flash-attn 3's module
     monkeypatch.syspath_prepend(str(tmp_path))
     flash_backend.reset()
     with pytest.raises(ValueError, match="flash-attn 3 is not supported"):
-        ucp.local_attention(q, q, q, backend="flash_attn")
+        local_attention(q, q, q, backend="flash_attn")
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text(
         "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c10')"
@@ -256,7 +256,7 @@ def test_missing_broken_and_flash3_installs_say_which(tmp_path, monkeypatch):
     flash_backend.reset()
     try:
         with pytest.raises(ValueError, match=r"installed but does not import.*undefined symbol"):
-            ucp.local_attention(q, q, q, backend="flash_attn")
+            local_attention(q, q, q, backend="flash_attn")
     finally:
         sys.modules.pop("flash_attn", None)
         flash_backend.reset()

@@ -14,8 +14,11 @@ import torch
 import ulysses_cp as ucp
 from tests.distributed import WorkerError
 from tests.helpers import ROOT, attend_and_check, make_qkv, topology
+from ulysses_cp.core.options import RunOptions
 from ulysses_cp.kernels import math_backend
+from ulysses_cp.kernels.backends import Kernel
 from ulysses_cp.modes.ulysses import head_chunk_choices, resolve_head_chunks
+from ulysses_cp.training.engine import run_options
 
 
 def test_choices_follow_the_heads_per_rank():
@@ -39,7 +42,7 @@ def test_automatic_rule_and_errors():
     with pytest.raises(ValueError, match=r"with a ring inside .*use one of \[1\]"):
         resolve_head_chunks(2, 8, 2, 4, ring=True)
     with pytest.raises(ValueError, match="head_chunks must be an integer >= 0"):
-        ucp.RunOptions(head_chunks=-1)
+        RunOptions(head_chunks=-1)
 
 
 # (u, r, hq, hkv, c): MHA, GQA with kv chunks = c, GQA with fewer kv chunks than c, kv
@@ -88,7 +91,7 @@ def _bytes_and_order(rank, c, hq=8, hkv=4):
         seen.append(-ucp.comm_stats.calls[("all_to_all", "backward")])
         return math_backend.backward(*args)
 
-    kernel = ucp.Kernel("counting", forward, backward)
+    kernel = Kernel("counting", forward, backward)
     q, k, v, dout = make_qkv(seed=1, b=1, s=64, hq=hq, hkv=hkv, d=8)
     ql, kl, vl = (ucp.shard_sequence(t, topo).detach().requires_grad_() for t in (q, k, v))
     ucp.comm_stats.reset()
@@ -216,7 +219,7 @@ def test_a_chunk_count_that_does_not_split_the_heads_is_refused(pools):
 
 def test_config_sets_the_runs_chunk_count():
     cfg = {"sequence_parallel": {"ulysses_degree": 1, "head_chunks": 4}}
-    assert ucp.run_options(ucp.RunConfig.load(cfg)).head_chunks == 4
+    assert run_options(ucp.RunConfig.load(cfg)).head_chunks == 4
     with pytest.raises(ValueError, match="head_chunks must be an integer >= 0"):
         ucp.RunConfig.load({"sequence_parallel": {"head_chunks": -2}})
 

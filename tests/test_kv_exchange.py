@@ -8,7 +8,9 @@ import pytest
 import ulysses_cp as ucp
 from tests.distributed import WorkerError
 from tests.helpers import attend_and_check, make_qkv, topology
+from ulysses_cp.core.options import RunOptions
 from ulysses_cp.plan.comm import forward_comm_bytes
+from ulysses_cp.training.engine import run_options
 
 ALLGATHER = dict(kv_exchange="allgather")
 
@@ -85,6 +87,6 @@ def test_ranks_that_disagree_fail_together(pools):
 
 def test_unknown_exchange_is_refused():
     with pytest.raises(ValueError, match="kv_exchange 'broadcast' is not one of"):
-        ucp.RunOptions(kv_exchange="broadcast")
+        RunOptions(kv_exchange="broadcast")
     cfg = {"sequence_parallel": {"kv_exchange": "allgather"}, "train_batch_size": 1}
-    assert ucp.run_options(ucp.RunConfig.load(cfg)).kv_exchange == "allgather"
+    assert run_options(ucp.RunConfig.load(cfg)).kv_exchange == "allgather"

@@ -24,8 +24,9 @@ TOP_LEVEL = {
     "__init__.py": "face",
 }
 MAX_LINES, MAX_PARAMS = 400, 8
-# the public ucp.attention keeps API.md's keywords (it builds the AttentionSpec)
-MANY_PARAMS = {("modes/attention.py", "attention")}
+# the public ucp.attention keeps API.md's keywords (it builds the AttentionSpec), and
+# init_topology names every run option (RunOptions' fields) for type checkers and IDEs
+MANY_PARAMS = {("modes/attention.py", "attention"), ("core/topology.py", "init_topology")}
 # names listed in a module's __all__ whose home is another module: the public face, and
 # shard_batch and register_attention, which API.md has Hugging Face users import from
 # ulysses_cp.models.hf (their homes: core/batch.py, models/hf_attention.py)
@@ -232,13 +233,53 @@ def test_each_public_name_has_one_home():
     assert sorted(elsewhere) == sorted(f"{f}: {n}" for f, n in REEXPORTS)
 
 
+# the names the public API contract (API.md) calls on the package itself: ``ucp.NAME`` and
+# ``from ulysses_cp import NAME``
+CONTRACT = (
+    "init_topology",
+    "shard_sequence",
+    "gather_sequence",
+    "pad_to_multiple",
+    "attention",
+    "sequence_parallel_cross_entropy",
+    "initialize",
+    "context_parallel",
+    "context_parallel_unshard",
+)
+MAX_FACE = 30  # the public face stays small: internals are imported from their modules
+
+
+def _face_imports() -> list[str]:
+    """The names ``ulysses_cp/__init__.py`` binds by its imports (``as`` names included)."""
+    tree = ast.parse((PKG / "__init__.py").read_text())
+    return [
+        alias.asname or alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    ]
+
+
 def test_the_public_face_exports_what_it_imports():
+    """Every name the face imports is exported, and every exported name is imported (and
+    defined): nothing re-exported by accident, nothing listed that is not there."""
     import ulysses_cp as ucp
 
-    missing = [n for n in ucp.__all__ if not hasattr(ucp, n)]
-    assert missing == []
+    assert sorted(_face_imports()) == sorted(ucp.__all__)
+    assert [n for n in ucp.__all__ if not hasattr(ucp, n)] == []
     for name in ("attention", "shard_sequence", "init_topology", "initialize", "shard_batch"):
         assert name in ucp.__all__
+
+
+def test_the_public_face_is_small_and_holds_the_contract():
+    """At most ``MAX_FACE`` names at the top of the package, API.md's among them; kernel,
+    planner and loss internals are imported from their modules."""
+    import ulysses_cp as ucp
+
+    assert len(ucp.__all__) <= MAX_FACE, sorted(ucp.__all__)
+    assert [n for n in CONTRACT if n not in ucp.__all__] == []
+    for internal in ("attn_forward", "KernelCall", "RunOptions", "local_loss_term", "plan_groups"):
+        assert internal not in ucp.__all__
 
 
 # ---------------------------------------------------------------- sizes

@@ -4,14 +4,17 @@ built once from the config, read by every call that takes the topology. No proce
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
 
 import ulysses_cp as ucp
 from tests.helpers import run_config
+from ulysses_cp.config import SequenceParallelConfig
+from ulysses_cp.core.options import CONFIG_KEYS, OPTION_NAMES, RunOptions
 from ulysses_cp.core.topology import Topology
-from ulysses_cp.training.engine import check_topology
+from ulysses_cp.training.engine import check_topology, run_options
 
 
 def test_the_choices_cannot_change_halfway():
@@ -38,7 +41,7 @@ def test_the_choices_cannot_change_halfway():
 )
 def test_bad_choices_are_refused_with_the_value(bad, words):
     with pytest.raises(ValueError) as err:
-        ucp.RunOptions(**bad)
+        RunOptions(**bad)
     for word in words:
         assert word in str(err.value)
 
@@ -47,7 +50,7 @@ def test_bad_choices_are_refused_with_the_value(bad, words):
 def test_the_config_fixes_every_choice(stage, scale):
     sp = dict(layout="contiguous", check_inputs=False)
     cfg = ucp.RunConfig.load(run_config(2, 2, stage, backend="math", sp=sp))
-    assert ucp.run_options(cfg) == ucp.RunOptions(
+    assert run_options(cfg) == RunOptions(
         layout="contiguous", backend="math", check_inputs=False, grad_scale=scale
     )
 
@@ -96,3 +99,49 @@ def test_the_loss_gradient_takes_the_runs_scale():
         loss = ucp.sequence_parallel_cross_entropy(logits, labels, topo)
         grads.append(torch.autograd.grad(loss, logits)[0])
     torch.testing.assert_close(grads[1], 3 * grads[0])
+
+
+def test_init_topology_names_every_option_with_its_default():
+    """The signature's keywords are RunOptions' fields, with the same defaults, so the two
+    cannot drift (the keywords are spelt out for type checkers and IDEs)."""
+    params = inspect.signature(ucp.init_topology).parameters
+    declared = {f.name: f.default for f in dataclasses.fields(RunOptions)}
+    keywords = {n: p.default for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    assert keywords == {**declared, "timeout_s": None}
+    assert list(params)[:2] == ["ulysses_degree", "ring_degree"]
+    with pytest.raises(TypeError, match="kv_exchnage"):
+        ucp.init_topology(1, 1, kv_exchnage="ring")  # type: ignore[call-arg]
+
+
+def test_the_config_block_is_the_options_under_their_keys():
+    """Every option but the gradient scale (which follows the ZeRO stage) is a key of the
+    "sequence_parallel" block, parsed into one RunOptions; its defaults are RunOptions'."""
+    assert SequenceParallelConfig.from_dict(None).options == RunOptions()
+    assert set(CONFIG_KEYS.values()) == set(OPTION_NAMES) - {"grad_scale"}
+    block = dict(
+        layout="contiguous",
+        attention_backend="math",
+        check_inputs=False,
+        kv_exchange="allgather",
+        head_chunks=2,
+        redo_all_to_all=True,
+        packing="row",
+    )
+    assert set(block) == set(CONFIG_KEYS)
+    parsed = SequenceParallelConfig.from_dict({"ulysses_degree": 2, **block})
+    assert parsed.ulysses_degree == 2
+    assert parsed.options == RunOptions(**{CONFIG_KEYS[k]: v for k, v in block.items()})
+    with pytest.raises(ValueError, match="'grad_scale'"):
+        SequenceParallelConfig.from_dict({"grad_scale": 2.0})
+    with pytest.raises(ValueError, match=r"^sequence_parallel.head_chunks must be an integer >= 0"):
+        SequenceParallelConfig.from_dict({"head_chunks": -1})
+
+
+def test_a_calls_choices_are_the_runs_with_its_overrides():
+    run = RunOptions(layout="contiguous", backend="math", head_chunks=2)
+    call = run.for_call(layout=None, backend="torch", head_chunks=None, packing="row")
+    assert call == dataclasses.replace(run, backend="torch", packing="row")
+    unchecked = run.for_call(kv_exchange="broadcast")  # the ranks compare it first
+    assert unchecked.kv_exchange == "broadcast"
+    with pytest.raises(TypeError, match="'layuot'"):
+        run.for_call(layuot="zigzag")

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ulysses_cp as ucp
-from ulysses_cp.core.sharding import _shard, natural_to_pairs, pairs_to_natural
+from ulysses_cp.core.sharding import _shard, layout_indices, natural_to_pairs, pairs_to_natural
 from ulysses_cp.core.varlen import doc_layout_indices, ulysses_permutation
 
 layouts = st.sampled_from(["zigzag", "contiguous"])
@@ -29,7 +29,7 @@ def test_pairs_round_trip(n, chunk, dim, other):
 @given(P=st.integers(1, 8), per=st.integers(1, 6), layout=layouts)
 def test_layout_is_a_partition_and_gather_inverts_shard(P, per, layout):
     s = ucp.sequence_multiple(P, layout) * per
-    held = [ucp.layout_indices(s, P, r, layout) for r in range(P)]
+    held = [layout_indices(s, P, r, layout) for r in range(P)]
     assert sorted(torch.cat(held).tolist()) == list(range(s))  # every token exactly once
     assert len({len(h) for h in held}) == 1  # equal shares
     x = torch.randn(2, s, 3)
@@ -46,7 +46,7 @@ def test_zigzag_pairs_chunks(P, per):
     c = per
     s = 2 * P * c
     for r in range(P):
-        idx = ucp.layout_indices(s, P, r, "zigzag").tolist()
+        idx = layout_indices(s, P, r, "zigzag").tolist()
         assert idx == list(range(r * c, (r + 1) * c)) + list(
             range((2 * P - 1 - r) * c, (2 * P - r) * c)
         )
@@ -60,7 +60,7 @@ def test_hybrid_reorder_gives_each_ring_rank_its_zigzag_pair(u, r, per):
     P = u * r
     s = 2 * P * per
     for j in range(r):
-        gathered = torch.cat([ucp.layout_indices(s, P, j * u + i, "zigzag") for i in range(u)])
+        gathered = torch.cat([layout_indices(s, P, j * u + i, "zigzag") for i in range(u)])
         got = pairs_to_natural(gathered.view(1, -1), u, dim=1).flatten().tolist()
         half = s // (2 * r)
         want = list(range(j * half, (j + 1) * half)) + list(

@@ -14,7 +14,9 @@ import torch
 import ulysses_cp as ucp
 from tests.distributed import WorkerError
 from tests.helpers import attend_and_check, topology
+from ulysses_cp.core.options import RunOptions
 from ulysses_cp.modes.ulysses import MIN_CHUNK_BYTES, resolve_head_chunks
+from ulysses_cp.training.engine import run_options
 
 REDO = {"redo_all_to_all": True}
 
@@ -107,11 +109,11 @@ def test_redo_keeps_no_head_sharded_copies(pools):
 
 def test_the_option_is_checked_where_it_is_set():
     with pytest.raises(ValueError, match=r"redo_all_to_all must be true or false, got 'yes'"):
-        ucp.RunOptions(redo_all_to_all="yes")
+        RunOptions(redo_all_to_all="yes")
     with pytest.raises(ValueError, match=r"redo_all_to_all must be true or false, got 1"):
         ucp.init_topology(1, 1, redo_all_to_all=1)
     cfg = {"sequence_parallel": {"ulysses_degree": 1, "redo_all_to_all": True}}
-    assert ucp.run_options(ucp.RunConfig.load(cfg)).redo_all_to_all is True
+    assert run_options(ucp.RunConfig.load(cfg)).redo_all_to_all is True
     with pytest.raises(ValueError, match=r"sequence_parallel.redo_all_to_all must be true or"):
         ucp.RunConfig.load({"sequence_parallel": {"redo_all_to_all": "no"}})
 

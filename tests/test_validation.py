@@ -6,13 +6,21 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from ulysses_cp.core.sharding import check_sequence_length, natural_to_pairs, pairs_to_natural
-from ulysses_cp.core.topology import Topology
+from ulysses_cp.core.sharding import (
+    check_sequence_length,
+    layout_indices,
+    layout_of,
+    natural_to_pairs,
+    pairs_to_natural,
+)
+from ulysses_cp.core.topology import Topology, plan_groups, validate_degrees
+from ulysses_cp.kernels.dispatch import local_attention
 from ulysses_cp.modes.checks import validate_qkv
+from ulysses_cp.modes.ulysses import kv_replication
 
 
 def test_plan_groups_hybrid_8_ranks():
-    plan = ucp.plan_groups(8, 4, 2)
+    plan = plan_groups(8, 4, 2)
     assert plan.ulysses_groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert plan.ring_groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert plan.sp_groups == [list(range(8))]
@@ -20,7 +28,7 @@ def test_plan_groups_hybrid_8_ranks():
 
 
 def test_plan_groups_data_parallel_outermost():
-    plan = ucp.plan_groups(8, 2, 2)
+    plan = plan_groups(8, 2, 2)
     assert plan.dp_degree == 2
     assert plan.ulysses_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert plan.ring_groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -34,7 +42,7 @@ def test_plan_groups_data_parallel_outermost():
 def test_topology_ranks_follow_the_plan():
     for rank in range(8):
         t = Topology(rank=rank, world_size=8, ulysses_degree=2, ring_degree=2)
-        plan = ucp.plan_groups(8, 2, 2)
+        plan = plan_groups(8, 2, 2)
         ring = next(g for g in plan.ring_groups if rank in g)
         uly = next(g for g in plan.ulysses_groups if rank in g)
         assert ring.index(rank) == t.ring_rank and uly.index(rank) == t.ulysses_rank
@@ -45,7 +53,7 @@ def test_topology_ranks_follow_the_plan():
 @pytest.mark.parametrize("world,u,r", [(6, 4, 1), (8, 3, 1), (4, 2, 4)])
 def test_degrees_that_do_not_divide(world, u, r):
     with pytest.raises(ValueError) as e:
-        ucp.validate_degrees(world, u, r)
+        validate_degrees(world, u, r)
     msg = str(e.value)
     assert f"ulysses_degree({u})" in msg and f"ring_degree({r})" in msg
     assert f"WORLD_SIZE({world})" in msg
@@ -54,7 +62,7 @@ def test_degrees_that_do_not_divide(world, u, r):
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_degree_must_be_positive_int(bad):
     with pytest.raises(ValueError, match="positive integer"):
-        ucp.validate_degrees(4, bad, 1)
+        validate_degrees(4, bad, 1)
 
 
 def test_local_topology_without_distributed():
@@ -69,7 +77,7 @@ def test_the_layout_is_stated_once():
     error naming both, never a silently different sharding."""
     assert ucp.init_topology().layout == "zigzag"
     t = ucp.init_topology(layout="contiguous")
-    assert (t.layout, ucp.layout_of(t), ucp.layout_of(t, "contiguous")) == ("contiguous",) * 3
+    assert (t.layout, layout_of(t), layout_of(t, "contiguous")) == ("contiguous",) * 3
     assert t.with_layout("zigzag").layout == "zigzag" and t.layout == "contiguous"
     x = torch.zeros(1, 8, 2, 4)
     calls = {
@@ -94,7 +102,7 @@ def test_the_layout_is_stated_once():
     [(8, 8, 4, 1), (8, 4, 4, 1), (8, 2, 4, 2), (8, 1, 8, 8), (32, 8, 8, 1), (4, 4, 1, 1)],
 )
 def test_kv_replication(hq, hkv, u, rep):
-    assert ucp.kv_replication(hq, hkv, u) == rep
+    assert kv_replication(hq, hkv, u) == rep
 
 
 @pytest.mark.parametrize(
@@ -102,7 +110,7 @@ def test_kv_replication(hq, hkv, u, rep):
 )
 def test_heads_that_do_not_split(hq, hkv, u, fits):
     with pytest.raises(ValueError) as e:
-        ucp.kv_replication(hq, hkv, u)
+        kv_replication(hq, hkv, u)
     msg = str(e.value)
     if fits is None:
         assert "multiple of kv heads" in msg
@@ -123,9 +131,9 @@ def test_bad_layout_and_backend_list_valid_values():
         ucp.sequence_multiple(2, "striped")
     q = torch.zeros(1, 4, 2, 8)
     with pytest.raises(ValueError, match=r"\['auto', 'flash_attn', 'torch', 'math'\]"):
-        ucp.local_attention(q, q, q, backend="cudnn")
+        local_attention(q, q, q, backend="cudnn")
     with pytest.raises(ValueError, match="needs flash-attn, which is not installed"):
-        ucp.local_attention(q, q, q, backend="flash_attn")
+        local_attention(q, q, q, backend="flash_attn")
 
 
 @pytest.mark.parametrize(
@@ -159,7 +167,7 @@ def test_odd_local_length_in_zigzag():
 def test_pairs_round_trip_and_order():
     x = torch.arange(16).view(1, 16)
     # 4 ranks of zigzag over 8 chunks of 2: rank r holds chunks r and 7-r
-    sharded = torch.cat([ucp.layout_indices(16, 4, r, "zigzag") for r in range(4)])
+    sharded = torch.cat([layout_indices(16, 4, r, "zigzag") for r in range(4)])
     assert sharded.tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
     assert torch.equal(pairs_to_natural(sharded.view(1, 16), 4), x)
     assert torch.equal(natural_to_pairs(x, 4), sharded.view(1, 16))

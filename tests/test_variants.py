@@ -15,7 +15,8 @@ import torch
 import ulysses_cp as ucp
 from tests.distributed import WorkerError
 from tests.helpers import TOL64, attend_and_check, make_qkv, reference, sinks_for, topology
-from ulysses_cp.kernels.dispatch import KernelCall, attn_backward, attn_forward
+from ulysses_cp.kernels.blocks import work as work_stats
+from ulysses_cp.kernels.dispatch import KernelCall, attn_backward, attn_forward, local_attention
 from ulysses_cp.kernels.spec import AttentionSpec
 
 MODES = [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]
@@ -55,13 +56,13 @@ def test_torch_backend_takes_the_exact_path(pools, u, r):
 
 def test_sinks_and_softcap_are_off_by_default():
     q, k, v, _ = make_qkv(seed=3, b=1, s=16, hq=2, hkv=2, d=8)
-    plain = ucp.local_attention(q, k, v, backend="math")
-    off = ucp.local_attention(q, k, v, AttentionSpec(softcap=0.0), backend="math", sinks=None)
+    plain = local_attention(q, k, v, backend="math")
+    off = local_attention(q, k, v, AttentionSpec(softcap=0.0), backend="math", sinks=None)
     assert torch.equal(plain, off)
     # a very negative sink changes nothing measurable; a large one empties the rows
-    low = ucp.local_attention(q, k, v, backend="math", sinks=torch.full((2,), -80.0).double())
+    low = local_attention(q, k, v, backend="math", sinks=torch.full((2,), -80.0).double())
     torch.testing.assert_close(low, plain, rtol=0, atol=1e-30)
-    high = ucp.local_attention(q, k, v, backend="math", sinks=torch.full((2,), 80.0).double())
+    high = local_attention(q, k, v, backend="math", sinks=torch.full((2,), 80.0).double())
     assert high.abs().max() < 1e-30
 
 
@@ -129,7 +130,7 @@ def test_flash_attn_takes_softcap_and_sinks(release, packed):
         leaves = [t.to(torch.float16).requires_grad_() for t in (q, k, v)]
         sk = sinks.float().requires_grad_()
         spec = AttentionSpec(softcap=3.0)
-        out = ucp.local_attention(*leaves, spec, backend="flash_attn", cu_seqlens=cu, sinks=sk)
+        out = local_attention(*leaves, spec, backend="flash_attn", cu_seqlens=cu, sinks=sk)
         out.backward(dout.to(torch.float16))
         for name, got, want in zip(
             ("out", "dq", "dk", "dv", "dsinks"),
@@ -235,11 +236,11 @@ def _work(rank, layout, window):
     topo = topology(1, 4, layout)
     q, k, v, dout = make_qkv(seed=2, b=1, s=64, hq=2, hkv=2, d=8)
     ql, kl, vl = (ucp.shard_sequence(t, topo).detach().requires_grad_() for t in (q, k, v))
-    ucp.work_stats.reset()
+    work_stats.reset()
     ucp.comm_stats.reset()
     out = ucp.attention(ql, kl, vl, topo, causal=True, backend="math", window=window)
     out.backward(ucp.shard_sequence(dout, topo))
-    return ucp.work_stats.snapshot(), ucp.comm_stats.total("ring")
+    return work_stats.snapshot(), ucp.comm_stats.total("ring")
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -280,14 +281,14 @@ def _ring_split(rank, P, layout, split, window, causal):
     if topo is not None:
         q, k, v, dout = (ucp.shard_sequence(t, topo) for t in (q, k, v, dout))
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    ucp.work_stats.reset()
+    work_stats.reset()
     call = KernelCall(AttentionSpec(causal=causal, window=window), "math")
     out = ring_attention(q, k, v, ring=Ring(group, layout, split=split), call=call)
     out.backward(dout)
     got = [out.detach(), q.grad, k.grad, v.grad]
     if topo is not None:
         got = [ucp.gather_sequence(t, topo) for t in got]
-    return got, ucp.work_stats.snapshot()
+    return got, work_stats.snapshot()
 
 
 @pytest.mark.parametrize(
@@ -373,9 +374,9 @@ def test_work_counts_only_the_document_groups_computed():
     cu = torch.tensor([0, 4, 16, 20], dtype=torch.int32)  # documents of 4, 12 and 4 tokens
     spec = AttentionSpec(causal=True, window=(8, -1))
     call = KernelCall(spec, "math", cu_q=cu, cu_k=cu, chunk_offset=2)
-    ucp.work_stats.reset()
+    work_stats.reset()
     out, lse = attn_forward(q[:, :20], k[:, :20], v[:, :20], call)
-    snap = ucp.work_stats.snapshot()
+    snap = work_stats.snapshot()
     assert snap["scores/forward"] == 2 * 2 * 4 * 4  # hq x two 4-token documents x 4 x 4
     assert snap["skipped/forward"] == 1  # the 12-token document
     assert torch.isinf(lse[0, :, 4:16]).all() and (out[0, 4:16] == 0).all()

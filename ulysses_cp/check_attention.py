@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from .core.comm import stats as comm_stats
 from .core.log import get_logger
-from .core.options import BACKENDS
+from .core.options import BACKENDS, Layout
 from .core.sharding import gather_sequence, sequence_multiple, shard_sequence
 from .core.topology import init_topology
 from .kernels.dispatch import local_attention
@@ -55,7 +55,7 @@ def formula_bytes(args, u: int, r: int, nbytes: int) -> list[int]:
     )
 
 
-def run_case(args, u: int, r: int, layout: str) -> dict:
+def run_case(args, u: int, r: int, layout: Layout) -> dict:
     topo = init_topology(u, r, layout=layout, backend=args.backend)
     dtype = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)
@@ -110,7 +110,8 @@ def worker(rank: int, args, init_file: str) -> None:
             f"{'ring B/rank':>11} {'formula':>11}"
         )
         for u, r in modes(args.world):
-            for layout in ("zigzag", "contiguous"):
+            layouts: tuple[Layout, ...] = ("zigzag", "contiguous")
+            for layout in layouts:
                 row = run_case(args, u, r, layout)
                 rows.append(row)
                 (a2a, ring), (fa, fr) = row["bytes_sent_per_rank"][0], row["bytes_formula"]

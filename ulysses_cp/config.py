@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import copy
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from .core.offload import check_offload, offloaded_layers
-from .core.options import Backend, KVExchange, Layout, Packing
+from .core.options import CONFIG_KEYS, RunOptions
 from .core.tiles import check_tiles
-from .schema import at_least, check_top_level_keys, from_block, resolve_paths
+from .schema import at_least, block_values, check_top_level_keys, from_block, resolve_paths
 
 __all__ = [
     "OUR_BLOCKS",
@@ -82,20 +83,29 @@ def read_config(config: str | Path | dict) -> dict:
 
 @dataclass
 class SequenceParallelConfig:
+    """The ``"sequence_parallel"`` block: the degrees, the collective timeout and the run's
+    options, whose keys and types are :class:`~ulysses_cp.core.options.RunOptions`' fields
+    (``CONFIG_KEYS``: ``attention_backend`` for ``backend``; ``grad_scale`` follows the
+    ZeRO stage, see ``ulysses_cp.training.engine.run_options``)."""
+
     ulysses_degree: int = 1
     ring_degree: int = 1
-    layout: Layout = "zigzag"
-    attention_backend: Backend = "auto"
-    check_inputs: bool = True  # compare input shapes across SP ranks before communicating
-    kv_exchange: KVExchange = "ring"  # KV inside a ring group: p2p ring steps or all-gather
-    head_chunks: int = 0  # Ulysses all-to-all in this many head chunks; 0: the documented rule
-    redo_all_to_all: bool = False  # no head-sharded copies kept: all-to-alls redone in backward
-    packing: Packing = "document"  # packed rows: each document split over the ranks, or the row
     collective_timeout_s: float = 1800.0  # a dead or hung peer ends the run after this
+    options: RunOptions = field(default_factory=RunOptions)  # the block's other keys
 
     @classmethod
     def from_dict(cls, cfg: dict | None) -> SequenceParallelConfig:
-        return from_block(cls, cfg, "sequence_parallel")
+        own, options = typing.get_type_hints(cls), typing.get_type_hints(RunOptions)
+        del own["options"]
+        keys = own | {key: options[name] for key, name in CONFIG_KEYS.items()}
+        block = block_values(cfg, keys, "sequence_parallel")
+        try:
+            chosen = RunOptions(**{CONFIG_KEYS[k]: v for k, v in block.items() if k in CONFIG_KEYS})
+        except ValueError as exc:  # a value of the right type out of its range
+            raise ValueError(f"sequence_parallel.{exc}") from None
+        value = cls(**{k: v for k, v in block.items() if k in own}, options=chosen)
+        value.check()
+        return value
 
     def check(self) -> None:
         for n in ("ulysses_degree", "ring_degree"):
@@ -103,16 +113,6 @@ class SequenceParallelConfig:
                 raise ValueError(
                     f"sequence_parallel.{n} must be a positive integer, got {getattr(self, n)!r}"
                 )
-        if self.head_chunks < 0:
-            raise ValueError(
-                f"sequence_parallel.head_chunks must be an integer >= 0 (0: automatic), got "
-                f"{self.head_chunks!r}"
-            )
-        if not isinstance(self.redo_all_to_all, bool):
-            raise ValueError(
-                f"sequence_parallel.redo_all_to_all must be true or false, got "
-                f"{self.redo_all_to_all!r}"
-            )
         if self.collective_timeout_s <= 0:
             raise ValueError(
                 f"sequence_parallel.collective_timeout_s must be a positive number of "

@@ -17,7 +17,6 @@ import functools
 import importlib.util
 import types
 import typing
-from dataclasses import fields
 from pathlib import Path
 from typing import Literal, TypeVar, get_args, get_origin
 
@@ -25,6 +24,7 @@ __all__ = [
     "DEEPSPEED_KEYS",
     "PATH_FIELDS",
     "at_least",
+    "block_values",
     "check_top_level_keys",
     "from_block",
     "known_top_level_keys",
@@ -83,10 +83,21 @@ def _fits(value, hint) -> bool:
 def from_block(cls: type[T], block: dict | None, name: str) -> T:
     """``cls(**block)``: ``ValueError`` naming unknown keys (and the valid ones), or a value
     whose type does not fit its field's annotation (naming the key, the type, the value)."""
+    value = cls(**block_values(block, typing.get_type_hints(cls), name))
+    check = getattr(value, "check", None)
+    if check is not None:
+        check()
+    return value
+
+
+def block_values(block: dict | None, hints: dict, name: str) -> dict:
+    """A copy of a block (``{}`` for None) whose keys are in ``hints`` and whose values fit
+    their annotations there; ``ValueError`` naming an unknown key (with the closest valid
+    ones and all of them) or a value of the wrong type (the key, the type, the value)."""
     if block is not None and not isinstance(block, dict):
         raise ValueError(f'the "{name}" block must be a JSON object, got {block!r}')
     block = dict(block or {})
-    known = sorted(f.name for f in fields(cls))  # type: ignore[arg-type]
+    known = sorted(hints)
     unknown = sorted(set(block) - set(known))
     if unknown:
         close = [(_closest(k, known), k) for k in unknown]
@@ -95,15 +106,10 @@ def from_block(cls: type[T], block: dict | None, name: str) -> T:
         raise ValueError(
             f'unknown keys in the "{name}" block: {unknown}{hint}; valid keys: {known}'
         )
-    hints = typing.get_type_hints(cls)
     for key, value in block.items():
         if not _fits(value, hints[key]):
             raise ValueError(f"{name}.{key} must be {_describe(hints[key])}, got {value!r}")
-    value = cls(**block)
-    check = getattr(value, "check", None)
-    if check is not None:
-        check()
-    return value
+    return block
 
 
 def at_least(block: str, obj, names: tuple[str, ...], low: int) -> None:

@@ -9,14 +9,17 @@ hand and nothing changes them halfway through a run. A different choice is a new
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
-from typing import Literal, get_args
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
 
 __all__ = [
     "BACKENDS",
+    "CONFIG_KEYS",
     "KV_EXCHANGES",
     "LAYOUTS",
+    "OPTION_NAMES",
     "PACKINGS",
     "Backend",
     "KVExchange",
@@ -63,30 +66,48 @@ def check_packing(packing: str) -> None:
 
 @dataclass(frozen=True)
 class RunOptions:
-    """``layout``: how tokens are sharded (``"zigzag"`` or ``"contiguous"``);
-    ``backend``: the local attention kernel (``ucp.BACKENDS``); ``check_inputs``: compare
-    every SP rank's inputs before communicating; ``grad_scale``: multiplies the gradient of
-    the SP loss (1, or the SP degree where ZeRO-3 averages gradients over SP ranks too:
-    ``training.engine.zero_grad_scale``); ``kv_exchange``: how KV moves inside a ring group
-    (``"ring"``: point-to-point steps overlapped with compute; ``"allgather"``: one
-    all-gather, and a reduce-scatter of dk/dv in the backward); ``head_chunks``: the Ulysses
-    all-to-alls go in this many chunks of heads, overlapped with the attention of the
-    previous chunk (0: automatic, see ``ulysses_cp.modes.ulysses.resolve_head_chunks``);
-    ``redo_all_to_all``: keep no head-sharded copies of q, k, v and the output for the
-    backward and redo their all-to-alls there instead (less memory, 1.5x the all-to-all
-    bytes; ``ulysses_cp.modes.chunked``); ``packing``: the layout of packed rows
-    (``cu_seqlens``): ``"document"`` (every document split over the ranks, its length a
-    multiple of ``sequence_multiple``) or ``"row"`` (the row split like an unpacked
-    sequence; documents of any length), see ``ulysses_cp.core.varlen``."""
+    """The run's options: the one declaration of them, with their defaults and checks.
 
-    layout: str = "zigzag"
-    backend: str = "auto"
+    The ``init_topology`` keywords, the ``"sequence_parallel"`` block's keys
+    (``ulysses_cp.config.SequenceParallelConfig``: a field's ``metadata["key"]`` names its
+    key when it differs, None when the config does not set it) and one call's choices
+    (:meth:`for_call`) are these fields.
+
+    Attributes:
+        layout: how tokens are sharded (``"zigzag"`` or ``"contiguous"``).
+        backend: the local attention kernel (``ucp.BACKENDS``); the config's
+            ``attention_backend``.
+        check_inputs: compare every SP rank's inputs before communicating.
+        grad_scale: multiplies the gradient of the SP loss (1, or the SP degree where
+            ZeRO-3 averages gradients over SP ranks too:
+            ``training.engine.zero_grad_scale``); not a config key (it follows the ZeRO
+            stage).
+        kv_exchange: how KV moves inside a ring group (``"ring"``: point-to-point steps
+            overlapped with compute; ``"allgather"``: one all-gather, and a reduce-scatter
+            of dk/dv in the backward).
+        head_chunks: the Ulysses all-to-alls go in this many chunks of heads, overlapped
+            with the attention of the previous chunk (0: automatic, see
+            ``ulysses_cp.modes.ulysses.resolve_head_chunks``).
+        redo_all_to_all: keep no head-sharded copies of q, k, v and the output for the
+            backward and redo their all-to-alls there instead (less memory, 1.5x the
+            all-to-all bytes; ``ulysses_cp.modes.chunked``).
+        packing: the layout of packed rows (``cu_seqlens``): ``"document"`` (every
+            document split over the ranks, its length a multiple of
+            ``sequence_multiple``) or ``"row"`` (the row split like an unpacked sequence;
+            documents of any length), see ``ulysses_cp.core.varlen``.
+
+    Raises:
+        ValueError: a value out of its range, naming the option and the value.
+    """
+
+    layout: Layout = "zigzag"
+    backend: Backend = field(default="auto", metadata={"key": "attention_backend"})
     check_inputs: bool = True
-    grad_scale: float = 1.0
-    kv_exchange: str = "ring"
+    grad_scale: float = field(default=1.0, metadata={"key": None})
+    kv_exchange: KVExchange = "ring"
     head_chunks: int = 0
     redo_all_to_all: bool = False
-    packing: str = "document"
+    packing: Packing = "document"
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
@@ -109,3 +130,27 @@ class RunOptions:
                 f"redoes the Ulysses all-to-alls in the backward (less memory, more traffic)"
             )
         check_packing(self.packing)
+
+    def for_call(self, **overrides: Any) -> RunOptions:
+        """One attention call's choices: these options with the call's overrides (a None
+        keeps the run's; ``backend`` may also be a ``ulysses_cp.kernels.backends.Kernel``).
+        Not checked here: the SP ranks compare them first (``ulysses_cp.modes.checks``), so
+        that a value only some ranks would refuse fails on every rank."""
+        call = copy.copy(self)
+        for name, value in overrides.items():
+            if name not in OPTION_NAMES:
+                raise TypeError(f"for_call() got an unexpected keyword argument {name!r}")
+            if value is not None:
+                object.__setattr__(call, name, value)
+        return call
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(RunOptions))
+
+# the "sequence_parallel" block's key of each option it sets: the one mapping between the
+# config and the options (grad_scale follows the ZeRO stage and is no key)
+CONFIG_KEYS: dict[str, str] = {
+    f.metadata.get("key", f.name): f.name
+    for f in fields(RunOptions)
+    if f.metadata.get("key", f.name) is not None
+}

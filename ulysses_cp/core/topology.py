@@ -15,14 +15,14 @@ Example, 8 ranks, u=4, r=2: ulysses {0-3}, {4-7}; ring {0,4}, {1,5}, {2,6}, {3,7
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from .comm import name_group
-from .options import RunOptions
+from .options import Backend, KVExchange, Layout, Packing, RunOptions
 from .protocols import Group
 
 __all__ = [
@@ -182,29 +182,66 @@ class Topology:
         self.all_group = self.self_group = None
 
 
+_DEFAULT = RunOptions()
+
+
 def init_topology(
     ulysses_degree: int = 1,
     ring_degree: int = 1,
     *,
+    layout: Layout = _DEFAULT.layout,
+    backend: Backend = _DEFAULT.backend,
+    check_inputs: bool = _DEFAULT.check_inputs,
+    grad_scale: float = _DEFAULT.grad_scale,
+    kv_exchange: KVExchange = _DEFAULT.kv_exchange,
+    head_chunks: int = _DEFAULT.head_chunks,
+    redo_all_to_all: bool = _DEFAULT.redo_all_to_all,
+    packing: Packing = _DEFAULT.packing,
     timeout_s: float | None = None,
-    **choices: Any,
 ) -> Topology:
-    """Build the process groups (module docstring) on the default process group.
+    """Build the process groups of sequence and data parallelism (module docstring).
 
-    Every rank must call this with the same degrees (group creation is collective).
-    Without an initialised ``torch.distributed`` only ``1 x 1`` is allowed (a local topology).
-    ``choices``: the run's choices, the keywords of
-    :class:`~ulysses_cp.core.options.RunOptions` (``layout="zigzag"``, ``backend="auto"``,
-    ``check_inputs=True``, ``grad_scale=1.0``, ``kv_exchange="ring"``, ``head_chunks=0``),
-    fixed here and read by every call that takes the topology; a ``layout=`` given to such
-    a call that disagrees is an error. ``timeout_s``: collective timeout of the new groups
-    (default: the default group's).
+    Every rank must call this with the same arguments (group creation is collective).
+    Without an initialised ``torch.distributed`` only ``1 x 1`` is allowed (a local
+    topology). The keywords from ``layout`` to ``packing`` are the run's options
+    (:class:`~ulysses_cp.core.options.RunOptions`, where each is described), fixed here
+    and read by every call that takes the topology; a ``layout=`` given to such a call
+    that disagrees is an error.
+
+    Args:
+        ulysses_degree: ranks in each Ulysses (head all-to-all) group, contiguous ranks.
+        ring_degree: ranks in each ring (KV exchange) group, strided ranks.
+        layout: how tokens are sharded: ``"zigzag"`` (causal work balanced) or
+            ``"contiguous"``.
+        backend: the local attention kernel, one of ``ucp.BACKENDS``.
+        check_inputs: compare every SP rank's inputs before communicating.
+        grad_scale: multiplies the gradient of the SP loss (the SP degree under ZeRO-3).
+        kv_exchange: how KV moves inside a ring group: ``"ring"`` or ``"allgather"``.
+        head_chunks: the Ulysses all-to-alls in this many chunks of heads (0: automatic).
+        redo_all_to_all: redo the Ulysses all-to-alls in the backward instead of keeping
+            head-sharded copies (less memory, more traffic).
+        packing: how packed rows are split: ``"document"`` or ``"row"``.
+        timeout_s: the collective timeout of the new groups (None: the default group's).
+
+    Returns:
+        This rank's :class:`Topology`: its groups (None where the run is local), degrees
+        and options (``topo.options``).
+
+    Raises:
+        ValueError: degrees that are not positive integers or do not divide the world
+            size, or an option out of its range (naming the value).
+        TypeError: an unknown keyword.
     """
-    unknown = sorted(set(choices) - {f.name for f in fields(RunOptions)})
-    if unknown:
-        valid = [f.name for f in fields(RunOptions)]
-        raise ValueError(f"init_topology: unknown choices {unknown}; the choices are {valid}")
-    options = RunOptions(**choices)
+    options = RunOptions(
+        layout=layout,
+        backend=backend,
+        check_inputs=check_inputs,
+        grad_scale=grad_scale,
+        kv_exchange=kv_exchange,
+        head_chunks=head_chunks,
+        redo_all_to_all=redo_all_to_all,
+        packing=packing,
+    )
     if not dist.is_available() or not dist.is_initialized():
         validate_degrees(1, ulysses_degree, ring_degree)
         return Topology(rank=0, world_size=1, ulysses_degree=1, ring_degree=1, options=options)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..core.options import RunOptions
+from ..core.options import Backend, KVExchange, Layout, RunOptions
 from ..core.sharding import _shard, layout_indices, sequence_multiple
 from ..core.topology import Topology
 from ..modes.attention import attention
@@ -133,10 +133,12 @@ def _mesh_groups(mesh: Any, dims: Sequence[str] | None) -> _Mesh:
     return _Mesh(u * r, sp_rank, sp_group, (ug, u), (rg, r), order)
 
 
-def _topology(m: _Mesh, u: int, r: int, ug: Any, rg: Any, backend: str, layout: str) -> Topology:
+def _topology(
+    m: _Mesh, u: int, r: int, ug: Any, rg: Any, backend: Backend, layout: Layout
+) -> Topology:
     # A topology of the context-parallel groups only: rank/world are this rank's place in
     # them (data-parallel or FSDP dims beside them are the caller's business).
-    exchange = "allgather" if _rotate_method == "allgather" else "ring"
+    exchange: KVExchange = "allgather" if _rotate_method == "allgather" else "ring"
     options = RunOptions(layout=layout, backend=backend, check_inputs=True, kv_exchange=exchange)
     return Topology(
         rank=m.sp_rank,
@@ -154,8 +156,8 @@ def _topology(m: _Mesh, u: int, r: int, ug: Any, rg: Any, backend: str, layout: 
 class _Context:
     mesh: _Mesh
     mode: str | None
-    layout: str
-    backend: str
+    layout: Layout
+    backend: Backend
     full_len: int | None
     grad_buffers: list[tuple[torch.Tensor, int]]
     calls: list[tuple[str, str]] = field(default_factory=list)  # (mode, backend) per call
@@ -285,7 +287,7 @@ def context_parallel(
     no_restore_buffers: set[torch.Tensor] | Sequence[torch.Tensor] | None = None,
     mode: str | None = None,
     dims: Sequence[str] | None = None,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> Iterator[_Context]:
     """PyTorch's ``context_parallel``, with the same arguments and meaning, over our modes.
 

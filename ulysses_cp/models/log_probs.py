@@ -19,11 +19,11 @@ V vocabulary, P = sp_world_size.
 - :func:`kl_to_reference`: the per-token KL estimators to a reference policy.
 
 The gradient rule is the one of the SP cross-entropy (``ucp.sequence_parallel_cross_entropy``
-and ``ucp.local_loss_term``): a loss that every SP rank computes identically from the
-gathered (or summed) values gives each rank the gradient of its own tokens only (its
-share), times the run's ``topo.grad_scale``; summed over the SP ranks by the gradient
-reduction, the shares are the one-process gradient. Do not also pass such a loss through
-``replicated_loss_term``: the scale is applied here, once per path through the gather.
+and ``ulysses_cp.models.loss.local_loss_term``): a loss that every SP rank computes
+identically from the gathered (or summed) values gives each rank the gradient of its own
+tokens only (its share), times the run's ``topo.grad_scale``; summed over the SP ranks by
+the gradient reduction, the shares are the one-process gradient. Do not also pass such a
+loss through ``replicated_loss_term``: the scale is applied here, once per path through the gather.
 """
 
 from __future__ import annotations
@@ -301,7 +301,8 @@ def sequence_sums(
     """Per-row sums over the whole sequence, and the rows' token counts.
 
     ``sums / counts.clamp(min=1)`` is the length-normalised mean. The gradient is this
-    rank's share times ``topo.grad_scale`` (the rule of `local_loss_term`).
+    rank's share times ``topo.grad_scale`` (the rule of
+    `ulysses_cp.models.loss.local_loss_term`).
 
     Args:
         values: This rank's per-token values, ``(b, s_l)``.

@@ -15,7 +15,7 @@ from torch.compiler import is_compiling as compiling
 
 from ..core.batch import BatchPlan
 from ..core.derived import once
-from ..core.options import KV_EXCHANGES
+from ..core.options import KV_EXCHANGES, RunOptions
 from ..core.rows import RowDocs
 from ..core.sharding import layout_of
 from ..core.topology import Topology
@@ -24,7 +24,6 @@ from ..kernels.backends import Kernel, resolve_backend
 from ..kernels.dispatch import KernelCall, attend_local, attn_backward, attn_forward
 from ..kernels.spec import AttentionSpec
 from .checks import (
-    Choices,
     check_across_ranks,
     check_sinks,
     checked_in_graph,
@@ -104,9 +103,19 @@ def attention(
             layout cannot split, head counts the Ulysses degree cannot split (the message
             lists the degrees that work), an invalid option value, ``cu_seqlens`` and
             ``batch`` both given, or inputs that differ between SP ranks.
+
+    The keywords build one :class:`~ulysses_cp.kernels.spec.AttentionSpec` and one
+    :class:`~ulysses_cp.core.options.RunOptions` (``topo.options.for_call``: the run's
+    options with the call's).
     """
     layout = layout_of(topo, layout)  # the same verdict on every rank: before any collective
-    choice = Choices.of(topo, layout, backend, kv_exchange, head_chunks, packing)
+    choice = topo.options.for_call(
+        layout=layout,
+        backend=backend,
+        kv_exchange=kv_exchange,
+        head_chunks=head_chunks,
+        packing=packing,
+    )
     window = tuple(window) if isinstance(window, list) else window
     spec = AttentionSpec(causal, softmax_scale, softcap, window, sinks is not None)
     if batch is None:
@@ -122,7 +131,7 @@ def attend(
     v: torch.Tensor,
     topo: Topology,
     spec: AttentionSpec,
-    choice: Choices,
+    choice: RunOptions,
     batch: BatchPlan | torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -210,7 +219,7 @@ _eager_in_graph = torch.compiler.disable(chunked_attention)
 def _inner(
     topo: Topology,
     call: KernelCall,
-    choice: Choices,
+    choice: RunOptions,
     docs: Docs | RowDocs | None,
     split: int = 0,
 ) -> Any:
@@ -262,7 +271,7 @@ class Attention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: BatchPlan | None = None
     ) -> torch.Tensor:
-        choice = Choices.of(self.topo, self.topo.layout, self.backend)
+        choice = self.topo.options.for_call(backend=self.backend)
         return attend(q, k, v, self.topo, self.spec, choice, batch)
 
     def __repr__(self) -> str:

@@ -11,7 +11,6 @@ naming what differs. Identical calls then meet the same local checks everywhere
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -20,55 +19,18 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..core.comm import collective, stats
 from ..core.derived import once
-from ..core.options import BACKENDS, KV_EXCHANGES, LAYOUTS, PACKINGS, check_layout
+from ..core.options import BACKENDS, KV_EXCHANGES, LAYOUTS, PACKINGS, RunOptions, check_layout
 from ..core.topology import Topology
-from ..kernels.backends import Kernel
 from ..kernels.spec import AttentionSpec
 from .ulysses import kv_replication
 
 __all__ = [
-    "Choices",
     "check_across_ranks",
     "check_sinks",
     "checked_in_graph",
     "signature",
     "validate_qkv",
 ]
-
-
-@dataclass(frozen=True)
-class Choices:
-    """The run's choices for one call (``topo.options``, with the call's overrides): token
-    ``layout``, kernel ``backend``, ``kv_exchange`` inside the ring group and Ulysses
-    ``head_chunks``. Not checked here: the ranks compare them first."""
-
-    layout: str
-    backend: str | Kernel
-    kv_exchange: str
-    head_chunks: int
-    redo_all_to_all: bool = False
-    packing: str = "document"
-
-    @classmethod
-    def of(
-        cls,
-        topo: Topology,
-        layout: str,
-        backend=None,
-        kv_exchange=None,
-        head_chunks=None,
-        packing=None,
-    ):
-        """None takes the run's choice."""
-        run = topo.options
-        return cls(
-            layout,
-            run.backend if backend is None else backend,
-            run.kv_exchange if kv_exchange is None else kv_exchange,
-            run.head_chunks if head_chunks is None else head_chunks,
-            run.redo_all_to_all,
-            run.packing if packing is None else packing,
-        )
 
 
 def validate_qkv(
@@ -157,7 +119,7 @@ def _window(window) -> list[int]:
 def signature(
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     spec: AttentionSpec,
-    choice: Choices,
+    choice: RunOptions,
     cu: torch.Tensor | None,
     sinks: torch.Tensor | None,
 ) -> Slots:

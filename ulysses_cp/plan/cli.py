@@ -43,12 +43,12 @@ def base_run(run: RunConfig) -> Run:
     chunks = 1  # what the run asks for (0: the automatic rule, resolved per sequence length)
     if sp.ulysses_degree > 1:
         hq, hkv = (mc.n_heads, mc.n_kv_heads) if isinstance(mc, ModelConfig) else _hf_heads(mc)
-        resolve_head_chunks(sp.head_chunks, hq, hkv, sp.ulysses_degree, sp.ring_degree > 1)
-        chunks = sp.head_chunks
+        resolve_head_chunks(sp.options.head_chunks, hq, hkv, sp.ulysses_degree, sp.ring_degree > 1)
+        chunks = sp.options.head_chunks
     return Run(
         ulysses=sp.ulysses_degree,
         ring=sp.ring_degree,
-        layout=sp.layout,
+        layout=sp.options.layout,
         zero_stage=int(zero.get("stage", 0)),
         head_chunks=chunks,
         activation_checkpointing=mc.activation_checkpointing,
@@ -56,8 +56,8 @@ def base_run(run: RunConfig) -> Run:
         tiled_mlp=mc.tiled_mlp,
         tiled_loss=mc.tiled_loss,
         offload_optimizer=off,
-        kv_exchange=sp.kv_exchange,
-        redo_all_to_all=sp.redo_all_to_all,
+        kv_exchange=sp.options.kv_exchange,
+        redo_all_to_all=sp.options.redo_all_to_all,
     )
 
 

@@ -76,22 +76,22 @@ def validate(run: RunConfig) -> None:
             f"use vocab_size >= {need}"
             + ("" if isinstance(mc, ModelConfig) else " in model.hf_config")
         )
-    m = sequence_multiple(sp.ulysses_degree * sp.ring_degree, sp.layout)
+    m = sequence_multiple(sp.ulysses_degree * sp.ring_degree, sp.options.layout)
     if dc.seq_len % m:
         raise ValueError(
             f"data.seq_len {dc.seq_len} must be a multiple of {m} for "
-            f"u{sp.ulysses_degree} x r{sp.ring_degree} in the {sp.layout!r} layout"
+            f"u{sp.ulysses_degree} x r{sp.ring_degree} in the {sp.options.layout!r} layout"
         )
     if mc.compile and dc.packing:
         raise ValueError(
             "model.compile is not supported with data.packing (packed rows' document plans "
             "are not traced); set one of them to false"
         )
-    if dc.packing and sp.packing == "document" and dc.pack_multiple % m:
+    if dc.packing and sp.options.packing == "document" and dc.pack_multiple % m:
         raise ValueError(
             f"data.pack_multiple {dc.pack_multiple} must be a multiple of {m}: every packed "
             f"document is split over u{sp.ulysses_degree} x r{sp.ring_degree} ranks in the "
-            f'{sp.layout!r} layout (sequence_parallel.packing "document"); or set '
+            f'{sp.options.layout!r} layout (sequence_parallel.packing "document"); or set '
             f'sequence_parallel.packing to "row", which splits only the row, and '
             f"data.pack_multiple to 1 (no padding per document)"
         )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -108,18 +108,9 @@ class _Drop(logging.Filter):
 
 
 def run_options(run: RunConfig) -> RunOptions:
-    """The run's choices (layout, backend, input checks, gradient scale...) of a config."""
-    sp = run.sequence_parallel
-    return RunOptions(
-        layout=sp.layout,
-        backend=sp.attention_backend,
-        check_inputs=sp.check_inputs,
-        grad_scale=zero_grad_scale(run),
-        kv_exchange=sp.kv_exchange,
-        head_chunks=sp.head_chunks,
-        redo_all_to_all=sp.redo_all_to_all,
-        packing=sp.packing,
-    )
+    """The run's options of a config: its ``"sequence_parallel"`` block's, with the
+    gradient scale of its ZeRO stage (:func:`zero_grad_scale`)."""
+    return replace(run.sequence_parallel.options, grad_scale=zero_grad_scale(run))
 
 
 def topology_from_config(config: RunConfig | str | Path | dict) -> Topology:

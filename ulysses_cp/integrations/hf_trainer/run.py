@@ -15,7 +15,7 @@ its gradient (not its value) by P (:func:`sequence_parallel_loss`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -166,14 +166,8 @@ class SequenceParallelRun:
             config.ulysses_degree,
             config.ring_degree,
             timeout_s=config.collective_timeout_s,
-            layout=config.layout,
-            backend=config.attention_backend,
-            check_inputs=config.check_inputs,
-            grad_scale=float(sp),  # DeepSpeed averages over all W ranks (module docstring)
-            kv_exchange=config.kv_exchange,
-            head_chunks=config.head_chunks,
-            redo_all_to_all=config.redo_all_to_all,
-            packing=config.packing,
+            # DeepSpeed averages over all W ranks (module docstring)
+            **asdict(replace(config.options, grad_scale=float(sp))),
         )
         return cls(topo=topo, config=config)
 
