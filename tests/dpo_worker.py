@@ -52,7 +52,7 @@ def main(spec_path: str) -> None:
     import transformers
     from trl import DPOConfig
 
-    from tests.hf_trainer_worker import lora_config, scale_gradients, training_arguments
+    from tests.hf_trainer_worker import lora_config, make_trainer, training_arguments
 
     args = DPOConfig(
         **training_arguments({"lr": 1.0, **spec}),
@@ -96,16 +96,8 @@ def main(spec_path: str) -> None:
         from ulysses_cp.integrations.hf_trainer import (
             SequenceParallelDPOTrainer as trainer_class,
         )
-    trainer = trainer_class(
-        model=model,
-        ref_model=ref_model,
-        args=args,
-        train_dataset=train,
-        eval_dataset=evals,
-        processing_class=tok,
-        peft_config=peft_config,
-    )
-    scale_gradients(trainer, spec)
+    extra = dict(ref_model=ref_model, processing_class=tok, peft_config=peft_config)
+    trainer = make_trainer(trainer_class, spec, model, args, train, evals, **extra)
     trainer.train()
     sp_run = getattr(trainer, "sequence_parallel", None)
     result = {"sp": sp_run is not None, "history": trainer.state.log_history}

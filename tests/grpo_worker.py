@@ -104,7 +104,7 @@ def train(spec: dict, settings: dict, rank: int) -> list[dict]:
     import transformers
     import trl
 
-    from tests.hf_trainer_worker import lora_config, scale_gradients, training_arguments
+    from tests.hf_trainer_worker import lora_config, make_trainer, training_arguments
 
     out, sp = Path(spec["out"]), spec.get("sp")
     grpo = {
@@ -143,17 +143,11 @@ def train(spec: dict, settings: dict, rank: int) -> list[dict]:
 
             ours.broadcast_from_sp_root = lambda obj, topo: obj
     extra = {} if rollout_func is None else {"rollout_func": rollout_func}  # RLOO has none
-    trainer = trainer_class(
-        model=model,
-        reward_funcs=[reward_small_words, reward_length],
-        args=args,
-        train_dataset=train_rows,
-        eval_dataset=evals,
-        processing_class=tok,
-        peft_config=peft_config,
-        **extra,
+    extra.update(processing_class=tok, peft_config=peft_config)
+    rewards = [reward_small_words, reward_length]
+    trainer = make_trainer(
+        trainer_class, spec, model, args, train_rows, evals, reward_funcs=rewards, **extra
     )
-    scale_gradients(trainer, spec)
     seen: list[list[int]] = []
     score = trainer._generate_and_score_completions
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.distributed import COLLECTIVE_TIMEOUT_S
+from tests.distributed import COLLECTIVE_TIMEOUT_S, WorkerError
 from ulysses_cp.config import ModelConfig, RunConfig
 from ulysses_cp.training.engine import run_options
 
@@ -214,6 +214,13 @@ def topology(u: int, r: int, layout: str = "zigzag", **options):
     return _TOPOS[(u, r)].with_options(layout=layout, **options)
 
 
+def assert_refused_on_every_rank(pools, n: int, fn, text: str) -> None:
+    """``fn`` run on ``n`` ranks fails on every one of them with ``text`` in its error."""
+    with pytest.raises(WorkerError) as err:
+        pools(n).run(fn)
+    assert str(err.value).count(text) == n
+
+
 def topology_for(config: dict):
     """The cached groups of :func:`topology` with the run's choices of ``config`` (what
     ``ucp.topology_from_config`` gives, without creating new groups per engine)."""
@@ -346,17 +353,11 @@ def run(cmd: list[str], *, env: dict | None = None, timeout: float = 600, ok: bo
 
 
 def launch(
-    cfg_path: Path,
-    out: Path,
-    *extra: str,
-    num_gpus: int = 2,
-    script: Path = TRAIN,
-    env: dict | None = None,
-    ok: bool = True,
+    cfg_path: Path, out: Path, *extra: str, env: dict | None = None, ok: bool = True, **where
 ) -> str:
-    """``train.py`` under the deepspeed launcher to its end; its output."""
-    cmd = deepspeed_cmd(cfg_path, out, *extra, num_gpus=num_gpus, script=script)
-    return run(cmd, env=env, ok=ok)
+    """``train.py`` under the deepspeed launcher to its end; its output. ``where``: the
+    ``num_gpus`` and ``script`` of :func:`deepspeed_cmd`."""
+    return run(deepspeed_cmd(cfg_path, out, *extra, **where), env=env, ok=ok)
 
 
 def metrics(out: Path) -> list[dict]:
@@ -429,20 +430,18 @@ def hf_packed_loss_and_grads(sp, ref, topo, docs: list[torch.Tensor]):
     return _sp_loss_and_grads(sp, ref, topo, row, ref_loss)
 
 
+def shard_loss(model, local: dict, topo, **loss_kwargs) -> torch.Tensor:
+    """``model.loss`` (an ``HFCausalLM``) on this rank's ``local`` shard of a batch."""
+    args = (local["input_ids"], local["position_ids"], local["shift_labels"], topo)
+    return model.loss(*args, batch=local["batch"], **loss_kwargs)
+
+
 def _sp_loss_and_grads(sp, ref, topo, batch: dict, ref_loss: torch.Tensor, **loss_kwargs):
     import torch.distributed as dist
 
     from ulysses_cp.models import hf
 
-    local = ucp.shard_batch(batch, topo)
-    loss = hf.HFCausalLM(sp).loss(
-        local["input_ids"],
-        local["position_ids"],
-        local["shift_labels"],
-        topo,
-        batch=local["batch"],
-        **loss_kwargs,
-    )
+    loss = shard_loss(hf.HFCausalLM(sp), ucp.shard_batch(batch, topo), topo, **loss_kwargs)
     loss.backward()
     grads = {}
     for (name, p), q in zip(sp.named_parameters(), ref.parameters()):

@@ -112,6 +112,16 @@ def scale_gradients(trainer, spec: dict) -> None:
         run.topo = run.topo.with_options(grad_scale=run.topo.grad_scale * spec["scale"])
 
 
+def make_trainer(trainer_class, spec: dict, model, args, train, evals, **extra):
+    """``trainer_class`` on ``model`` and the train and eval datasets (every worker's), its
+    gradient scale set by :func:`scale_gradients`."""
+    trainer = trainer_class(
+        model=model, args=args, train_dataset=train, eval_dataset=evals, **extra
+    )
+    scale_gradients(trainer, spec)
+    return trainer
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
@@ -161,20 +171,13 @@ def main(spec_path: str) -> None:
 
     if spec["trainer"] == "sft":
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(spec["tokenizer"])
-        trainer = SequenceParallelSFTTrainer(
-            model=model,
-            args=args,
-            train_dataset=train,
-            eval_dataset=evals,
-            processing_class=tok,
+        trainer = make_trainer(
+            SequenceParallelSFTTrainer, spec, model, args, train, evals, processing_class=tok
         )
     else:
-        trainer = SequenceParallelTrainer(
-            model=model,
-            args=args,
-            train_dataset=train,
-            eval_dataset=evals,
-            data_collator=transformers.default_data_collator,
+        collator = transformers.default_data_collator
+        trainer = make_trainer(
+            SequenceParallelTrainer, spec, model, args, train, evals, data_collator=collator
         )
     trainer.train(resume_from_checkpoint=spec.get("resume"))  # a checkpoint folder or None
     history = trainer.state.log_history

@@ -17,20 +17,16 @@ from typing import Any
 import torch
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
+from tests.helpers import HF_TINY
+
 F64 = torch.float64
 F32 = torch.float32
 
 # Shared small base; a key is passed only to configs that know it (a field or an attribute_map
 # alias), so families spelling a size differently get it through their overrides.
 BASE: dict[str, Any] = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    HF_TINY,  # the sizes of the HF tests' tiny models
     head_dim=8,
-    max_position_embeddings=512,
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
@@ -85,28 +81,35 @@ ZEROED = ("dropout", "pdrop", "layerdrop", "jitter")
 
 SW = ["sliding_attention", "full_attention"]
 MAMBA2 = dict(mamba_n_heads=8, mamba_n_groups=4, mamba_d_state=16, mamba_chunk_size=16)
-GDN = dict(
-    linear_num_key_heads=4,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
-)
+# gated delta nets: 4 key and 4 value heads of 8 channels, a causal conv of 4
+GDN = dict(linear_num_key_heads=4, linear_num_value_heads=4, linear_conv_kernel_dim=4)
+GDN |= dict(linear_key_head_dim=8, linear_value_head_dim=8)
 GRANITE = dict(
     embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=4.0
 )
+SCALING = {"logits_scaling": GRANITE["logits_scaling"]}  # checked where GRANITE is set
+# the inkling families' sliding-window heads and relative positions
+SWA = dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8)
+INKLING = dict(SWA, d_rel=4, rel_extent=16, log_scaling_n_floor=4)
 INKLING2 = dict(
+    INKLING,
     layer_types=["hybrid_sliding", "hybrid"],
     unpadded_vocab_size=96,
-    swa_num_attention_heads=4,
-    swa_num_key_value_heads=2,
-    swa_head_dim=8,
-    d_rel=4,
-    rel_extent=16,
-    log_scaling_n_floor=4,
     n_layers_per_attn_res_block=1,
-)  # inkling2_text; inkling2_loop_text adds its loop
+)  # inkling2_text; inkling2_loop_text adds its LOOP
+LOOP = dict(loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=4)
+# qwen4_exp_text's QSA indexer, n-gram per-layer embeddings (PLE) and hyper-connections
+QSA = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16)
+NGRAM = dict(heads_per_ngram=2, ngram_vocab_size_base=97, make_ngram_vocab_size_divisible_by=8)
+PLE = dict(ple_layer_ids=[1], ple_embed_dim=8, split_ngram_parts=1, **NGRAM)
+QWEN4 = dict(hc_lowrank=8, indexer_compress_ratio=4, **QSA, **PLE)
+# jamba: attention and MoE every second layer, from the second on
+PERIODS = dict(
+    attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1
+)
 MLA = dict(num_key_value_heads=4)  # MLA expands one latent to every head: no GQA
+GEMMA = dict(query_pre_attn_scalar=16)  # gemma2, gemma3_text, vaultgemma
+LLAMA_LIKE = "llama-like"
 DECODER = dict(is_decoder=True)  # BERT-style encoders run causally (and build a causal LM) only so
 
 
@@ -135,13 +138,40 @@ class Family:
     sub_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def _decoder(model_type: str, note: str, overrides: dict[str, Any] | None = None) -> Family:
+    """An encoder-decoder family's decoder run alone: its forward takes no position_ids and
+    its cross-attention gets no input."""
+    no_input = ("encoder_attn",)
+    return Family(model_type, overrides or {}, note, no_grad=no_input, position_ids=False)
+
+
+def _sliding(model_type: str, overrides: dict[str, Any], note: str, **kw: Any) -> Family:
+    """A family of sliding then full attention layers (:data:`SW`), set and checked."""
+    overrides = {"layer_types": SW, **overrides}
+    return Family(model_type, overrides, note, layer_types=tuple(SW), **kw)
+
+
+def _mixed(
+    model_type: str, kinds: tuple[str, ...], modules: tuple[str, ...], note: str, **overrides: Any
+) -> Family:
+    """A family of one layer of each of ``kinds`` (set and checked), with a mixer of each of
+    ``modules``."""
+    overrides = {"layer_types": list(kinds), "num_hidden_layers": len(kinds), **overrides}
+    return Family(model_type, overrides, note, layer_types=kinds, modules=modules)
+
+
+def _indexed(model_type: str, overrides: dict[str, Any], note: str, **kw: Any) -> Family:
+    """A family with a sparse-attention indexer: it selects the keys and gets no gradient
+    from the LM loss."""
+    return Family(model_type, overrides, note, no_grad=("indexer",), **kw)
+
+
 _FAMILIES: list[Family] = [
-    Family(
+    _sliding(
         "afmoe",
-        dict(layer_types=SW, num_dense_layers=1),
+        dict(num_dense_layers=1),
         "sliding + full attention; dense layer then MoE (4 experts, top-2, 1 shared; "
         "the expert bias stays float32)",
-        layer_types=tuple(SW),
     ),
     Family("apertus", {}, "llama-like, xIELU activation, q/k norms"),
     Family("apertus1p5_text", {}, "Apertus 1.5 text model: xIELU activation, q/k norms"),
@@ -152,12 +182,11 @@ _FAMILIES: list[Family] = [
         dict(MLA, mlp_layer_types=["dense", "sparse"]),
         "MLA (deepseek-v3-like), dense then MoE",
     ),
-    Family(
+    _indexed(
         "axk2",
         dict(MLA, mlp_layer_types=["dense", "sparse"]),
         "MLA + sparse-attention indexer (top-16 keys per query; it reads the 4D mask "
         "and gets no LM gradient); dense then MoE",
-        no_grad=("indexer",),
     ),
     Family(
         "bailing_hybrid",
@@ -174,21 +203,17 @@ _FAMILIES: list[Family] = [
         layer_types=("linear_attention", "full_attention"),
         modules=("BambaMixer", "BambaAttention"),
     ),
-    Family(
+    _decoder(
         "bart",
-        {},
         "BART decoder alone: learned positions from a local arange (no position_ids "
         "argument); its cross-attention gets no input",
-        no_grad=("encoder_attn",),
-        position_ids=False,
     ),
-    Family(
+    _sliding(
         "beam",
-        dict(layer_types=SW, mlp_layer_types=["dense", "sparse"]),
+        dict(mlp_layer_types=["dense", "sparse"]),
         "sliding (RoPE) + full (NoPE, scalable-softmax query scale (1 + pos/2048)^0.1 "
         "from position_ids) layers, dense then MoE, final softcap 2 (logits in "
         "float32)",
-        layer_types=tuple(SW),
     ),
     Family("bert", DECODER, "BERT encoder run causally (is_decoder), absolute positions"),
     Family("bert-generation", DECODER, "BERT-generation decoder, absolute positions"),
@@ -198,29 +223,15 @@ _FAMILIES: list[Family] = [
         "BigBird with full attention (block-sparse needs long rows) run causally",
         no_grad=("pooler",),
     ),
-    Family(
+    _decoder(
         "bigbird_pegasus",
-        dict(attention_type="original_full"),
         "BigBird-Pegasus decoder alone; cross-attention gets no input",
-        no_grad=("encoder_attn",),
-        position_ids=False,
+        dict(attention_type="original_full"),
     ),
     Family("biogpt", {}, "BioGPT, learned positions, embedding scale"),
     Family("bitnet", {}, "BitNet (ternary weights quantized in forward)"),
-    Family(
-        "blenderbot",
-        {},
-        "Blenderbot decoder alone; cross-attention gets no input",
-        no_grad=("encoder_attn",),
-        position_ids=False,
-    ),
-    Family(
-        "blenderbot-small",
-        {},
-        "Blenderbot-small decoder alone; cross-attention gets no input",
-        no_grad=("encoder_attn",),
-        position_ids=False,
-    ),
+    _decoder("blenderbot", "Blenderbot decoder alone; cross-attention gets no input"),
+    _decoder("blenderbot-small", "Blenderbot-small decoder alone; cross-attention gets no input"),
     Family(
         "blt",
         dict(
@@ -251,25 +262,22 @@ _FAMILIES: list[Family] = [
         "logit_scale 0.25 after lm_head",
         checks={"logit_scale": 0.25},
     ),
-    Family(
+    _sliding(
         "cohere2",
-        dict(logit_scale=0.25, layer_types=SW),
+        dict(logit_scale=0.25),
         "logit_scale 0.25, sliding (RoPE) + full (NoPE) layers",
-        layer_types=tuple(SW),
         checks={"logit_scale": 0.25},
     ),
-    Family(
+    _sliding(
         "cohere2_moe",
-        dict(logit_scale=0.25, layer_types=SW, mlp_layer_types=["dense", "sparse"]),
+        dict(logit_scale=0.25, mlp_layer_types=["dense", "sparse"]),
         "logit_scale 0.25, sliding + full, dense then MoE",
-        layer_types=tuple(SW),
         checks={"logit_scale": 0.25},
     ),
-    Family(
+    _sliding(
         "cohere_compass_text",
         dict(
             logit_scale=0.25,
-            layer_types=SW,
             rope_parameters={
                 "sliding_attention": {
                     "rope_type": "default",
@@ -280,7 +288,6 @@ _FAMILIES: list[Family] = [
             },
         ),
         "M-RoPE (3 position axes) on sliding layers, NoPE full layers, logit_scale 0.25",
-        layer_types=tuple(SW),
         checks={"logit_scale": 0.25},
     ),
     Family(
@@ -300,7 +307,7 @@ _FAMILIES: list[Family] = [
     ),
     Family("camembert", DECODER, "CamemBERT run causally, positions from the padding mask"),
     Family("ctrl", dict(dff=64), "CTRL, sinusoidal absolute positions"),
-    Family("cwm", dict(layer_types=SW), "sliding + full", layer_types=tuple(SW)),
+    _sliding("cwm", {}, "sliding + full"),
     Family("data2vec-text", DECODER, "Data2Vec text encoder run causally, absolute positions"),
     Family(
         "dbrx",
@@ -312,14 +319,13 @@ _FAMILIES: list[Family] = [
     ),
     Family("deepseek_v2", dict(MLA, topk_method="greedy"), "MLA, dense then MoE"),
     Family("deepseek_v3", MLA, "MLA (interleaved RoPE), dense then MoE with group routing"),
-    Family(
+    _indexed(
         "deepseek_v32",
         MLA,
         "MLA + DSA lightning indexer (top-16 keys per query; it reads the 4D mask and "
         "gets no LM gradient); dense then MoE",
-        no_grad=("indexer",),
     ),
-    Family(
+    _indexed(
         "deepseek_v4",
         dict(
             num_hidden_layers=3,
@@ -345,7 +351,6 @@ _FAMILIES: list[Family] = [
             "compressed_sparse_attention",
             "heavily_compressed_attention",
         ),
-        no_grad=("indexer",),
         params=("self_attn.sinks",),
     ),
     Family("diffllama", {}, "differential attention (two softmaxes per head)"),
@@ -366,12 +371,11 @@ _FAMILIES: list[Family] = [
         "input, looped recurrent (2 passes) and output layers; sliding + full; logits in float32",
     ),
     Family("dots1", dict(max_window_layers=1), "MoE after a dense layer, sliding from layer 1"),
-    Family(
+    _indexed(
         "dots3_note_text",
         dict(MLA, shared_experts_intermediate_size=32, mlp_layer_types=["dense", "sparse"]),
         "MLA + sparse-attention indexer (top-16; reads the 4D mask, no LM gradient); "
         "dense then MoE",
-        no_grad=("indexer",),
     ),
     Family("electra", dict(is_decoder=True, embedding_size=16), "ELECTRA run causally"),
     Family(
@@ -387,14 +391,9 @@ _FAMILIES: list[Family] = [
         dict(moe_layer_start_index=1, moe_num_shared_experts=1),
         "dense then MoE with shared expert",
     ),
-    Family("exaone", {}, "llama-like"),
-    Family("exaone4", dict(layer_types=SW), "sliding + full, post-norm", layer_types=tuple(SW)),
-    Family(
-        "exaone_moe",
-        dict(layer_types=SW),
-        "sliding + full, dense then MoE",
-        layer_types=tuple(SW),
-    ),
+    Family("exaone", {}, LLAMA_LIKE),
+    _sliding("exaone4", {}, "sliding + full, post-norm"),
+    _sliding("exaone_moe", {}, "sliding + full, dense then MoE"),
     Family("falcon", dict(new_decoder_architecture=True, num_kv_heads=2), "Falcon with RoPE, GQA"),
     Family(
         "falcon_h1",
@@ -413,26 +412,23 @@ _FAMILIES: list[Family] = [
         position_ids=False,
     ),
     Family("flex_olmo", {}, "MoE in every layer"),
-    Family(
+    _sliding(
         "flint",
-        dict(layer_types=SW, mlp_only_layers=[0]),
+        dict(mlp_only_layers=[0]),
         "attention sinks (s_aux, kept in float32), sliding + full, dense then MoE",
         params=("self_attn.sinks",),
-        layer_types=tuple(SW),
     ),
     Family("gemma", {}, "embedding scale sqrt(hidden)"),
-    Family(
+    _sliding(
         "gemma2",
-        dict(layer_types=SW, query_pre_attn_scalar=16),
+        GEMMA,
         "sliding + full, attention softcap 0.02 and final softcap 2 (both bite)",
-        layer_types=tuple(SW),
         checks={"final_logit_softcapping": 2.0, "attn_logit_softcapping": 0.02},
     ),
-    Family(
+    _sliding(
         "gemma3_text",
-        dict(layer_types=SW, query_pre_attn_scalar=16),
+        GEMMA,
         "sliding (local RoPE) + full, q/k norms, final softcap 2",
-        layer_types=tuple(SW),
         checks={"final_logit_softcapping": 2.0},
     ),
     Family(
@@ -452,10 +448,9 @@ _FAMILIES: list[Family] = [
         "activation sparsity from per-token statistics",
         layer_types=tuple(SW * 2),
     ),
-    Family(
+    _sliding(
         "gemma4_text",
         dict(
-            layer_types=SW,
             vocab_size_per_layer_input=96,
             hidden_size_per_layer_input=8,
             global_head_dim=16,
@@ -464,13 +459,11 @@ _FAMILIES: list[Family] = [
         ),
         "sliding (head_dim 8) + full (head_dim 16, proportional partial RoPE), per-layer "
         "inputs, dense MLP + MoE block in every layer",
-        layer_types=tuple(SW),
     ),
-    Family(
+    _sliding(
         "gemma4_unified_text",
-        dict(layer_types=SW, global_head_dim=16),
+        dict(global_head_dim=16),
         "sliding (head_dim 8) + full (head_dim 16, proportional partial RoPE)",
-        layer_types=tuple(SW),
     ),
     Family(
         "git",
@@ -483,12 +476,11 @@ _FAMILIES: list[Family] = [
     Family("glm4", {}, "post-attention and post-MLP norms"),
     Family("glm4_moe", {}, "dense then MoE, group routing"),
     Family("glm4_moe_lite", dict(MLA, mlp_layer_types=["dense", "sparse"]), "MLA, dense then MoE"),
-    Family(
+    _indexed(
         "glm_moe_dsa",
         dict(MLA, indexer_types=["full", "shared"]),
         "MLA + DSA indexer (top-16; the second layer reuses the first's selection; "
         "reads the 4D mask, no LM gradient); dense then MoE",
-        no_grad=("indexer",),
     ),
     Family("gpt-sw3", {}, "GPT-2 architecture, learned absolute positions"),
     Family("gpt2", {}, "learned absolute positions"),
@@ -500,51 +492,30 @@ _FAMILIES: list[Family] = [
     ),
     Family("gpt_neox", {}, "partial rotary (25%), parallel residual"),
     Family("gpt_neox_japanese", {}, "GPT-NeoX Japanese"),
-    Family(
+    _sliding(
         "gpt_oss",
-        dict(layer_types=SW),
+        {},
         "attention sinks (s_aux), sliding + full, MoE with clamped SwiGLU (float64 "
         "works with the eager experts)",
-        layer_types=tuple(SW),
         params=("self_attn.sinks",),
     ),
     Family("gptj", dict(rotary_dim=4), "partial interleaved rotary, parallel attention + MLP"),
     Family(
-        "granite",
-        GRANITE,
-        "muP multipliers, logits divided by logits_scaling 4",
-        checks={"logits_scaling": 4.0},
+        "granite", GRANITE, "muP multipliers, logits divided by logits_scaling 4", checks=SCALING
     ),
-    Family(
-        "granite_swa",
-        dict(layer_types=SW, **GRANITE),
-        "granite multipliers, sliding + full",
-        layer_types=tuple(SW),
-        checks={"logits_scaling": 4.0},
-    ),
-    Family("granitemoe", GRANITE, "granite multipliers, MoE", checks={"logits_scaling": 4.0}),
-    Family(
-        "granitemoe_swa",
-        dict(layer_types=SW, **GRANITE),
-        "granite multipliers, MoE, sliding + full",
-        layer_types=tuple(SW),
-        checks={"logits_scaling": 4.0},
-    ),
+    _sliding("granite_swa", GRANITE, "granite multipliers, sliding + full", checks=SCALING),
+    Family("granitemoe", GRANITE, "granite multipliers, MoE", checks=SCALING),
+    _sliding("granitemoe_swa", GRANITE, "granite multipliers, MoE, sliding + full", checks=SCALING),
     Family(
         "granitemoehybrid",
         dict(layer_types=["mamba", "attention"], **MAMBA2, **GRANITE),
         "Mamba2 (8 heads, 4 groups) then attention (NoPE), MoE + shared MLP, granite multipliers",
         layer_types=("linear_attention", "full_attention"),
         modules=("GraniteMoeHybridMambaLayer", "GraniteMoeHybridAttention"),
-        checks={"logits_scaling": 4.0},
+        checks=SCALING,
     ),
-    Family(
-        "granitemoeshared",
-        GRANITE,
-        "granite multipliers, MoE + shared MLP",
-        checks={"logits_scaling": 4.0},
-    ),
-    Family("helium", {}, "llama-like"),
+    Family("granitemoeshared", GRANITE, "granite multipliers, MoE + shared MLP", checks=SCALING),
+    Family("helium", {}, LLAMA_LIKE),
     Family(
         "hrm_text",
         dict(num_hidden_layers=1, H_cycles=2, L_cycles=1),
@@ -555,29 +526,22 @@ _FAMILIES: list[Family] = [
     Family("hunyuan_v1_dense", {}, "q/k norms"),
     Family("hunyuan_v1_moe", {}, "MoE with shared MLP"),
     Family("hy_v3", dict(mlp_layer_types=["dense", "sparse"]), "dense then MoE"),
-    Family(
+    _indexed(
         "hy_v4",
         dict(hc_mult=2, indexer_types=["full", "shared"]),
         "MLA + indexer (top-16, reads the 4D mask, no LM gradient), hyper-connections "
         "(2 streams), learnable sinks, dense then MoE; logits in float32",
-        no_grad=("indexer",),
         params=("self_attn.sinks",),
     ),
     Family(
         "hyperclovax",
         GRANITE,
         "granite-like muP multipliers, but logits are multiplied by logits_scaling (4); post norms",
-        checks={"logits_scaling": 4.0},
+        checks=SCALING,
     ),
     Family(
         "inkling2_loop_text",
-        dict(
-            **INKLING2,
-            loop_layer_index_start=1,
-            loop_layer_index_end=2,
-            loop_num_passes=2,
-            loop_gate_rank=4,
-        ),
+        dict(INKLING2, **LOOP),
         "as inkling2_text, with the second layer looped twice (loop gates, message residuals)",
         layer_types=("hybrid_sliding", "hybrid"),
         no_grad=("message_input",),
@@ -592,32 +556,17 @@ _FAMILIES: list[Family] = [
     ),
     Family(
         "inkling_text",
-        dict(
-            swa_num_attention_heads=4,
-            swa_num_key_value_heads=2,
-            swa_head_dim=8,
-            d_rel=4,
-            rel_extent=16,
-            log_scaling_n_floor=4,
-            local_layer_ids=[0],
-            mlp_layer_types=["dense", "sparse"],
-        ),
+        dict(INKLING, local_layer_ids=[0], mlp_layer_types=["dense", "sparse"]),
         "short convolutions, relative-position logits from a local arange "
         "(position_ids unused), local + global layers, hidden states divided by the "
         "muP width multiplier before lm_head; dense then MoE",
     ),
-    Family("internlm3", {}, "llama-like"),
-    Family("iquestcoder", {}, "llama-like"),
+    Family("internlm3", {}, LLAMA_LIKE),
+    Family("iquestcoder", {}, LLAMA_LIKE),
     Family("jais2", {}, "LayerNorm, ReLU^2 MLP"),
     Family(
         "jamba",
-        dict(
-            attn_layer_period=2,
-            attn_layer_offset=1,
-            expert_layer_period=2,
-            expert_layer_offset=1,
-            use_mamba_kernels=False,
-        ),
+        dict(PERIODS, use_mamba_kernels=False),
         "Mamba1 (dense MLP) then attention without RoPE (MoE)",
         layer_types=("linear_attention", "full_attention"),
         modules=("JambaMambaMixer", "JambaAttention"),
@@ -639,45 +588,39 @@ _FAMILIES: list[Family] = [
         layer_types=("linear_attention", "full_attention"),
         modules=("KimiLinearDeltaAttention", "KimiLinearAttention"),
     ),
-    Family("kolibri1", dict(layer_types=SW), "sliding + full, MoE", layer_types=tuple(SW)),
-    Family(
+    _sliding("kolibri1", {}, "sliding + full, MoE"),
+    _sliding(
         "laguna",
-        dict(layer_types=SW, num_attention_heads_per_layer=[4, 8]),
+        dict(num_attention_heads_per_layer=[4, 8]),
         "sliding + full (per-type partial RoPE), per-layer head counts, gated attention, "
         "dense then MoE",
-        layer_types=tuple(SW),
     ),
-    Family(
+    _mixed(
         "lara_mini",
-        dict(
-            layer_types=["linear_attention", "sliding_attention", "full_attention"],
-            num_hidden_layers=3,
-            **GDN,
-        ),
+        ("linear_attention", "sliding_attention", "full_attention"),
+        ("LaraMiniGatedDeltaNet", "LaraMiniAttention"),
         "gated delta net, sliding and full attention; MoE",
-        layer_types=("linear_attention", "sliding_attention", "full_attention"),
-        modules=("LaraMiniGatedDeltaNet", "LaraMiniAttention"),
+        **GDN,
     ),
-    Family(
+    _mixed(
         "lfm2",
-        dict(layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False),
+        ("conv", "full_attention"),
+        ("Lfm2ShortConv", "Lfm2Attention"),
         "gated short convolution then attention",
-        layer_types=("conv", "full_attention"),
-        modules=("Lfm2ShortConv", "Lfm2Attention"),
+        block_auto_adjust_ff_dim=False,
     ),
-    Family(
+    _mixed(
         "lfm2_moe",
-        dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+        ("conv", "full_attention"),
+        ("Lfm2MoeShortConv", "Lfm2MoeAttention"),
         "gated short convolution then attention; dense then MoE",
-        layer_types=("conv", "full_attention"),
-        modules=("Lfm2MoeShortConv", "Lfm2MoeAttention"),
+        num_dense_layers=1,
     ),
-    Family(
+    _mixed(
         "lfm3",
-        dict(num_hidden_layers=3, layer_types=["conv", "sliding_attention", "full_attention"]),
+        ("conv", "sliding_attention", "full_attention"),
+        ("Lfm3ShortConv", "Lfm3Attention"),
         "short convolution, sliding and full attention; sandwich norms, attention gate",
-        layer_types=("conv", "sliding_attention", "full_attention"),
-        modules=("Lfm3ShortConv", "Lfm3Attention"),
     ),
     Family("llama", {}, "the reference decoder"),
     Family(
@@ -714,32 +657,18 @@ _FAMILIES: list[Family] = [
         modules=("Mamba2Mixer",),
         position_ids=False,
     ),
-    Family(
-        "marian",
-        {},
-        "Marian decoder alone, sinusoidal positions; cross-attention gets no input",
-        no_grad=("encoder_attn",),
-        position_ids=False,
-    ),
-    Family(
-        "mbart",
-        {},
-        "mBART decoder alone; cross-attention gets no input",
-        no_grad=("encoder_attn",),
-        position_ids=False,
-    ),
+    _decoder("marian", "Marian decoder alone, sinusoidal positions; cross-attention gets no input"),
+    _decoder("mbart", "mBART decoder alone; cross-attention gets no input"),
     Family("megatron-bert", DECODER, "Megatron-BERT run causally"),
-    Family(
+    _sliding(
         "mellum",
-        dict(layer_types=SW, mlp_layer_types=["dense", "sparse"]),
+        dict(mlp_layer_types=["dense", "sparse"]),
         "sliding + full (per-type RoPE), dense then MoE",
-        layer_types=tuple(SW),
     ),
-    Family(
+    _sliding(
         "mimo_v2_flash",
-        dict(head_dim=8, v_head_dim=8, layer_types=SW),
+        dict(head_dim=8, v_head_dim=8),
         "sliding (attention sinks) + full attention, partial RoPE, value scale; dense then MoE",
-        layer_types=tuple(SW),
         params=("self_attn.sinks",),
     ),
     Family(
@@ -749,13 +678,13 @@ _FAMILIES: list[Family] = [
         "scale_depth/sqrt(layers), hidden states divided by hidden/dim_model_base (2) "
         "before lm_head",
     ),
-    Family(
+    _mixed(
         "minimax",
-        dict(layer_types=["linear_attention", "full_attention"], block_size=16),
+        ("linear_attention", "full_attention"),
+        ("MiniMaxLightningAttention", "MiniMaxAttention"),
         "lightning (linear) attention in blocks of 16, outside the attention "
         "interface, then softmax attention; MoE",
-        layer_types=("linear_attention", "full_attention"),
-        modules=("MiniMaxLightningAttention", "MiniMaxAttention"),
+        block_size=16,
     ),
     Family("minimax_m2", {}, "q/k norms over all heads, MoE"),
     Family(
@@ -777,25 +706,14 @@ _FAMILIES: list[Family] = [
         no_grad=("layers.1.",),
         sub_configs={"text_config": dict(cross_attention_layers=[1])},
     ),
-    Family("ministral", dict(layer_types=SW), "sliding + full", layer_types=tuple(SW)),
+    _sliding("ministral", {}, "sliding + full"),
     Family("ministral3", {}, "sliding window on every layer"),
     Family("mistral", {}, "sliding window on every layer"),
     Family("mixtral", {}, "MoE, sliding window"),
     Family("modernbert-decoder", dict(local_attention=8), "local (window 8) + global attention"),
     Family("moshi", dict(num_codebooks=2), "Moshi text decoder"),
-    Family(
-        "mpt",
-        dict(expansion_ratio=2),
-        "ALiBi, no positional embedding",
-        position_ids=False,
-    ),
-    Family(
-        "mvp",
-        {},
-        "MVP decoder alone; cross-attention gets no input",
-        no_grad=("encoder_attn",),
-        position_ids=False,
-    ),
+    Family("mpt", dict(expansion_ratio=2), "ALiBi, no positional embedding", position_ids=False),
+    _decoder("mvp", "MVP decoder alone; cross-attention gets no input"),
     Family("nanochat", {}, "ReLU^2 MLP, q/k norms, final softcap 2"),
     Family("nemotron", {}, "LayerNorm1P, ReLU^2, partial rotary"),
     Family(
@@ -816,23 +734,19 @@ _FAMILIES: list[Family] = [
     ),
     Family("olmo", {}, "non-parametric LayerNorm"),
     Family("olmo2", {}, "q/k norms after projection"),
-    Family("olmo3", dict(layer_types=SW), "sliding + full", layer_types=tuple(SW)),
-    Family(
+    _sliding("olmo3", {}, "sliding + full"),
+    _mixed(
         "olmo_hybrid",
-        dict(layer_types=["linear_attention", "full_attention"], **GDN),
+        ("linear_attention", "full_attention"),
+        ("OlmoHybridGatedDeltaNet", "OlmoHybridAttention"),
         "gated delta net then attention",
-        layer_types=("linear_attention", "full_attention"),
-        modules=("OlmoHybridGatedDeltaNet", "OlmoHybridAttention"),
+        **GDN,
     ),
     Family("olmoe", {}, "MoE, q/k norms"),
     Family("openai-gpt", {}, "GPT-1, learned absolute positions"),
     Family("opt", {}, "learned positions offset by 2"),
-    Family(
-        "pegasus",
-        {},
-        "Pegasus decoder alone, sinusoidal positions; cross-attention gets no input",
-        no_grad=("encoder_attn",),
-        position_ids=False,
+    _decoder(
+        "pegasus", "Pegasus decoder alone, sinusoidal positions; cross-attention gets no input"
     ),
     Family("persimmon", {}, "partial rotary, q/k LayerNorm"),
     Family("phi", {}, "partial rotary, parallel attention + MLP"),
@@ -860,13 +774,7 @@ _FAMILIES: list[Family] = [
         "and the router gets exactly zero gradient",
         no_grad=("router",),
     ),
-    Family(
-        "plbart",
-        {},
-        "PLBart decoder alone; cross-attention gets no input",
-        no_grad=("encoder_attn",),
-        position_ids=False,
-    ),
+    _decoder("plbart", "PLBart decoder alone; cross-attention gets no input"),
     Family(
         "prophetnet",
         dict(
@@ -894,51 +802,36 @@ _FAMILIES: list[Family] = [
         dict(use_sliding_window=True, max_window_layers=1),
         "q/k norms, sliding window from layer 1",
     ),
-    Family(
+    _mixed(
         "qwen3_5_text",
-        dict(layer_types=["linear_attention", "full_attention"], **GDN),
+        ("linear_attention", "full_attention"),
+        ("Qwen3_5GatedDeltaNet", "Qwen3_5Attention"),
         "gated delta net then gated attention (partial M-RoPE)",
-        layer_types=("linear_attention", "full_attention"),
-        modules=("Qwen3_5GatedDeltaNet", "Qwen3_5Attention"),
+        **GDN,
     ),
-    Family(
+    _mixed(
         "qwen3_5_moe_text",
-        dict(layer_types=["linear_attention", "full_attention"], **GDN),
+        ("linear_attention", "full_attention"),
+        ("Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeAttention"),
         "gated delta net then gated attention; MoE with shared expert",
-        layer_types=("linear_attention", "full_attention"),
-        modules=("Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeAttention"),
+        **GDN,
     ),
     Family("qwen3_moe", dict(mlp_only_layers=[0]), "dense then MoE"),
-    Family(
+    _mixed(
         "qwen3_next",
-        dict(layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0], **GDN),
+        ("linear_attention", "full_attention"),
+        ("Qwen3NextGatedDeltaNet", "Qwen3NextAttention"),
         "gated delta net then gated attention (partial RoPE); dense then MoE",
-        layer_types=("linear_attention", "full_attention"),
-        modules=("Qwen3NextGatedDeltaNet", "Qwen3NextAttention"),
+        mlp_only_layers=[0],
+        **GDN,
     ),
-    Family(
+    _indexed(
         "qwen4_exp_text",
-        dict(
-            layer_types=["linear_attention", "full_attention"],
-            hc_lowrank=8,
-            indexer_n_heads=4,
-            indexer_kv_heads=1,
-            indexer_head_dim=8,
-            indexer_budget=16,
-            indexer_compress_ratio=4,
-            ple_layer_ids=[1],
-            ple_embed_dim=8,
-            heads_per_ngram=2,
-            ngram_vocab_size_base=97,
-            make_ngram_vocab_size_divisible_by=8,
-            split_ngram_parts=1,
-            **GDN,
-        ),
+        dict(layer_types=["linear_attention", "full_attention"], **QWEN4, **GDN),
         "gated delta net (with n-gram per-layer embeddings and a dilated conv) then QSA-indexed "
         "attention (top-16 tokens from blocks of 4); hyper-connections; MoE",
         layer_types=("linear_attention", "indexed_attention"),
         modules=("Qwen4ExpTextGatedDeltaNet", "Qwen4ExpTextAttention"),
-        no_grad=("indexer",),
     ),
     Family(
         "recurrent_gemma",
@@ -1007,26 +900,17 @@ _FAMILIES: list[Family] = [
     Family("solar_open", {}, "MoE"),
     Family("stablelm", {}, "partial rotary, LayerNorm"),
     Family("starcoder2", {}, "sliding window, biases"),
-    Family(
-        "trocr",
-        {},
-        "TrOCR decoder, learned positions; cross-attention gets no input",
-        no_grad=("encoder_attn",),
-        position_ids=False,
-    ),
-    Family(
+    _decoder("trocr", "TrOCR decoder, learned positions; cross-attention gets no input"),
+    _sliding(
         "vaultgemma",
-        dict(layer_types=SW, query_pre_attn_scalar=16),
+        GEMMA,
         "sliding + full, attention softcap and final softcap 2",
-        layer_types=tuple(SW),
         checks={"final_logit_softcapping": 2.0},
     ),
-    Family(
+    _decoder(
         "whisper",
-        dict(max_target_positions=512),
         "Whisper decoder alone, learned positions; cross-attention gets no input",
-        no_grad=("encoder_attn",),
-        position_ids=False,
+        dict(max_target_positions=512),
     ),
     Family(
         "xglm",
@@ -1036,11 +920,7 @@ _FAMILIES: list[Family] = [
         "float32 dtype, which overflows for float64)",
         dtype=F32,
     ),
-    Family(
-        "xlm",
-        dict(causal=True, emb_dim=32, n_langs=1),
-        "XLM run causally, learned positions",
-    ),
+    Family("xlm", dict(causal=True, emb_dim=32, n_langs=1), "XLM run causally, learned positions"),
     Family("xlm-roberta", DECODER, "XLM-R run causally"),
     Family("xlm-roberta-xl", DECODER, "XLM-R XL run causally"),
     Family(

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_hf_trainer import U2, U2R2, trainer_assets
 from tests.test_hf_trainer import side_by_side as trainer_side_by_side
-from tests.test_hf_trainer import trainer_assets
 
 pytestmark = pytest.mark.launcher
 pytest.importorskip("trl")
@@ -21,8 +21,6 @@ pytest.importorskip("peft")
 
 WORKER = Path(__file__).with_name("dpo_worker.py")
 RTOL = 1e-5
-U2 = {"ulysses_degree": 2, "ring_degree": 1}
-U2R2 = {"ulysses_degree": 2, "ring_degree": 2}
 # what this package adds to a training log line, and timings: not compared
 OURS = {
     "tokens_per_s",

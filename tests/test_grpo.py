@@ -17,15 +17,13 @@ from types import SimpleNamespace
 import pytest
 
 from tests.test_dpo import _logged, assert_lines_equal
+from tests.test_hf_trainer import U2, U2R2, trainer_assets
 from tests.test_hf_trainer import side_by_side as trainer_side_by_side
-from tests.test_hf_trainer import trainer_assets
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 WORKER = Path(__file__).with_name("grpo_worker.py")
-U2 = {"ulysses_degree": 2, "ring_degree": 1}
-U2R2 = {"ulysses_degree": 2, "ring_degree": 2}
 # every loss TRL 1.16's GRPOTrainer ships but dapo (the default, in the other tests), each
 # with options of its own kind: two-sided clipping, the entropy bonus (static and
 # adaptive), the bias-corrected KL, per-function normalisation, reward weights,
@@ -244,18 +242,10 @@ def test_rloo_u2r2_zero3_generate_equals_one_process(assets, tmp_path):
 
 
 def grpo_args(**kw) -> SimpleNamespace:
-    base = dict(
-        world_size=4,
-        per_device_train_batch_size=2,
-        steps_per_generation=2,
-        num_generations=4,
-        per_device_eval_batch_size=2,
-        num_generations_eval=None,
-        eval_strategy="steps",
-        generation_batch_size=16,
-        use_vllm=False,
-        use_transformers_continuous_batching=False,
-    )
+    train = dict(world_size=4, per_device_train_batch_size=2, steps_per_generation=2)
+    evals = dict(per_device_eval_batch_size=2, num_generations_eval=None, eval_strategy="steps")
+    engines = dict(use_vllm=False, use_transformers_continuous_batching=False)
+    base = dict(**train, **evals, **engines, num_generations=4, generation_batch_size=16)
     return SimpleNamespace(**{**base, **kw})
 
 

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.distributed import WorkerError
-from tests.helpers import ROOT, attend_and_check, make_qkv, topology
+from tests.helpers import ROOT, assert_refused_on_every_rank, attend_and_check, make_qkv, topology
 from ulysses_cp.core.options import RunOptions
 from ulysses_cp.kernels import math_backend
 from ulysses_cp.kernels.backends import Kernel
@@ -187,9 +186,7 @@ def _twice(rank):
 
 
 def test_a_second_backward_is_refused_on_every_rank(pools):
-    with pytest.raises(WorkerError) as err:
-        pools(4).run(_twice)
-    assert str(err.value).count("a second backward through head-chunked") == 4
+    assert_refused_on_every_rank(pools, 4, _twice, "a second backward through head-chunked")
 
 
 def _mismatch(rank):
@@ -199,9 +196,7 @@ def _mismatch(rank):
 
 
 def test_chunk_counts_that_differ_across_ranks_are_refused_on_every_rank(pools):
-    with pytest.raises(WorkerError) as err:
-        pools(2).run(_mismatch)
-    assert str(err.value).count("head chunks: rank 0 1, rank 1 2") == 2
+    assert_refused_on_every_rank(pools, 2, _mismatch, "head chunks: rank 0 1, rank 1 2")
 
 
 def _bad(rank):
@@ -212,9 +207,7 @@ def _bad(rank):
 
 
 def test_a_chunk_count_that_does_not_split_the_heads_is_refused(pools):
-    with pytest.raises(WorkerError) as err:
-        pools(4).run(_bad)
-    assert str(err.value).count("head_chunks=4 does not split 8 query heads") == 4
+    assert_refused_on_every_rank(pools, 4, _bad, "head_chunks=4 does not split 8 query heads")
 
 
 def test_config_sets_the_runs_chunk_count():

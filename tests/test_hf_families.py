@@ -12,6 +12,8 @@ from tests.helpers import HF_TINY, hf_loss_and_grads, hf_pair, topology
 
 transformers = pytest.importorskip("transformers")
 
+# sliding (window 8) then full attention layers, heads of 8
+SLIDING = dict(head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
 # family: (config class name, extra config, what it exercises); a window of 8 tokens
 # crosses the zigzag chunks of a 64-token row over 4 ranks (8 chunks of 8)
 FAMILIES = {
@@ -34,20 +36,10 @@ FAMILIES = {
         ),
         "softcap, alternating sliding and full layers, query_pre_attn_scalar",
     ),
-    "gemma3": (
-        "Gemma3TextConfig",
-        dict(head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
-        "sliding pattern, q/k norms",
-    ),
+    "gemma3": ("Gemma3TextConfig", SLIDING, "sliding pattern, q/k norms"),
     "gpt_oss": (
         "GptOssConfig",
-        dict(
-            head_dim=8,
-            sliding_window=8,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            layer_types=["sliding_attention", "full_attention"],
-        ),
+        dict(SLIDING, num_local_experts=4, num_experts_per_tok=2),
         "attention sinks, sliding and full layers, MoE (float32: its kernels take no float64)",
     ),
     "phi3": ("Phi3Config", dict(pad_token_id=0), "fused qkv projection"),

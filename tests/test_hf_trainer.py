@@ -73,6 +73,18 @@ def spec(kind: str, model: str, assets: dict, out: Path, **extra) -> dict:
     return {**base, "out": str(out), **extra}
 
 
+def ref_and_sp(
+    kind: str, model: str, assets: dict, tmp_path: Path, sp_only: dict, *, save=False, **both
+) -> tuple[dict, dict]:
+    """The specs of the reference and of the SP run (with ``sp_only``), both with ``both``,
+    out in ``tmp_path``'s ref/ and sp/; ``save``: each saves its model to ref_model/, sp_model/."""
+    specs = []
+    for name, extra in (("ref", {}), ("sp", sp_only)):
+        saved = {"save": str(tmp_path / f"{name}_model")} if save else {}
+        specs.append(spec(kind, model, assets, tmp_path / name, **both, **saved, **extra))
+    return specs[0], specs[1]
+
+
 def side_by_side(
     tmp_path: Path, ref: dict, sp: dict, nproc: int, worker: Path = WORKER
 ) -> tuple[dict, dict]:
@@ -149,19 +161,8 @@ def assert_same_predictions(ref: dict, sp: dict) -> None:
 def test_trainer_u2_zero2_equals_one_process(assets, tmp_path):
     """Trainer, tiny Llama, Ulysses 2, ZeRO-2, gradient accumulation 2: losses, eval loss,
     ``predict`` after the evaluation and the saved folder equal one process."""
-    ref = spec(
-        "trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"), predict=True
-    )
-    sp = spec(
-        "trainer",
-        "llama",
-        assets,
-        tmp_path / "sp",
-        zero=2,
-        save=str(tmp_path / "sp_model"),
-        sp={"ulysses_degree": 2, "ring_degree": 1},
-        predict=True,
-    )
+    sp_only = dict(zero=2, sp=U2)
+    ref, sp = ref_and_sp("trainer", "llama", assets, tmp_path, sp_only, save=True, predict=True)
     ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=2)
     assert_same_losses(ref_result, sp_result)
     assert_same_predictions(ref_result, sp_result)
@@ -172,16 +173,8 @@ def test_trainer_u2_zero2_equals_one_process(assets, tmp_path):
 def test_sft_packed_u2_zero2_equals_one_process(assets, tmp_path):
     """TRL SFTTrainer with packing=True (position ids restarting per document), tiny
     Qwen3, Ulysses 2, ZeRO-2: losses and eval loss equal one process."""
-    ref = spec("sft", "qwen3", assets, tmp_path / "ref")
-    sp = spec(
-        "sft",
-        "qwen3",
-        assets,
-        tmp_path / "sp",
-        zero=2,
-        sp={"ulysses_degree": 2, "ring_degree": 1},
-        model_block={"lean_norms": False},
-    )
+    sp_only = dict(zero=2, sp=U2, model_block={"lean_norms": False})
+    ref, sp = ref_and_sp("sft", "qwen3", assets, tmp_path, sp_only)
     ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=2)
     assert_same_losses(ref_result, sp_result)
     assert_lean_norms(sp_result, ref_result, taken=0)  # switched off in the DeepSpeed JSON
@@ -192,16 +185,7 @@ def test_trainer_u2r2_zero3_equals_one_process(assets, tmp_path):
     """As the ZeRO-2 case, hybrid Ulysses 2 x ring 2 (4 ranks), ZeRO-3: the model is built
     partitioned (TrainingArguments before from_pretrained), probed under ZeRO-3, and
     saved gathered."""
-    ref = spec("trainer", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"))
-    sp = spec(
-        "trainer",
-        "llama",
-        assets,
-        tmp_path / "sp",
-        zero=3,
-        save=str(tmp_path / "sp_model"),
-        sp=U2R2,
-    )
+    ref, sp = ref_and_sp("trainer", "llama", assets, tmp_path, dict(zero=3, sp=U2R2), save=True)
     ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=4)
     assert_same_losses(ref_result, sp_result)
     assert_lean_norms(sp_result, ref_result, taken=LLAMA_NORMS)  # probed on ZeRO-3 partitions
@@ -226,18 +210,8 @@ def test_trainer_qwen3_u2_dp2_zero1_equals_one_process(assets, tmp_path):
     """Trainer, tiny Qwen3, Ulysses 2 x data parallel 2 (4 ranks), ZeRO-1: each replica
     takes one row per micro-batch, so the global batch is the one-process run's two rows
     x gradient accumulation 2; the replicas read distinct rows, the SP ranks the same."""
-    ref = spec("trainer", "qwen3", assets, tmp_path / "ref", predict=True)
-    sp = spec(
-        "trainer",
-        "qwen3",
-        assets,
-        tmp_path / "sp",
-        zero=1,
-        batch=1,
-        batches=True,
-        sp={"ulysses_degree": 2, "ring_degree": 1},
-        predict=True,
-    )
+    sp_only = dict(zero=1, batch=1, batches=True, sp=U2)
+    ref, sp = ref_and_sp("trainer", "qwen3", assets, tmp_path, sp_only, predict=True)
     ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=4)
     assert_same_losses(ref_result, sp_result)
     assert_same_predictions(ref_result, sp_result)
@@ -277,19 +251,8 @@ def test_trainer_lora_u2_zero0_equals_one_process(assets, tmp_path):
 
 def lora_case(assets: dict, tmp_path: Path, model: str, *, zero: int, sp: dict) -> None:
     """A Trainer run with a LoRA adapter against one process: losses, and the adapters."""
-    ref = spec(
-        "trainer", model, assets, tmp_path / "ref", lora=True, save=str(tmp_path / "ref_model")
-    )
-    run = spec(
-        "trainer",
-        model,
-        assets,
-        tmp_path / "sp",
-        zero=zero,
-        lora=True,
-        save=str(tmp_path / "sp_model"),
-        sp=sp,
-    )
+    sp_only = dict(zero=zero, sp=sp)
+    ref, run = ref_and_sp("trainer", model, assets, tmp_path, sp_only, save=True, lora=True)
     nproc = sp["ulysses_degree"] * sp["ring_degree"]
     assert_same_losses(*side_by_side(tmp_path, ref, run, nproc=nproc))
     assert_plain_adapters(assets[model], tmp_path / "ref_model", tmp_path / "sp_model", tmp_path)
@@ -300,16 +263,7 @@ def test_sft_llama_u2r2_zero3_equals_one_process(assets, tmp_path):
     """TRL SFTTrainer (packed), tiny Llama, hybrid Ulysses 2 x ring 2 (4 ranks), ZeRO-3
     (model built partitioned): losses and eval loss equal one-process SFTTrainer, and the
     gathered saved folder is a plain transformers model with the reference's logits."""
-    ref = spec("sft", "llama", assets, tmp_path / "ref", save=str(tmp_path / "ref_model"))
-    sp = spec(
-        "sft",
-        "llama",
-        assets,
-        tmp_path / "sp",
-        zero=3,
-        save=str(tmp_path / "sp_model"),
-        sp={"ulysses_degree": 2, "ring_degree": 2},
-    )
+    ref, sp = ref_and_sp("sft", "llama", assets, tmp_path, dict(zero=3, sp=U2R2), save=True)
     assert_same_losses(*side_by_side(tmp_path, ref, sp, nproc=4))
     assert_plain_folders(tmp_path / "ref_model", tmp_path / "sp_model")
 

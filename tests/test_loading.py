@@ -22,21 +22,10 @@ from ulysses_cp.training import loading, partitioned_init  # noqa: E402
 
 # odd sizes: an MLP bias of 33 elements is padded in the partition of 2 ranks, and the
 # 33 x 18 projections' partitions start in the middle of a row
-CONFIG = dict(
-    model_type="llama",
-    vocab_size=97,
-    hidden_size=18,
-    intermediate_size=33,
-    num_hidden_layers=2,
-    num_attention_heads=3,
-    num_key_value_heads=1,
-    head_dim=6,
-    mlp_bias=True,
-    attention_bias=True,
-    max_position_embeddings=512,
-    attention_dropout=0.0,
-    tie_word_embeddings=False,
-)
+SIZES = dict(vocab_size=97, hidden_size=18, intermediate_size=33, num_hidden_layers=2, head_dim=6)
+HEADS = dict(num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512)
+FLAGS = dict(mlp_bias=True, attention_bias=True, attention_dropout=0.0, tie_word_embeddings=False)
+CONFIG = dict(model_type="llama", **SIZES, **HEADS, **FLAGS)
 
 
 def _config(tmp, weights=None) -> dict:

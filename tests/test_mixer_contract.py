@@ -22,7 +22,7 @@ import torch.distributed as dist
 import ulysses_cp as ucp
 from tests import mixer_standin
 from tests.distributed import DistPool
-from tests.helpers import topology
+from tests.helpers import shard_loss, topology
 from tests.test_hf_mixers import bamba, lfm2, qwen3_next
 
 transformers = pytest.importorskip("transformers")
@@ -92,13 +92,7 @@ def _run(rank, family, u, r, packed):
     model = hf.HFCausalLM(sp)
     model.probe()  # the start-up probe calls the kernels too (no gradients)
     kernels.CALLS.clear()
-    loss = model.loss(
-        local["input_ids"],
-        local["position_ids"],
-        local["shift_labels"],
-        topo,
-        batch=local["batch"],
-    )
+    loss = shard_loss(model, local, topo)
     loss.backward()
     calls = dict(kernels.CALLS)
     with torch_path(ref):

@@ -185,18 +185,10 @@ def test_candidates_try_redo_with_ulysses_only():
 def test_zero_stages_order_static_memory():
     shape = _tiny()
     hw = Hardware()
+    kw = dict(seq_len=1024, batch=1, micro_steps=1, world=8, hw=hw)
     knobs = ZeroKnobs(reduce_bucket_size=0)
     peaks = [
-        predict(
-            shape,
-            Run(2, 1, "zigzag", stage),
-            seq_len=1024,
-            batch=1,
-            micro_steps=1,
-            world=8,
-            hw=hw,
-            zero_knobs=knobs,
-        )["static_bytes_per_rank"]
+        predict(shape, Run(2, 1, "zigzag", stage), **kw, zero_knobs=knobs)["static_bytes_per_rank"]
         for stage in (1, 2, 3)
     ]
     assert peaks[0] == peaks[1] > peaks[2]  # ZeRO-2 all-reduces whole gradients here (mpu)

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.distributed import WorkerError
-from tests.helpers import attend_and_check, topology
+from tests.helpers import assert_refused_on_every_rank, attend_and_check, topology
 from ulysses_cp.core.options import RunOptions
 from ulysses_cp.modes.ulysses import MIN_CHUNK_BYTES, resolve_head_chunks
 from ulysses_cp.training.engine import run_options
@@ -22,29 +21,14 @@ REDO = {"redo_all_to_all": True}
 
 # (u, r, hq, hkv, c): GQA one kv chunk for two query chunks, kv replication (hkv < u),
 # MHA in 4 chunks, hybrid in 1 and 2 chunks
-CASES = [
-    (4, 1, 8, 4, 2),
-    (4, 1, 8, 2, 1),
-    (2, 1, 8, 8, 4),
-    (2, 2, 8, 4, 1),
-    (2, 2, 8, 4, 2),
-]
+CASES = [(4, 1, 8, 4, 2), (4, 1, 8, 2, 1), (2, 1, 8, 8, 4), (2, 2, 8, 4, 1), (2, 2, 8, 4, 2)]
 
 
 @pytest.mark.parametrize("u,r,hq,hkv,c", CASES)
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_redo_matches_float64(pools, u, r, hq, hkv, c, layout):
     attend_and_check(
-        pools,
-        u,
-        r,
-        layout,
-        seed=7,
-        hq=hq,
-        hkv=hkv,
-        backend="math",
-        head_chunks=c,
-        options=REDO,
+        pools, u, r, layout, seed=7, hq=hq, hkv=hkv, backend="math", head_chunks=c, options=REDO
     )
 
 
@@ -125,9 +109,7 @@ def _mismatch(rank):
 
 
 def test_a_choice_that_differs_across_ranks_is_refused_on_every_rank(pools):
-    with pytest.raises(WorkerError) as err:
-        pools(2).run(_mismatch)
-    assert str(err.value).count("redo all-to-all: rank 0 0, rank 1 1") == 2
+    assert_refused_on_every_rank(pools, 2, _mismatch, "redo all-to-all: rank 0 0, rank 1 1")
 
 
 def test_automatic_chunks_weigh_bytes():

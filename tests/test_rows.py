@@ -33,17 +33,9 @@ def bounds_of(lengths: list[int]) -> list[int]:
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("docs", list(DOCS))
 def test_row_wise_matches_float64(pools, u, r, layout, docs):
+    bounds = bounds_of(DOCS[docs])
     attend_and_check(
-        pools,
-        u,
-        r,
-        layout,
-        seed=3,
-        hq=4,
-        hkv=2,
-        bounds=bounds_of(DOCS[docs]),
-        options=ROW,
-        backend="math",
+        pools, u, r, layout, seed=3, hq=4, hkv=2, bounds=bounds, options=ROW, backend="math"
     )
 
 
@@ -51,21 +43,9 @@ def test_row_wise_matches_float64(pools, u, r, layout, docs):
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_row_wise_allgather_and_bidirectional(pools, u, r, layout):
     bounds = bounds_of(DOCS["primes"])
-    options = ROW | dict(kv_exchange="allgather")
+    case = dict(seed=4, hq=4, hkv=1, bounds=bounds, options=ROW | dict(kv_exchange="allgather"))
     for causal in (True, False):
-        attend_and_check(
-            pools,
-            u,
-            r,
-            layout,
-            seed=4,
-            hq=4,
-            hkv=1,
-            bounds=bounds,
-            options=options,
-            backend="math",
-            causal=causal,
-        )
+        attend_and_check(pools, u, r, layout, **case, backend="math", causal=causal)
 
 
 @pytest.mark.parametrize("u,r", MODES)
@@ -76,19 +56,8 @@ def test_row_wise_allgather_and_bidirectional(pools, u, r, layout):
 )
 def test_row_wise_windows_softcap_sinks(pools, u, r, variant):
     bounds = bounds_of([*DOCS["crosses_every_border"][:1], 17, 45])
-    attend_and_check(
-        pools,
-        u,
-        r,
-        seed=5,
-        hq=4,
-        hkv=2,
-        bounds=bounds,
-        options=ROW,
-        backend="math",
-        sinks="softcap" in variant,
-        **variant,
-    )
+    case = dict(seed=5, hq=4, hkv=2, bounds=bounds, options=ROW, backend="math")
+    attend_and_check(pools, u, r, **case, sinks="softcap" in variant, **variant)
 
 
 @pytest.mark.parametrize("u,r", [(1, 4), (2, 2), (4, 1)])
@@ -96,16 +65,9 @@ def test_row_wise_windows_softcap_sinks(pools, u, r, variant):
     "more", [dict(head_chunks=2), dict(redo_all_to_all=True)], ids=["chunks", "redo"]
 )
 def test_row_wise_torch_backend_head_chunks_and_redo(pools, u, r, more):
+    bounds = bounds_of(DOCS["shorter_than_a_chunk"])
     attend_and_check(
-        pools,
-        u,
-        r,
-        seed=6,
-        hq=8,
-        hkv=4,
-        bounds=bounds_of(DOCS["shorter_than_a_chunk"]),
-        options=ROW | more,
-        backend="torch",
+        pools, u, r, seed=6, hq=8, hkv=4, bounds=bounds, options=ROW | more, backend="torch"
     )
 
 

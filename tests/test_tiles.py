@@ -99,16 +99,8 @@ def test_auto_tiles_give_the_untiled_loss_and_gradients(monkeypatch):
     labels[:, :7] = -100
     results = []
     for setting in (0, "auto"):
-        mc = ModelConfig(
-            vocab_size=64,
-            dim=16,
-            n_layers=2,
-            n_heads=2,
-            n_kv_heads=1,
-            ffn_dim=32,
-            tiled_mlp=setting,
-            tiled_loss=setting,
-        )
+        sizes = dict(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32)
+        mc = ModelConfig(**sizes, tiled_mlp=setting, tiled_loss=setting)
         torch.manual_seed(0)
         model = Decoder(mc, ucp.Attention(topo, backend="math")).double()
         tiled = [m for m in model.modules() if isinstance(m, TiledMLP)]
