@@ -9,7 +9,8 @@ plus our blocks: "sequence_parallel" (degrees, layout, attention backend), "mode
 reference decoder or a Hugging Face model), "data" (task, seq_len, files) and "training"
 (steps, intervals, reliability). See docs/training.md. This module only wires the library
 together: the loop is ulysses_cp.training.trainer, the pieces it builds are
-ulysses_cp.training.build.
+ulysses_cp.training.build. :func:`main` checks the config with light modules only;
+:func:`train` imports torch and DeepSpeed.
 """
 
 from __future__ import annotations
