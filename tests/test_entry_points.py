@@ -6,12 +6,14 @@ console scripts (``ulysses-cp-train``, ``ulysses-cp-plan``, ``ulysses-cp-check``
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import ROOT, deepspeed_cmd, finish, free_port, metrics, run, start
+from ulysses_cp.core.process import cpu_threads
 
 pytestmark = pytest.mark.launcher
 
@@ -28,8 +30,12 @@ def test_deepspeed_module_launch_trains_as_the_shim(tmp_path):
         CONFIG, outs["module"], "--max_steps", "3", launcher=module, script=Path("ulysses_cp.train")
     )
     procs = [start(as_module), start(deepspeed_cmd(CONFIG, outs["shim"], "--max_steps", "3"))]
+    # each CPU rank's threads: this machine's cores over the 2 local ranks, logged once
+    threads = cpu_threads({**os.environ, "LOCAL_WORLD_SIZE": "2"})
+    line = "(OMP_NUM_THREADS)" if threads is None else f"CPU threads: {threads} per rank ("
     for code, text in finish(procs, timeout=600):
         assert code == 0, text[-4000:]
+        assert text.count(line) == 1, text[-4000:]
     # the config logs every 10 steps: here, at the run's end (step 3)
     got = {
         name: [(m["step"], m["loss"]) for m in metrics(out) if "loss" in m]
