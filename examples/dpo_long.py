@@ -30,7 +30,6 @@ whole on one GPU; the defaults here are sized for a CPU check.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from hf_trainer_sft import (
@@ -40,6 +39,7 @@ from hf_trainer_sft import (
     local_folders,
     optimizer_args,
     run_args,
+    run_example,
     train_and_save,
     training_options,
 )
@@ -105,10 +105,7 @@ def train(args: argparse.Namespace) -> list[float]:
 
 
 def main() -> None:
-    try:
-        train(parse_args())
-    except InputError as exc:
-        sys.exit(f"dpo_long.py: {exc}")
+    run_example(train, parse_args())
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ models that do not fit whole on one GPU; the defaults here are sized for a CPU c
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from hf_trainer_sft import (
@@ -45,6 +44,7 @@ from hf_trainer_sft import (
     local_folders,
     optimizer_args,
     run_args,
+    run_example,
     train_and_save,
     training_options,
 )
@@ -132,10 +132,7 @@ def train(args: argparse.Namespace) -> list[float]:
 
 
 def main() -> None:
-    try:
-        train(parse_args())
-    except InputError as exc:
-        sys.exit(f"grpo_long.py: {exc}")
+    run_example(train, parse_args())
 
 
 if __name__ == "__main__":

@@ -30,7 +30,11 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from ulysses_cp.core.log import configure_logging
+from ulysses_cp.core.process import exit_process
 
 
 class InputError(ValueError):
@@ -227,11 +231,22 @@ def train_and_save(trainer, tokenizer, args: argparse.Namespace, what: str) -> l
     return losses
 
 
-def main() -> None:
+def run_example(train: Callable[[argparse.Namespace], object], args: argparse.Namespace) -> None:
+    """An example's ``train(args)`` (also the TRL examples'): the package's log lines from
+    rank 0; bad input as one line naming the script, exit status 1; a finished run leaves
+    by :func:`ulysses_cp.core.process.exit_process`, without the interpreter's teardown,
+    where gloo's threads once aborted a finished rank ("terminate called without an active
+    exception")."""
+    configure_logging()
     try:
-        train(parse_args())
+        train(args)
     except InputError as exc:
-        sys.exit(f"hf_trainer_sft.py: {exc}")
+        sys.exit(f"{Path(sys.argv[0]).name}: {exc}")
+    exit_process()
+
+
+def main() -> None:
+    run_example(train, parse_args())
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ulysses_cp.core.process import exit_process
 
 TIMEOUT = timedelta(seconds=900)
 
@@ -87,9 +88,9 @@ def init_rank(rank: int, world: int, init_method: str) -> torch.device:
         **init_kwargs(backend, world, device),
     )
     if shared and rank == 0:
-        from ulysses_cp.core.log import get_logger
+        from ulysses_cp.core.log import configure_logging
 
-        get_logger().info(
+        configure_logging().info(
             f"{local_world} ranks on this machine share "
             f"{count} GPU(s): gloo with CUDA tensors (ring point-to-point staged through the "
             "host), so times are not NCCL times"
@@ -107,16 +108,12 @@ def _entry(rank, body, world, args, init_file, result_file):
         result = body(rank, world, args, device)
         if rank == 0:
             Path(result_file).write_text(json.dumps(result))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    # Done, and the result is on disk: leave without the interpreter's teardown. Process
-    # groups still referenced elsewhere (DeepSpeed's partitioned parameters hold theirs)
-    # are otherwise freed while the interpreter finalises, and gloo's threads there once
-    # aborted a rank after its work was done ("terminate called without an active
-    # exception", SIGABRT). An exception above skips this and reaches mp.spawn as usual.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        raise  # to mp.spawn, as usual
+    # done, and the result is on disk: leave without the interpreter's teardown, where
+    # gloo's threads once aborted a finished rank (exit_process's docstring)
+    exit_process()
 
 
 def free_port() -> int:

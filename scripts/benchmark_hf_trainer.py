@@ -372,13 +372,9 @@ def main() -> None:
         worker(json.loads(Path(args.worker).read_text()))
         # the record is on disk: leave without the interpreter's teardown, where gloo's
         # threads once aborted a finished rank (SIGABRT), as scripts/benchlib.py does
-        import torch.distributed as dist
+        from ulysses_cp.core.process import exit_process
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_process()
     if args.quick:
         args.length, args.steps, args.repeats, args.zero = 256, 4, 1, [2]
     if args.variants[0] != "reference" or len(set(args.variants)) != len(args.variants):

@@ -6,12 +6,14 @@ console scripts (``ulysses-cp-train``, ``ulysses-cp-plan``, ``ulysses-cp-check``
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import ROOT, deepspeed_cmd, finish, free_port, metrics, run, start
+from ulysses_cp.core.process import cpu_threads
 
 pytestmark = pytest.mark.launcher
 
@@ -28,8 +30,12 @@ def test_deepspeed_module_launch_trains_as_the_shim(tmp_path):
         CONFIG, outs["module"], "--max_steps", "3", launcher=module, script=Path("ulysses_cp.train")
     )
     procs = [start(as_module), start(deepspeed_cmd(CONFIG, outs["shim"], "--max_steps", "3"))]
+    # each CPU rank's threads: this machine's cores over the 2 local ranks, logged once
+    threads = cpu_threads({**os.environ, "LOCAL_WORLD_SIZE": "2"})
+    line = "(OMP_NUM_THREADS)" if threads is None else f"CPU threads: {threads} per rank ("
     for code, text in finish(procs, timeout=600):
         assert code == 0, text[-4000:]
+        assert text.count(line) == 1, text[-4000:]
     # the config logs every 10 steps: here, at the run's end (step 3)
     got = {
         name: [(m["step"], m["loss"]) for m in metrics(out) if "loss" in m]
@@ -67,3 +73,27 @@ def test_train_entry_points_report_a_config_typo(tmp_path, command):
 )
 def test_console_scripts_are_installed(script, usage):
     assert usage in run([str(BIN / script), "--help"])
+
+
+def test_a_config_typo_under_the_launcher_stops_every_rank(tmp_path):
+    """``deepspeed --num_gpus 4 train.py`` with a misspelt key: the line naming it and the
+    right spelling, and the launcher's non-zero exit (every rank exits 2 before importing
+    torch: see the next test)."""
+    cmd = deepspeed_cmd(typo_config(tmp_path), tmp_path / "out", num_gpus=4)
+    out = run(cmd, ok=False)
+    assert "unknown top-level key(s)" in out and "did you mean 'training'" in out, out[-2000:]
+    assert "exits with return code = 2" in out, out[-2000:]
+    assert "Traceback" not in out
+
+
+def test_the_config_check_imports_no_torch(tmp_path):
+    """The entry point checks the JSON before importing torch or DeepSpeed (a typo costs
+    the time Python takes to start): ``python -X importtime`` lists every module imported
+    before the error."""
+    cmd = [sys.executable, "-X", "importtime", "-m", "ulysses_cp.train"]
+    out = run([*cmd, "--deepspeed_config", str(typo_config(tmp_path))], ok=False)
+    assert "did you mean 'training'" in out, out[-2000:]
+    imported = {line.split("|")[-1].strip() for line in out.splitlines() if "|" in line}
+    assert "ulysses_cp.config" in imported
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "deepspeed", "numpy"))
+    assert heavy == [], heavy[:10]

@@ -254,10 +254,25 @@ def _face_imports() -> list[str]:
     tree = ast.parse((PKG / "__init__.py").read_text())
     return [
         alias.asname or alias.name
-        for node in tree.body
-        if isinstance(node, ast.ImportFrom)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 1
         for alias in node.names
     ]
+
+
+def test_the_public_faces_lazy_homes_are_its_typed_imports():
+    """``ulysses_cp/__init__.py`` loads its names on first use from ``_HOMES`` (so that the
+    config check imports no torch) and declares them to type checkers as imports: the two
+    lists, and ``__all__``, name the same objects."""
+    tree = ast.parse((PKG / "__init__.py").read_text())
+    typed = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            typed |= {a.asname or a.name: (node.module, a.name) for a in node.names}
+    import ulysses_cp as ucp
+
+    assert typed == ucp._HOMES
+    assert sorted(ucp._HOMES) == sorted(ucp.__all__)
 
 
 def test_the_public_face_exports_what_it_imports():

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .core.comm import stats as comm_stats
-from .core.log import get_logger
+from .core.log import configure_logging, get_logger
 from .core.options import BACKENDS, Layout
 from .core.sharding import gather_sequence, sequence_multiple, shard_sequence
 from .core.topology import init_topology
@@ -101,6 +101,7 @@ def worker(rank: int, args, init_file: str) -> None:
         world_size=args.world,
         timeout=timedelta(seconds=120),
     )
+    configure_logging()  # a spawned process: rank 0's lines on stdout
     log = get_logger()
     try:
         rows = []

@@ -9,7 +9,8 @@ plus our blocks: "sequence_parallel" (degrees, layout, attention backend), "mode
 reference decoder or a Hugging Face model), "data" (task, seq_len, files) and "training"
 (steps, intervals, reliability). See docs/training.md. This module only wires the library
 together: the loop is ulysses_cp.training.trainer, the pieces it builds are
-ulysses_cp.training.build.
+ulysses_cp.training.build. :func:`main` checks the config with light modules only;
+:func:`train` imports torch and DeepSpeed.
 """
 
 from __future__ import annotations
@@ -20,23 +21,16 @@ import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+# only light modules above the config check (no torch, no DeepSpeed): a typo in the JSON
+# is reported in the time Python takes to start, on every rank, before any heavy import
+from ulysses_cp.config import RunConfig, TrainingConfig
+from ulysses_cp.core.log import configure_logging, get_logger
+from ulysses_cp.core.process import set_cpu_threads
 
-from ulysses_cp.config import RunConfig
-from ulysses_cp.core.log import get_logger
-from ulysses_cp.core.metrics import topology_info
-from ulysses_cp.core.zero_comm import full_numel, zero_wire_bytes
-from ulysses_cp.models.memory import LossPlan
-from ulysses_cp.plan.nodes import describe, gather_groups
-from ulysses_cp.training import checkpoint
-from ulysses_cp.training.build import build_model, check_output_dir, cpu_optimizer, validate
-from ulysses_cp.training.data import make_datasets
-from ulysses_cp.training.engine import init_distributed, initialize, topology_from_config
-from ulysses_cp.training.evaluate import Evaluator
-from ulysses_cp.training.tracking import RUN_ID_KEY, Tracker
-from ulysses_cp.training.trainer import Hooks, Trainer, TrainingStopped
+if TYPE_CHECKING:
+    from ulysses_cp.training.trainer import Hooks
 
 log = get_logger("train")
 log_all = get_logger("train.ranks", all_ranks=True)
@@ -72,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     args = parse_args(argv)
+    configure_logging()  # the library adds no handler: rank 0's lines on stdout
     # DeepSpeed's ZeRO calls a torch collective that torch deprecates: once per rank, a
     # warning the user can do nothing about
     warnings.filterwarnings(
@@ -79,7 +74,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     )
     # every config error is raised here, identically on every rank, before any collective
     run = RunConfig.load(args.deepspeed_config)
-    sp, mc, dc, tc = run.sequence_parallel, run.model, run.data, run.training
+    tc = run.training
     if args.max_steps is not None:
         tc = replace(tc, max_steps=args.max_steps)
     if args.plan:  # before any process group: every rank would print the same
@@ -88,7 +83,33 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(plan_for_launch(run, dict(os.environ)), flush=True)
         return
-    init_distributed(timeout_s=sp.collective_timeout_s)
+    train(args, run, tc, hooks)
+
+
+def train(
+    args: argparse.Namespace, run: RunConfig, tc: TrainingConfig, hooks: Hooks | None = None
+) -> None:
+    """The run, once its config has passed :meth:`RunConfig.load` (``tc``: its training
+    block with the command line's overrides): the process group, the data, the model and
+    the engine, then the training loop. Imports torch and DeepSpeed."""
+    import torch
+    import torch.distributed as dist
+
+    from ulysses_cp.core.metrics import topology_info
+    from ulysses_cp.core.zero_comm import full_numel, zero_wire_bytes
+    from ulysses_cp.models.memory import LossPlan
+    from ulysses_cp.plan.nodes import describe, gather_groups
+    from ulysses_cp.training import checkpoint
+    from ulysses_cp.training.build import build_model, check_output_dir, cpu_optimizer, validate
+    from ulysses_cp.training.data import make_datasets
+    from ulysses_cp.training.engine import init_distributed, initialize, topology_from_config
+    from ulysses_cp.training.evaluate import Evaluator
+    from ulysses_cp.training.tracking import RUN_ID_KEY, Tracker
+    from ulysses_cp.training.trainer import Trainer, TrainingStopped
+
+    mc, dc = run.model, run.data
+    init_distributed(timeout_s=run.sequence_parallel.collective_timeout_s)
+    set_cpu_threads(log)  # after the process group: rank 0 logs the choice
     validate(run)
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     resuming = check_output_dir(out, args.resume, args.overwrite)

@@ -1,5 +1,5 @@
 """``python -m ulysses_cp.plan``: see :mod:`ulysses_cp.plan.cli`."""
 
-from .cli import main
+from .cli import console
 
-main()
+console()

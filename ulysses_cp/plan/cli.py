@@ -19,6 +19,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from ..config import ModelConfig, RunConfig
+from ..core.log import configure_logging
 from ..core.sharding import sequence_multiple
 from ..core.topology import validate_degrees
 from ..modes.ulysses import kv_replication, resolve_head_chunks
@@ -375,5 +376,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 def console() -> None:
     """The ``ulysses-cp-plan`` console script: :func:`main` (its result is printed; the exit
-    status is 0, not the returned dict)."""
+    status is 0, not the returned dict; logging configured as by the other entry points)."""
+    configure_logging()
     main()

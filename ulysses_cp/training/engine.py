@@ -92,7 +92,9 @@ def _quiet_cpu_deepspeed() -> None:
     every run, printing a line per rank: it is not built."""
     # the module itself: the attribute ``deepspeed.comm.torch`` is torch (a star import)
     ds_torch = importlib.import_module("deepspeed.comm.torch")
-    os.environ.pop("LOCAL_SIZE", None)
+    local_ranks = os.environ.pop("LOCAL_SIZE", None)
+    if local_ranks is not None:  # kept under torchrun's name (core.process reads it)
+        os.environ.setdefault("LOCAL_WORLD_SIZE", local_ranks)
     ds_torch.build_shm_op = lambda: None  # type: ignore[attr-defined]
 
 

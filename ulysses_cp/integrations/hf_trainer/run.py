@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 from ...config import SequenceParallelConfig
 from ...core.batch import shard_batch
+from ...core.log import get_logger
+from ...core.process import set_cpu_threads
 from ...core.sharding import gather_sequence, pad_batch, sequence_multiple
 from ...core.topology import Topology, init_topology, validate_degrees
 from ...core.varlen import cu_seqlens_from_position_ids
@@ -162,6 +164,7 @@ class SequenceParallelRun:
         world = dist.get_world_size()
         validate_degrees(world, config.ulysses_degree, config.ring_degree)
         sp = config.ulysses_degree * config.ring_degree
+        set_cpu_threads(get_logger(__name__))  # on CPU: the cores shared by the local ranks
         topo = init_topology(
             config.ulysses_degree,
             config.ring_degree,
