@@ -11,7 +11,7 @@ head + loss in 4 pieces); ``tiled+ckpt`` (plus activation checkpointing);
 ``tiled+ckpt+offload`` (checkpointed layer inputs on CPU: on a CPU machine they stay in
 the same memory, so expect no gain here).
 
-    python scripts/benchmark_memory.py --quick    # ~2 min on 2 cores
+    python scripts/benchmark_memory.py --quick    # ~1 min on 2 cores (a 4 MB budget)
     python scripts/benchmark_memory.py            # the docs/benchmarks.md table
 """
 
@@ -142,7 +142,7 @@ def worker(rank, world, args, device):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small budget for CI (~2 min)")
+    p.add_argument("--quick", action="store_true", help="a 4 MB budget, one repeat: for CI (~1 min)")
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 4], choices=[1, 4])
     p.add_argument("--models", nargs="+", default=["reference", "hf"], choices=["reference", "hf"])
     p.add_argument("--budget-mb", type=float, default=48.0, help="per-rank memory cap")
@@ -151,7 +151,7 @@ def main():
     p.add_argument("--out", default="bench_results", help="folder for the JSON")
     args = p.parse_args()
     if args.quick:
-        args.budget_mb, args.time_len, args.repeats = 8.0, 256, 1
+        args.budget_mb, args.time_len, args.repeats = 4.0, 256, 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -1,10 +1,12 @@
 """Multi-process test harness: a pool of N gloo ranks that runs test functions.
 
 Starting processes and gloo costs seconds, so each world size gets one pool per pytest
-session (see ``conftest.py``). Each rank: spawned process, gloo initialised through a
-``file://`` store in a temp dir (no port races), a collective timeout so a hang fails in
-seconds, exceptions sent back to pytest with the rank's traceback, and the process group
-destroyed in ``finally``. A pool whose ranks failed or timed out is replaced.
+session (see ``conftest.py``). Each rank: a process forked from the session's fork
+server (``tests/zygote.py``: torch, transformers and this package already imported),
+gloo initialised through a ``file://`` store in a temp dir (no port races), a collective
+timeout so a hang fails in seconds, exceptions sent back to pytest with the rank's
+traceback, and the process group destroyed in ``finally``. A pool whose ranks failed or
+timed out is replaced.
 
 Functions sent to the pool must be importable (module level) and take ``rank`` first.
 """
@@ -18,7 +20,7 @@ import tempfile
 import traceback
 from datetime import timedelta
 
-import torch.multiprocessing as mp
+from tests.zygote import context
 
 COLLECTIVE_TIMEOUT_S = 60
 RESULT_TIMEOUT_S = 300
@@ -28,10 +30,12 @@ class WorkerError(RuntimeError):
     """A rank raised; carries every failing rank's traceback."""
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
+def _worker(rank: int, world_size: int, init_file: str, tasks, results, env: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(env)  # the test session's, not the fork server's
     torch.set_num_threads(1)
     os.environ.setdefault("WANDB_MODE", "disabled")
     dist.init_process_group(
@@ -61,7 +65,7 @@ class DistPool:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self._tmp = tempfile.TemporaryDirectory()
         init_file = os.path.join(self._tmp.name, "store")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
@@ -70,7 +74,7 @@ class DistPool:
             ctx.Process(
                 target=_worker,
                 daemon=True,
-                args=(r, world_size, init_file, self._tasks[r], self._results),
+                args=(r, world_size, init_file, self._tasks[r], self._results, dict(os.environ)),
             )
             for r in range(world_size)
         ]

@@ -353,11 +353,28 @@ def run(cmd: list[str], *, env: dict | None = None, timeout: float = 600, ok: bo
 
 
 def launch(
-    cfg_path: Path, out: Path, *extra: str, env: dict | None = None, ok: bool = True, **where
+    cfg_path: Path,
+    out: Path,
+    *extra: str,
+    env: dict | None = None,
+    ok: bool = True,
+    num_gpus: int = 2,
+    script: Path = TRAIN,
 ) -> str:
-    """``train.py`` under the deepspeed launcher to its end; its output. ``where``: the
-    ``num_gpus`` and ``script`` of :func:`deepspeed_cmd`."""
-    return run(deepspeed_cmd(cfg_path, out, *extra, **where), env=env, ok=ok)
+    """``train.py`` (or ``script``) on ``num_gpus`` ranks to its end, each rank in the
+    environment DeepSpeed's launcher gives it, forked from the tests' pre-imported process
+    (tests/zygote.py; the launcher itself is run by test_entry_points.py and
+    test_multinode.py): the ranks' output. ``ok``: every rank must exit 0; ``ok=False``:
+    one must fail (else the test fails, showing the output's end)."""
+    from tests.zygote import start_ranks, wait_ranks
+
+    args = ("--deepspeed_config", str(cfg_path), "--output_dir", str(out), *extra)
+    logs = out.parent / f"{out.name}_logs"
+    ranks = start_ranks(script, *args, nproc=num_gpus, logs=logs, env=env, launcher="deepspeed")
+    wait_ranks([ranks], timeout=600)
+    text = ranks.output()
+    assert all(c == 0 for c in ranks.codes) is ok, f"exit codes {ranks.codes}:\n{text[-6000:]}"
+    return text
 
 
 def metrics(out: Path) -> list[dict]:

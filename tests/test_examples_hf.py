@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, finish, free_port, run, start
+from tests.zygote import start_ranks, wait_ranks
 
 pytestmark = pytest.mark.launcher
 pytest.importorskip("trl")
@@ -61,6 +62,9 @@ def example_args(
     return [*model, "--data", str(assets / data), "--output_dir", str(out), *settings]
 
 
+LAUNCHERS = ("accelerate", "deepspeed")
+
+
 def accelerate_cmd(args: list[str], example: Path = EXAMPLE) -> list[str]:
     """``accelerate launch --config_file examples/accelerate_config.yaml`` (a free port
     added, so that runs side by side do not meet)."""
@@ -100,18 +104,21 @@ def test_sft_example_under_both_launchers_equals_one_process(assets, tmp_path):
     assert_plain_folder(outs["ref"] / "final", outs["deepspeed"] / "final")
 
 
-def three_ways(example: Path, args_of, tmp_path: Path) -> tuple[dict[str, Path], list[str]]:
-    """``example`` (``args_of(output_dir)``: its arguments) in one process, under
-    ``accelerate launch`` and under the ``deepspeed`` launcher, side by side (also the DPO
-    and GRPO examples' tests): each exits 0 and says which run it is. Returns the three
-    output folders and outputs."""
-    outs = {name: tmp_path / name for name in ("ref", "accelerate", "deepspeed")}
-    procs = [
-        start([sys.executable, str(example), *args_of(outs["ref"])]),
-        start(accelerate_cmd(args_of(outs["accelerate"]), example)),
-        start(deepspeed_cmd(args_of(outs["deepspeed"]), example)),
-    ]
+def three_ways(
+    example: Path, args_of, tmp_path: Path, launchers: tuple[str, ...] = LAUNCHERS
+) -> tuple[dict[str, Path], list[str]]:
+    """``example`` (``args_of(output_dir)``: its arguments) in one process (forked from the
+    tests' pre-imported process, tests/zygote.py, as ``python example ...`` runs it) and
+    under each of ``launchers`` (``accelerate launch``, the ``deepspeed`` launcher), side by
+    side (also the DPO and GRPO examples' tests): each exits 0 and says which run it is.
+    Returns the output folders and outputs, the one-process run's first."""
+    outs = {name: tmp_path / name for name in ("ref", *launchers)}
+    cmds = {"accelerate": accelerate_cmd, "deepspeed": deepspeed_cmd}
+    ref = start_ranks(example, *args_of(outs["ref"]), nproc=1, logs=tmp_path / "logs", name="ref")
+    procs = [start(cmds[name](args_of(outs[name]), example)) for name in launchers]
     results = finish(procs, timeout=900)
+    wait_ranks([ref], timeout=900)
+    results.insert(0, (ref.codes[0], ref.output()))
     for name, (code, text) in zip(outs, results, strict=True):
         assert code == 0, f"{name}: exit {code}\n{text[-6000:]}"
     texts = [text for _, text in results]
@@ -122,19 +129,18 @@ def three_ways(example: Path, args_of, tmp_path: Path) -> tuple[dict[str, Path],
 
 
 def assert_same_losses(outs: dict[str, Path]) -> None:
-    """The three runs of :func:`three_ways` wrote 3 finite training losses each, the
-    launchers' equal to the one-process run's within 1e-5 relative, and the steps changed
-    the model; the saved folder names no ulysses_cp attention (the DPO and GRPO
-    examples')."""
+    """The runs of :func:`three_ways` wrote 3 finite training losses each, the launched
+    ones equal to the one-process run's within 1e-5 relative, and the steps changed the
+    model; the saved folders name no ulysses_cp attention (the DPO and GRPO examples')."""
     got = {name: json.loads((out / "train_losses.json").read_text()) for name, out in outs.items()}
     for name, values in got.items():
         assert len(values) == 3 and all(math.isfinite(x) for x in values), (name, values)
     assert got["ref"][0] != got["ref"][-1]
-    for name in ("accelerate", "deepspeed"):
+    for name in set(outs) - {"ref"}:
         torch.testing.assert_close(
             torch.tensor(got[name]), torch.tensor(got["ref"]), rtol=1e-5, atol=1e-6
         )
-    assert "ulysses" not in (outs["deepspeed"] / "final" / "config.json").read_text()
+        assert "ulysses" not in (outs[name] / "final" / "config.json").read_text()
 
 
 def assert_plain_folder(ref_dir: Path, sp_dir: Path) -> None:

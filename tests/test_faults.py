@@ -46,7 +46,8 @@ def config(tmp: Path, name: str, **blocks) -> Path:
 
 
 def run(cfg: Path, out: Path, *extra, ranks: int = 2, fault: str | None = None, ok=True):
-    """The deepspeed launcher (train.py, or with a fault); its output."""
+    """train.py (or with a fault) on ``ranks`` ranks as DeepSpeed's launcher starts
+    them; their output."""
     env = {"UCP_FAULT": fault} if fault else None
     script = FAULTY if fault else TRAIN
     return launch(cfg, out, *extra, num_gpus=ranks, script=script, env=env, ok=ok)

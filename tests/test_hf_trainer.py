@@ -7,13 +7,13 @@ sequence-parallel run, plain python for the reference, side by side."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import HF_TINY, finish, start, torchrun_cmd
+from tests.helpers import HF_TINY
+from tests.zygote import finish_ranks, start_ranks
 
 pytestmark = pytest.mark.launcher
 pytest.importorskip("trl")
@@ -96,13 +96,11 @@ def side_by_side(
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(s))
         paths.append(path)
-    procs = [
-        start([sys.executable, str(worker), str(paths[0])]),
-        start(torchrun_cmd(worker, str(paths[1]), nproc=nproc), env={"DS_ACCELERATOR": "cpu"}),
+    runs = [
+        start_ranks(worker, str(paths[0]), nproc=1, logs=tmp_path / "logs", name="ref"),
+        start_ranks(worker, str(paths[1]), nproc=nproc, logs=tmp_path / "logs", name="sp"),
     ]
-    results = finish(procs, timeout=900)
-    for code, out in results:
-        assert code == 0, out[-6000:]
+    finish_ranks(runs)
     ref_result = json.loads((Path(ref["out"]) / "result.json").read_text())
     sp_result = json.loads((Path(sp["out"]) / "result.json").read_text())
     return ref_result, sp_result

@@ -2,7 +2,7 @@
 training log lines (``log_history`` and the wandb run) carry the sequence-parallel
 metrics, the wandb run's config the topology, and a resume from a checkpoint continues
 with the uninterrupted run's losses in the same wandb run. Runs tests/hf_trainer_worker.py
-under torchrun (Ulysses 2, ZeRO-2, tiny Llama)."""
+on 2 ranks forked like torchrun's (tests/zygote.py) (Ulysses 2, ZeRO-2, tiny Llama)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import test_hf_trainer
-from tests.helpers import finish, start, torchrun_cmd
+from tests.zygote import finish_ranks, start_ranks
 from ulysses_cp.plan.comm import forward_comm_bytes
 
 pytestmark = pytest.mark.launcher
@@ -38,8 +38,9 @@ def torchrun(tmp_path: Path, name: str, spec: dict) -> tuple[dict, Path]:
     wandb_dir = tmp_path / f"wandb_{name}"
     wandb_dir.mkdir()
     env = {"DS_ACCELERATOR": "cpu", "WANDB_DIR": str(wandb_dir), "WANDB_MODE": "offline"}
-    ((code, out),) = finish([start(torchrun_cmd(WORKER, str(path), nproc=2), env=env)], 600)
-    assert code == 0, out[-6000:]
+    finish_ranks(
+        [start_ranks(WORKER, str(path), nproc=2, logs=tmp_path / "logs", env=env, name=name)]
+    )
     return json.loads((Path(spec["out"]) / "result.json").read_text()), wandb_dir
 
 

@@ -86,7 +86,7 @@ def test_longest_sequence_within_one_search_step(pools):
     land within one step (2P*64 tokens) of each other, at P = 1 and 4 (u2 x r2)."""
     for world, (u, r) in ((1, (1, 1)), (4, (2, 2))):
         cases = [
-            dict(u=u, r=r, kind=kind, features=f, budget=8 * 2**20)
+            dict(u=u, r=r, kind=kind, features=f, budget=4 * 2**20)
             for kind in ("reference", "hf")
             for f in ("none", "tiled+ckpt")
         ]
