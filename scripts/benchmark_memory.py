@@ -142,7 +142,7 @@ def worker(rank, world, args, device):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a 4 MB budget, one repeat: for CI (~1 min)")
+    p.add_argument("--quick", action="store_true", help="a 4 MB budget, one repeat (~1 min)")
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 4], choices=[1, 4])
     p.add_argument("--models", nargs="+", default=["reference", "hf"], choices=["reference", "hf"])
     p.add_argument("--budget-mb", type=float, default=48.0, help="per-rank memory cap")

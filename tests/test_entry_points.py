@@ -1,5 +1,5 @@
 """The package's entry points as a user starts them: ``deepspeed --module
-ulysses_cp.train`` trains as ``deepspeed train.py`` does (the repository's shim), and the
+ulysses_cp.train`` trains as ``train.py`` does (the repository's shim), and the
 console scripts (``ulysses-cp-train``, ``ulysses-cp-plan``, ``ulysses-cp-check``) and
 ``python -m ulysses_cp.train`` run the package's code."""
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, deepspeed_cmd, finish, free_port, metrics, run, start
+from tests import zygote
+from tests.helpers import ROOT, TRAIN, deepspeed_cmd, finish, free_port, metrics, run, start
 from ulysses_cp.core.process import cpu_threads
 
 pytestmark = pytest.mark.launcher
@@ -22,18 +23,26 @@ BIN = Path(sys.executable).parent
 
 
 def test_deepspeed_module_launch_trains_as_the_shim(tmp_path):
-    """``deepspeed --module ulysses_cp.train`` and ``deepspeed train.py``, side by side on 2
-    CPU ranks: the same losses, step for step."""
+    """``deepspeed --module ulysses_cp.train`` and ``train.py`` (its ranks as the launcher
+    starts them, forked by tests/zygote.py), side by side on 2 CPU ranks: the same losses,
+    step for step."""
     outs = {name: tmp_path / name for name in ("module", "shim")}
     module = ("--num_gpus", "2", "--master_port", str(free_port()), "--module")
     as_module = deepspeed_cmd(
         CONFIG, outs["module"], "--max_steps", "3", launcher=module, script=Path("ulysses_cp.train")
     )
-    procs = [start(as_module), start(deepspeed_cmd(CONFIG, outs["shim"], "--max_steps", "3"))]
+    procs = [start(as_module)]
+    shim_args = ("--deepspeed_config", str(CONFIG), "--output_dir", str(outs["shim"]))
+    shim = zygote.start_ranks(
+        TRAIN, *shim_args, "--max_steps", "3", nproc=2, logs=tmp_path / "logs", launcher="deepspeed"
+    )
     # each CPU rank's threads: this machine's cores over the 2 local ranks, logged once
     threads = cpu_threads({**os.environ, "LOCAL_WORLD_SIZE": "2"})
     line = "(OMP_NUM_THREADS)" if threads is None else f"CPU threads: {threads} per rank ("
-    for code, text in finish(procs, timeout=600):
+    results = finish(procs, timeout=600)
+    zygote.wait_ranks([shim], timeout=600)
+    results += [(max(shim.codes, key=abs), shim.output())]
+    for code, text in results:
         assert code == 0, text[-4000:]
         assert text.count(line) == 1, text[-4000:]
     # the config logs every 10 steps: here, at the run's end (step 3)

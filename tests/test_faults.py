@@ -4,24 +4,14 @@ SIGTERM, and resuming under another layout or world size. Each run is 2-4 CPU ra
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
-    LAUNCH,
-    ROOT,
-    TRAIN,
-    finish,
-    free_port,
-    launch,
-    metrics,
-    run_config,
-    start,
-    write_config,
-)
+from tests import zygote
+from tests.helpers import LAUNCH, ROOT, TRAIN, launch, metrics, run_config, write_config
+from tests.zygote import finish_each
 
 pytestmark = [pytest.mark.launcher, pytest.mark.slow]
 
@@ -58,24 +48,13 @@ def losses(out: Path) -> dict[int, float | None]:
 
 
 def start_ranks(cfg: Path, out: Path, world: int, *extra, fault: str | None = None):
-    """Start the ranks ourselves (no launcher), so each one can be signalled or killed."""
-    port = str(free_port())
+    """Start the ranks without a launcher (forked as tests/zygote.py does, in torchrun's
+    environment), so each one can be signalled or killed; their handles."""
     script = FAULTY if fault else TRAIN
-    cmd = [sys.executable, str(script), "--deepspeed_config", str(cfg), "--output_dir", str(out)]
-    procs = []
-    for rank in range(world):
-        env = {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "WANDB_MODE": "disabled",
-            **({"UCP_FAULT": fault} if fault else {}),
-        }
-        procs.append(start([*cmd, *extra], env=env))
-    return procs
+    args = ("--deepspeed_config", str(cfg), "--output_dir", str(out), *extra)
+    env = {"WANDB_MODE": "disabled", **({"UCP_FAULT": fault} if fault else {})}
+    logs = out.parent / f"{out.name}_logs"
+    return zygote.start_ranks(script, *args, nproc=world, logs=logs, env=env).handles()
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +69,7 @@ def test_dead_rank_stops_the_others_with_a_message_and_the_run_resumes(tmp_path,
     cfg = config(tmp_path, "cfg")
     t0 = time.monotonic()
     procs = start_ranks(cfg, tmp_path / "out", 2, fault="kill:rank=1,step=3")
-    (code0, out0), (code1, _) = finish(procs, 180)
+    (code0, out0), (code1, _) = finish_each(procs, 180)
     assert code1 == -signal.SIGKILL
     assert code0 != 0, out0[-2000:]
     assert "CollectiveError" in out0 and "group (global ranks [0, 1])" in out0, out0[-3000:]
@@ -108,10 +87,10 @@ def test_hung_rank_times_out_with_a_message(tmp_path):
     cfg = config(tmp_path, "cfg", sequence_parallel={"collective_timeout_s": 8})
     procs = start_ranks(cfg, tmp_path / "out", 2, fault="hang:rank=1,step=2")
     t0 = time.monotonic()
-    code0, out0 = finish(procs[:1], timeout=120)[0]
+    code0, out0 = finish_each(procs[:1], timeout=120)[0]
     waited = time.monotonic() - t0
     procs[1].kill()
-    finish(procs[1:], 180)
+    finish_each(procs[1:], 180)
     assert code0 != 0 and "CollectiveError" in out0, out0[-3000:]
     assert "sp group (global ranks [0, 1])" in out0 and "collective timeout" in out0
     assert waited < 90, waited
@@ -132,7 +111,7 @@ def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path, reference):
 
 def test_nonfinite_loss_stop_saves_and_exits(tmp_path):
     cfg = config(tmp_path, "cfg", training={"on_nonfinite": "stop", "save_interval": 0})
-    results = finish(start_ranks(cfg, tmp_path / "out", 2, fault="nan_loss:step=3"), 180)
+    results = finish_each(start_ranks(cfg, tmp_path / "out", 2, fault="nan_loss:step=3"), 180)
     log = results[0][1]
     assert [code for code, _ in results] == [3, 3], log[-3000:]
     assert "non-finite loss at step 3" in log and "on_nonfinite is 'stop'" in log, log[-3000:]
@@ -159,7 +138,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, reference):
         time.sleep(0.2)
     for p in procs:
         p.send_signal(signal.SIGTERM)
-    results = finish(procs, 180)
+    results = finish_each(procs, 180)
     assert [code for code, _ in results] == [0, 0], results[0][1][-3000:]
     assert "stopped by signal after step" in results[0][1]
     tag = (out / "latest").read_text()
@@ -204,16 +183,16 @@ def test_resume_under_another_zero_stage(tmp_path, reference):
 def test_bad_config_fails_on_every_rank_before_training(tmp_path):
     cfg = config(tmp_path, "cfg", training={"on_nonfinte": "skip"}, data={"seq_len": 66})
     t0 = time.monotonic()
-    results = finish(start_ranks(cfg, tmp_path / "out", 2), timeout=60)
+    results = finish_each(start_ranks(cfg, tmp_path / "out", 2), timeout=60)
     assert time.monotonic() - t0 < 60
     message = "error: unknown keys in the \"training\" block: ['on_nonfinte']"
     check_one_line(results, message)
     cfg = config(tmp_path, "cfg2", data={"seq_len": 66})
-    results = finish(start_ranks(cfg, tmp_path / "out", 2), timeout=60)
+    results = finish_each(start_ranks(cfg, tmp_path / "out", 2), timeout=60)
     check_one_line(results, "error: data.seq_len 66 must be a multiple of 4")
     # a missing data file: reported before the engine (and its ZeRO partitioning) is built
     cfg = config(tmp_path, "cfg3", data={"task": "text", "files": ["absent.txt"]})
-    results = finish(start_ranks(cfg, tmp_path / "out", 2), timeout=60)
+    results = finish_each(start_ranks(cfg, tmp_path / "out", 2), timeout=60)
     check_one_line(results, f"error: data file not found: {tmp_path / 'absent.txt'}")
     for _, out in results:
         assert "DeepSpeed engine ready" not in out, out[-2000:]  # ucp.initialize's last line

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent  # as tests.helpers has it (no import: a cycle)
 
@@ -100,12 +101,51 @@ class Ranks:
     name: str = ""
     codes: list = field(default_factory=list)
 
+    def handles(self) -> list[Rank]:
+        """Each rank alone, to signal, kill or wait for (:func:`finish_each`)."""
+        return [Rank(p, log) for p, log in zip(self.procs, self.logs, strict=True)]
+
     def output(self) -> str:
         parts = []
         for rank, log in enumerate(self.logs):
             text = log.read_text(errors="replace") if log.exists() else ""
             parts.append(f"--- {self.name} rank {rank} ---\n{text}")
         return "\n".join(parts)
+
+
+@dataclass
+class Rank:
+    """One rank of :func:`start_ranks`, handled like a ``subprocess.Popen``."""
+
+    proc: Any
+    log: Path
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+
+def finish_each(ranks: list[Rank], timeout: float = 600) -> list[tuple[int, str]]:
+    """``(exit code, output)`` of each rank, in order (a signal's exit code is minus its
+    number, as ``Popen``'s); one that outlives ``timeout`` (from this call) is killed and
+    raises ``AssertionError``."""
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for r in ranks:
+            r.proc.join(max(1.0, deadline - time.monotonic()))
+            text = r.log.read_text(errors="replace") if r.log.exists() else ""
+            if r.proc.exitcode is None:
+                raise AssertionError(f"{r.log.name}: did not exit within {timeout} s\n{text}")
+            results.append((r.proc.exitcode, text))
+    finally:
+        for r in ranks:
+            if r.proc.exitcode is None:
+                r.proc.kill()
+                r.proc.join(5)
+    return results
 
 
 def start_ranks(
