@@ -127,6 +127,11 @@ def check_memory_options(block: ModelConfig | HFModelConfig) -> None:
     """The ALST switches shared by the reference decoder and Hugging Face models."""
     for n in ("tiled_mlp", "tiled_loss"):
         check_tiles(getattr(block, n), f"model.{n}")
+    if (budget := block.memory_budget_gb) is not None and not budget > 0:
+        raise ValueError(
+            f"model.memory_budget_gb must be the GiB > 0 each rank may use (it sizes the "
+            f'"auto" tiles), got {budget!r}; for example "memory_budget_gb": 16'
+        )
     check_offload(block.offload_activations, block.activation_checkpointing)
 
 
@@ -150,6 +155,7 @@ class ModelConfig:
     # (core/tiles.py)
     tiled_mlp: int | Literal["auto"] = 0
     tiled_loss: int | Literal["auto"] = 0  # LM head + loss in pieces, no full logits
+    memory_budget_gb: float | None = None  # per rank: sizes "auto" tiles (core/tiles.py)
     fused_loss: bool = False  # LM head + loss gradients computed in the forward
     compile: bool = False  # torch.compile each decoder layer (models/compiled.py)
 
@@ -184,6 +190,7 @@ class HFModelConfig:
     offload_activations: bool | int = False  # as in ModelConfig
     tiled_mlp: int | Literal["auto"] = 0
     tiled_loss: int | Literal["auto"] = 0
+    memory_budget_gb: float | None = None  # as in ModelConfig
     fused_loss: bool = False
     lean_norms: bool = True  # RMSNorms keep only their input for backward (models/lean_norm.py)
     compile: bool = False  # torch.compile each decoder layer (models/compiled.py)

@@ -13,36 +13,96 @@ its tiled logits loss about 1 GiB of fp32 logits per tile):
   :data:`MLP_TILE_BYTES` (128 MiB: about 4.7K tokens for Llama-3-8B in bf16, near
   ALST's ``hidden`` = 4096 tokens per tile).
 
-``tiles = ceil(tokens * width * element_bytes / budget)`` with ``tokens`` the batch's
-tokens on this rank (``b * s_local``): the local length is the same on every rank (the
-sequence is sharded evenly), so every rank runs the same number of tiles and ZeRO-3's
-parameter gathers stay in step. Short sequences resolve to 1: untiled.
+With a per-rank memory budget (``"model": {"memory_budget_gb": x}``, resolved into
+:class:`AutoTiles` by :func:`with_budget`), a tile holds at most a share of it, so a small
+budget tiles finely and a large one coarsely (the caps above still hold):
+
+- loss: ``budget / LOSS_SHARE`` (1/16: a tile's logits and their two gradients near 3/16);
+- MLP: ``budget / MLP_SHARE`` (1/32).
+
+``tiles = ceil(tokens / floor(cap / (width * element_bytes)))`` with ``tokens`` the
+batch's tokens on this rank (``b * s_local``), so even the largest piece fits the cap.
+The local length is the same on every rank (the sequence is sharded evenly), so every
+rank runs the same number of tiles and ZeRO-3's parameter gathers stay in step. Short
+sequences resolve to 1: untiled. On CPU a run without a budget says which tiles it
+assumed; on a GPU the run's budget defaults to its free memory at start less a margin
+(``training.build.with_memory_budget``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "LOSS_SHARE",
     "LOSS_TILE_BYTES",
+    "MLP_SHARE",
     "MLP_TILE_BYTES",
+    "AutoTiles",
     "TileKind",
     "TileSetting",
     "check_tiles",
+    "is_auto",
     "resolve_tiles",
+    "tile_bytes",
+    "with_budget",
 ]
 
-TileSetting = int | str  # a count, or "auto"
 TileKind = Literal["loss", "mlp"]
 
 LOSS_TILE_BYTES = 2**30  # fp32 logits of one loss tile
 MLP_TILE_BYTES = 2**27  # the (tokens, ffn) intermediate of one MLP tile, model dtype
+LOSS_SHARE = 16  # under a budget: one loss tile's logits hold at most budget / 16
+MLP_SHARE = 32  # one MLP tile's intermediate at most budget / 32
+
+
+@dataclass(frozen=True)
+class AutoTiles:
+    """``"auto"`` under a per-rank memory budget of ``budget_bytes``."""
+
+    budget_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0:
+            raise ValueError(
+                f"model.memory_budget_gb must be > 0 (the bytes a rank may use), got "
+                f"{self.budget_bytes / 2**30:g} GiB"
+            )
+
+
+TileSetting = int | str | AutoTiles  # a count, "auto", or "auto" under a budget
+
+
+def is_auto(setting: object) -> bool:
+    """``"auto"``, with or without a budget."""
+    return isinstance(setting, AutoTiles) or (isinstance(setting, str) and setting == "auto")
+
+
+def with_budget(setting: TileSetting, budget_gb: float | None) -> TileSetting:
+    """``setting`` with the run's budget: ``"auto"`` becomes :class:`AutoTiles` when
+    ``budget_gb`` (GiB per rank) is given; a count, or no budget, stays as it is."""
+    if budget_gb is None or not is_auto(setting):
+        return setting
+    return AutoTiles(int(budget_gb * 2**30))
+
+
+def tile_bytes(kind: TileKind, budget_bytes: int | None = None) -> int:
+    """The most bytes one ``kind`` tile holds: the fixed cap, or a share of the budget
+    when that is smaller."""
+    if kind == "loss":
+        cap, share = LOSS_TILE_BYTES, LOSS_SHARE
+    elif kind == "mlp":
+        cap, share = MLP_TILE_BYTES, MLP_SHARE
+    else:
+        raise ValueError(f"tile kind must be 'loss' or 'mlp', got {kind!r}")
+    return cap if budget_bytes is None else max(1, min(cap, budget_bytes // share))
 
 
 def check_tiles(setting: object, name: str) -> None:
     """A ``ValueError`` naming ``name``, the value and the fix unless ``setting`` is
-    ``"auto"`` or an integer >= 0."""
-    if setting == "auto" and isinstance(setting, str):
+    ``"auto"`` (or :class:`AutoTiles`) or an integer >= 0."""
+    if is_auto(setting):
         return
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0:
         return
@@ -55,17 +115,18 @@ def check_tiles(setting: object, name: str) -> None:
 def resolve_tiles(
     setting: TileSetting, kind: TileKind, *, tokens: int, width: int, element_bytes: int
 ) -> int:
-    """The number of tiles (1: untiled) for ``setting`` over ``tokens`` tokens (``b *
-    s_local``). ``width``: the vocabulary (``kind="loss"``) or the MLP's intermediate
-    width (``"mlp"``); ``element_bytes``: the model's dtype size (the loss's logits are
-    fp32 at least)."""
+    """The number of tiles (1: untiled) for ``setting`` (a count, ``"auto"`` or
+    :class:`AutoTiles`) over ``tokens`` tokens (``b * s_local``). ``width``: the
+    vocabulary (``kind="loss"``) or the MLP's intermediate width (``"mlp"``);
+    ``element_bytes``: the model's dtype size (the loss's logits are fp32 at least)."""
     check_tiles(setting, f"model.tiled_{kind}")
-    if setting != "auto":
-        return max(1, int(setting))
-    if kind == "loss":
-        per_token, budget = width * max(4, element_bytes), LOSS_TILE_BYTES
-    elif kind == "mlp":
-        per_token, budget = width * element_bytes, MLP_TILE_BYTES
+    if isinstance(setting, AutoTiles):
+        budget: int | None = setting.budget_bytes
+    elif setting == "auto":
+        budget = None
     else:
-        raise ValueError(f"tile kind must be 'loss' or 'mlp', got {kind!r}")
-    return max(1, -(-tokens * per_token // budget))
+        return max(1, int(setting))
+    per_token = width * (max(4, element_bytes) if kind == "loss" else element_bytes)
+    # whole tokens per tile, so the largest piece (ceil(tokens / tiles)) fits the cap too
+    per_tile = max(1, tile_bytes(kind, budget) // max(1, per_token))
+    return max(1, -(-tokens // per_tile))

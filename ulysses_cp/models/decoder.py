@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..core.batch import BatchPlan
 from ..core.offload import offloaded_layers
+from ..core.tiles import is_auto, with_budget
 from .memory import TiledMLP, checkpointed
 
 __all__ = [
@@ -65,8 +66,9 @@ class Block(nn.Module):
         self.proj = nn.Linear(h * d, cfg.dim, bias=False)
         self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
-        tiled = cfg.tiled_mlp == "auto" or int(cfg.tiled_mlp) > 1
-        self.mlp = TiledMLP(mlp, cfg.tiled_mlp, cfg.ffn_dim) if tiled else mlp
+        tiled = is_auto(cfg.tiled_mlp) or int(cfg.tiled_mlp) > 1
+        chunks = with_budget(cfg.tiled_mlp, cfg.memory_budget_gb)
+        self.mlp = TiledMLP(mlp, chunks, cfg.ffn_dim) if tiled else mlp
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attn: Callable) -> torch.Tensor:
         cfg = self.cfg

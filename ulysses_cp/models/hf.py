@@ -33,6 +33,7 @@ from ..config import HFDtype, HFModelConfig
 from ..core.batch import BatchPlan, shard_batch
 from ..core.offload import offloaded_layers
 from ..core.sharding import layout_of
+from ..core.tiles import with_budget
 from ..core.topology import Topology
 from .hf_attention import (
     KEY,
@@ -108,6 +109,7 @@ class HFCausalLM(nn.Module):
         activation_checkpointing: bool = False,
         offload_activations: bool | int = False,
         probe: bool = True,
+        memory_budget_gb: float | None = None,  # sizes loss(tiled_loss="auto")'s tiles
     ) -> None:
         super().__init__()
         if getattr(model.config, "_attn_implementation", None) != KEY:
@@ -120,6 +122,7 @@ class HFCausalLM(nn.Module):
         self.model, self.topo, self.layout = model, topo, layout_of(topo, layout)
         self.base = _base(model)
         self.checkpointing, self.offload = activation_checkpointing, offload_activations
+        self.memory_budget_gb = memory_budget_gb
         self.probed: ProbeResult | None = None
         self._probe, self._checked = probe, False
         self._transform = HeadTransform()
@@ -161,12 +164,8 @@ class HFCausalLM(nn.Module):
 
     def extra_kwargs(self, position_ids, batch: BatchPlan | None) -> dict:
         """What the attention calls and mixers need beyond transformers' arguments."""
-        kwargs: dict[str, Any] = {}
-        if batch is not None:
-            kwargs["ucp_batch"] = batch
-        if self._positions:
-            kwargs["ucp_positions"] = position_ids
-        return kwargs
+        kwargs: dict[str, Any] = {} if batch is None else {"ucp_batch": batch}
+        return {**kwargs, "ucp_positions": position_ids} if self._positions else kwargs
 
     def run_base(self, input_ids, position_ids, batch: BatchPlan | None) -> torch.Tensor:
         """The decoder stack on these tokens: the final hidden states."""
@@ -176,8 +175,7 @@ class HFCausalLM(nn.Module):
             use_cache=False,
             **self.extra_kwargs(position_ids, batch),
         )
-        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-        return hidden
+        return out[0] if isinstance(out, tuple) else out.last_hidden_state
 
     def _check_global_positions(self, position_ids: torch.Tensor) -> None:
         """Local positions 0..s_local-1 are right only on SP rank 0 of the contiguous
@@ -201,7 +199,7 @@ class HFCausalLM(nn.Module):
     def head(self) -> nn.Module:
         """The LM head as the model computes it (its scale and softcap included; the probe
         finds which, so this runs it first if it has not run)."""
-        if self._probe and self.probed is None:
+        if self.needs_probe:
             self.probe()
         return LMHead(head_module(self.model), self._transform)
 
@@ -229,7 +227,7 @@ class HFCausalLM(nn.Module):
                 "positions of this rank's tokens (ucp.shard_batch makes them); local "
                 "0..s_local-1 would give every rank but the first the wrong RoPE"
             )
-        if self._probe and self.probed is None:
+        if self.needs_probe:
             self.probe()
         packed = batch is not None and batch.cu_seqlens is not None
         if not self._checked and not packed:
@@ -264,7 +262,8 @@ class HFCausalLM(nn.Module):
             labels: This rank's shifted labels (``shard_batch``'s ``shift_labels``).
             topo: The run's topology.
             batch: The batch's plan from ``shard_batch``.
-            tiled_loss: LM head + loss in tiles of tokens (``"auto"``: by bytes; 0: untiled).
+            tiled_loss: LM head + loss in tiles of tokens (``"auto"``: by bytes, under the
+                model's ``memory_budget_gb``; 0: untiled).
             fused_loss: Compute the head's and the loss's gradients in the forward.
 
         Returns:
@@ -278,7 +277,7 @@ class HFCausalLM(nn.Module):
             labels,
             topo,
             batch=batch,
-            plan=LossPlan(tiled_loss, fused_loss),
+            plan=LossPlan(with_budget(tiled_loss, self.memory_budget_gb), fused_loss),
         )
 
 
@@ -381,11 +380,12 @@ def wrap(model: Any, topo: Topology, mc: HFModelConfig, *, layout: str | None = 
     Args:
         model: A transformers causal LM built with ``attn_implementation="ulysses_cp"``.
         topo: The run's topology.
-        mc: The ``"model"`` block (tiled MLP, lean norms, checkpointing, offload).
+        mc: The ``"model"`` block (tiled MLP, lean norms, checkpointing, offload, the
+            budget that sizes "auto" tiles).
         layout: None takes the run's.
     """
-    # "auto" sizes the tiles from the MLP's intermediate width (core/tiles.py)
-    tile_mlps(model, mc.tiled_mlp, width=ffn_width(model.config))
+    # "auto": tiles sized from the MLP's intermediate width and the budget (core/tiles.py)
+    tile_mlps(model, with_budget(mc.tiled_mlp, mc.memory_budget_gb), width=ffn_width(model.config))
     if mc.lean_norms:
         lean_norms(model)
     return HFCausalLM(
@@ -394,4 +394,5 @@ def wrap(model: Any, topo: Topology, mc: HFModelConfig, *, layout: str | None = 
         layout=layout,
         activation_checkpointing=mc.activation_checkpointing,
         offload_activations=mc.offload_activations,
+        memory_budget_gb=mc.memory_budget_gb,
     )

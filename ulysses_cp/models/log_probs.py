@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.sharding import gather_sequence
-from ..core.tiles import resolve_tiles
+from ..core.tiles import TileSetting, resolve_tiles
 from ..core.topology import Topology
 from .fused_loss import _head_parts, _inside_module_call
 from .loss import local_loss_term, scale_gradient
@@ -186,7 +186,7 @@ def token_log_probs(
     labels: torch.Tensor,
     *,
     temperature: float = 1.0,
-    tiles: int | str = "auto",
+    tiles: TileSetting = "auto",
     outputs: Sequence[str] = ("log_probs",),
 ) -> dict[str, torch.Tensor]:
     """Per-token ``log p(label)`` of this rank's tokens, from the LM head in tiles.
@@ -203,7 +203,8 @@ def token_log_probs(
             tokens get 0 in every output).
         temperature: Divides the logits; must be > 0.
         tiles: How many pieces of the tokens; ``"auto"`` keeps each piece's float32 logits
-            at most 1 GiB.
+            at most 1 GiB, ``AutoTiles(budget_bytes)`` (``core.tiles``) at most 1/16 of
+            the budget when that is less.
         outputs: The names to compute: ``"log_probs"`` (required), ``"entropy"``,
             ``"log_sum_sq_probs"``, ``"mean_logits"``, ``"is_top1"``.
 
@@ -259,7 +260,7 @@ def sequence_log_probs(
     *,
     cu_seqlens: torch.Tensor | None = None,
     temperature: float = 1.0,
-    tiles: int | str = "auto",
+    tiles: TileSetting = "auto",
     outputs: Sequence[str] = ("log_probs",),
 ) -> dict[str, torch.Tensor]:
     """`token_log_probs` of this rank's shard, gathered to the whole sequence.

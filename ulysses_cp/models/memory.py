@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..core.batch import BatchPlan
-from ..core.tiles import TileSetting, check_tiles, resolve_tiles
+from ..core.tiles import TileSetting, check_tiles, is_auto, resolve_tiles
 from ..core.topology import Topology
 from .fused_loss import fused_cross_entropy
 from .lean_norm import norm_input
@@ -63,7 +63,7 @@ class TiledMLP(nn.Module):
     def __init__(self, mlp: nn.Module, chunks: TileSetting, width: int | None = None) -> None:
         super().__init__()
         check_tiles(chunks, "model.tiled_mlp")
-        if chunks == "auto" and not width:
+        if is_auto(chunks) and not width:
             raise ValueError('TiledMLP(chunks="auto") needs width: the MLP\'s intermediate width')
         self.mlp, self.chunks, self.width = mlp, chunks, width
 
@@ -104,7 +104,7 @@ def tile_mlps(
     """Wrap every submodule attribute named ``attr`` in :class:`TiledMLP` (``width``: the
     MLP's intermediate width, needed by ``"auto"``); returns how many. 0 or 1: none."""
     check_tiles(chunks, "model.tiled_mlp")
-    if chunks != "auto" and int(chunks) <= 1:
+    if isinstance(chunks, int) and chunks <= 1:  # checked: a count, or "auto"
         return 0
     n = 0
     for module in list(model.modules()):
@@ -130,7 +130,7 @@ def loss_tiles(setting: TileSetting, head: nn.Module, input_ids: torch.Tensor) -
     ``"auto"`` reads the vocabulary and dtype from ``head``."""
     check_tiles(setting, "model.tiled_loss")
     width = element_bytes = 0
-    if setting == "auto":
+    if is_auto(setting):
         width = vocab_size(head)
         element_bytes = next(head.parameters()).element_size()
     n = resolve_tiles(

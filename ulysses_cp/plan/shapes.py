@@ -64,6 +64,7 @@ class ModelShape:
     mixers: tuple[MixerShape, ...] = ()  # hybrid models' token-mixer layers
     weights_file_bytes: int = 0  # the largest file of model.hf_weights (0: none)
     lean_norms: bool = False  # RMSNorms keep no normalised copy (models/lean_norm.py)
+    memory_budget_gb: float | None = None  # sizes "auto" tiles (core.tiles.with_budget)
 
     def persistent(self, threshold: float) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (tensors of at most ``threshold``
@@ -106,6 +107,7 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
         offload_activations=mc.offload_activations,
         tiled_mlp=mc.tiled_mlp,
         tiled_loss=mc.tiled_loss,
+        memory_budget_gb=mc.memory_budget_gb,
     )
     if isinstance(mc, ModelConfig):
         from ..models.decoder import Decoder
