@@ -18,6 +18,9 @@ of Ulysses on this machine's CPU (gloo). Variants:
   activation checkpointing, and ``fused_loss`` (``ulysses_cp/models/fused_loss.py``).
 - ``ours_tiled``: ``ours_mem`` without ``fused_loss`` (the tiled loss, recomputed).
 - ``ours_plain_norms``: ``ours_mem`` with ``lean_norms`` off (transformers' own RMSNorm).
+- ``ours_budget``: the documented defaults, nothing set by hand: ``tiled_mlp: "auto"``,
+  ``tiled_loss: "auto"``, activation checkpointing, ``fused_loss``, lean norms, and
+  ``memory_budget_gb`` = ``--budget-mb`` (the tiles sized from the run's budget).
 
 Loss tiles: ALST sizes them at 1 GiB of fp32 logits per tile, which at this model's size
 is one tile (the full logits) at every length measured; both sides here use
@@ -69,8 +72,17 @@ CONFIG = dict(
     tie_word_embeddings=False,
     attention_dropout=0.0,
 )
-VARIANTS = ("alst", "alst_mem", "alst_fused", "ours", "ours_mem", "ours_tiled", "ours_plain_norms")
-MEMORY = ("alst_mem", "ours_mem")  # the variants whose longest length is searched
+VARIANTS = (
+    "alst",
+    "alst_mem",
+    "alst_fused",
+    "ours",
+    "ours_mem",
+    "ours_tiled",
+    "ours_plain_norms",
+    "ours_budget",
+)
+MEMORY = ("alst_mem", "ours_mem", "ours_budget")  # the variants whose longest length is searched
 
 
 def tiles(s_local: int, args) -> tuple[int, int]:
@@ -194,31 +206,34 @@ class Ours:
         hf.register_attention(topo, backend="torch")
         model = hf.from_config(hf.load_config(dict(CONFIG)))
         model.load_state_dict(state)
+        self.budget = name == "ours_budget"  # "auto" tiles from memory_budget_gb
         mc = HFModelConfig(
             hf_config=dict(CONFIG),
-            tiled_mlp=2 if mem else 0,
+            tiled_mlp="auto" if self.budget else 2 if mem else 0,
             activation_checkpointing=mem,
             lean_norms=name != "ours_plain_norms",
+            memory_budget_gb=args.budget_mb / 1024 if self.budget else None,
         )
         self.model = hf.wrap(model, topo, mc).to(device).train()
         self.model.probe()
-        self.mem, self.fused = mem, name in ("ours_mem", "ours_plain_norms")
+        self.mem, self.fused = mem, name in ("ours_mem", "ours_plain_norms", "ours_budget")
 
     def loss(self, full: dict) -> torch.Tensor:
         from ulysses_cp.models.memory import TiledMLP
 
         local = ucp.shard_batch(full, self.topo)
         n_mlp, n_loss = tiles(local["input_ids"].shape[1], self.args)
-        for m in self.model.modules():
-            if isinstance(m, TiledMLP):
-                m.chunks = n_mlp  # ALST's count at this length
+        if not self.budget:
+            for m in self.model.modules():
+                if isinstance(m, TiledMLP):
+                    m.chunks = n_mlp  # ALST's count at this length
         return self.model.loss(
             local["input_ids"],
             local["position_ids"],
             local["shift_labels"],
             self.topo,
             batch=local["batch"],
-            tiled_loss=n_loss if self.mem else 0,
+            tiled_loss="auto" if self.budget else n_loss if self.mem else 0,
             fused_loss=self.fused,
         )
 
@@ -364,6 +379,7 @@ def ratios(rows: list[dict]) -> None:
     peer = {
         "ours": "alst",
         "ours_mem": "alst_mem",
+        "ours_budget": "alst_mem",
         "ours_tiled": "alst_mem",
         "ours_plain_norms": "ours_mem",
         "alst_fused": "alst_mem",

@@ -149,9 +149,9 @@ def main():
     p.add_argument("--time-len", type=int, default=2048, help="tokens per rank for tokens/s")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench_results", help="folder for the JSON")
+    if p.parse_args().quick:  # the quick sizes as defaults: a flag given still wins
+        p.set_defaults(budget_mb=4.0, time_len=256, repeats=1)
     args = p.parse_args()
-    if args.quick:
-        args.budget_mb, args.time_len, args.repeats = 4.0, 256, 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -43,6 +43,7 @@ __all__ = [
     "TileKind",
     "TileSetting",
     "check_tiles",
+    "gpu_budget_gb",
     "is_auto",
     "resolve_tiles",
     "tile_bytes",
@@ -85,6 +86,18 @@ def with_budget(setting: TileSetting, budget_gb: float | None) -> TileSetting:
     if budget_gb is None or not is_auto(setting):
         return setting
     return AutoTiles(int(budget_gb * 2**30))
+
+
+GPU_MARGIN_GIB = 2.0  # left free of a GPU's free memory when the budget is derived
+GPU_MARGIN_SHARE = 0.1  # ... or this share of the GPU's memory, whichever is more
+
+
+def gpu_budget_gb(free_bytes: int, total_bytes: int) -> float:
+    """The budget a run on a GPU takes without ``memory_budget_gb``: its free memory at
+    start less the larger of :data:`GPU_MARGIN_GIB` and :data:`GPU_MARGIN_SHARE` of its
+    memory (at least 1 GiB); the planner takes it with the whole GPU free."""
+    margin = max(GPU_MARGIN_GIB * 2**30, GPU_MARGIN_SHARE * total_bytes)
+    return max(free_bytes - margin, 2**30) / 2**30
 
 
 def tile_bytes(kind: TileKind, budget_bytes: int | None = None) -> int:

@@ -3,10 +3,12 @@ before launch, for the config as written and for every valid alternative.
 
     python -m ulysses_cp.plan --deepspeed_config CFG --world N [--gpus-per-node G]
         [--gpu-mem-gb M] [--seq-len S] [--goal longest|fastest] [--json FILE]
+        [--write-config OUT.json]
 
 Prints a table (the config as written, then the candidates that fit, ranked as ``--goal``
 asks: by the longest sequence that fits, the default, or by the predicted step time) and
-writes JSON with ``config``, ``candidates``, ``chosen`` and ``goal``.
+writes JSON with ``config``, ``candidates``, ``chosen`` and ``goal``; ``--write-config``
+writes the config with the chosen plan's settings (``plan/write.py``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from pathlib import Path
 from ..config import ModelConfig, RunConfig
 from ..core.log import configure_logging
 from ..core.sharding import sequence_multiple
+from ..core.tiles import gpu_budget_gb
 from ..core.topology import validate_degrees
 from ..modes.ulysses import kv_replication, resolve_head_chunks
 from .ranking import GOALS, changes, rank, versus
 from .search import GiB, Hardware, Run, ZeroKnobs, candidates, filled, longest, predict
 from .shapes import model_shape
+from .write import write_config
 
 __all__ = ["base_run", "breakdown", "main", "parse_args", "plan", "plan_for_launch", "table"]
 
@@ -112,6 +116,8 @@ def plan(
     knobs = ZeroKnobs.of(raw.get("zero_optimization") or {})
     budget = hw.gpu_mem_gb * GiB
     shape = replace(shape, weights_file_bytes=_largest_weights_file(run_config.model))
+    if shape.memory_budget_gb is None:  # "auto" tiles as the run on such a GPU sizes them
+        shape = replace(shape, memory_budget_gb=gpu_budget_gb(int(budget), int(budget)))
 
     def at(r: Run, n: int) -> dict:
         return predict(
@@ -316,6 +322,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inter-gbs", type=float, default=hw.inter_gbs, help="GB/s across nodes")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", help="write the full plan here")
+    p.add_argument(
+        "--write-config",
+        metavar="OUT.json",
+        help="write the config with the chosen plan's settings (for train.py as it is)",
+    )
     return p.parse_args(argv)
 
 
@@ -356,18 +367,22 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(f"--world must be >= 1, got {args.world}")
         if not Path(args.deepspeed_config).is_file():
             raise ValueError(f"--deepspeed_config {args.deepspeed_config}: no such file")
+        run = RunConfig.load(args.deepspeed_config)
         result = plan(
-            RunConfig.load(args.deepspeed_config),
+            run,
             world=args.world,
             hw=hardware(args),
             seq_len=args.seq_len,
             seq_step=args.seq_step,
             goal=args.goal,
         )
+        written = write_config(result, run.raw, args.write_config) if args.write_config else ""
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     print(table(result, args.top))
+    if written:
+        print(written)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"json: {args.json}")

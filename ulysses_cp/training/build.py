@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..config import HFModelConfig, ModelConfig, RunConfig
 from ..core.sharding import sequence_multiple
-from ..core.tiles import LOSS_TILE_BYTES, MLP_TILE_BYTES, is_auto
+from ..core.tiles import LOSS_TILE_BYTES, MLP_TILE_BYTES, gpu_budget_gb, is_auto
 from ..core.topology import Topology, validate_degrees
 from ..models.compiled import compile_layers
 from ..models.decoder import Decoder
@@ -121,16 +121,12 @@ def build_model(
     return model
 
 
-GPU_MARGIN_GIB = 2.0  # left free of the GPU's free memory when the budget is derived
-GPU_MARGIN_SHARE = 0.1  # ... or this share of the GPU's memory, whichever is more
-
-
 def with_memory_budget(run: RunConfig) -> tuple[RunConfig, str | None]:
     """The run with the per-rank budget that sizes ``"auto"`` tiles, and a line that says
     where it came from (None when no tile is ``"auto"``): ``model.memory_budget_gb`` as
     written; else on a GPU its free memory at start less the larger of
-    :data:`GPU_MARGIN_GIB` and :data:`GPU_MARGIN_SHARE` of its memory; else (CPU) none,
-    and the line says which tiles that gives."""
+    2 GiB and 10% of its memory (``core.tiles.gpu_budget_gb``); else (CPU) none, and the
+    line says which tiles that gives."""
     mc = run.model
     if not (is_auto(mc.tiled_mlp) or is_auto(mc.tiled_loss)):
         return run, None
@@ -138,11 +134,10 @@ def with_memory_budget(run: RunConfig) -> tuple[RunConfig, str | None]:
         return run, f'"auto" tiles sized for a budget of {mc.memory_budget_gb:g} GiB per rank'
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
-        margin = max(GPU_MARGIN_GIB * 2**30, GPU_MARGIN_SHARE * total)
-        budget = max(free - margin, 2**30) / 2**30
+        budget = gpu_budget_gb(free, total)
         line = (
             f'"auto" tiles sized for a budget of {budget:.1f} GiB per rank: the GPU\'s free '
-            f"memory at start ({free / 2**30:.1f} GiB) less {margin / 2**30:.1f} GiB; set "
+            f"memory at start ({free / 2**30:.1f} GiB) less a margin; set "
             f"model.memory_budget_gb to choose it"
         )
         return replace(run, model=replace(mc, memory_budget_gb=budget)), line

@@ -1,0 +1,59 @@
+"""``python -m ulysses_cp.plan ... --write-config OUT.json``: the config as written, with
+the settings of the plan the planner chose (degrees, layout, head chunks, KV exchange,
+checkpointing, offload, tiles, ZeRO stage and optimizer offload), ready for ``train.py``
+and the Trainer subclasses as it is."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+__all__ = ["planned_config", "write_config"]
+
+SEQUENCE_PARALLEL = ("ulysses_degree", "ring_degree", "layout", "kv_exchange", "redo_all_to_all")
+MODEL = ("activation_checkpointing", "offload_activations", "tiled_mlp", "tiled_loss")
+
+
+def planned_config(raw: dict, chosen: dict, *, world: int) -> dict:
+    """``raw`` (the config's JSON) with ``chosen``'s settings (a row of the planner's
+    ``candidates``) for ``world`` ranks; an explicit ``train_batch_size`` follows the new
+    data-parallel degree."""
+    cfg = copy.deepcopy(raw)
+    sp = cfg.setdefault("sequence_parallel", {})
+    sp.update({k: chosen[k] for k in SEQUENCE_PARALLEL})
+    if chosen["ulysses_degree"] > 1:
+        sp["head_chunks"] = chosen["head_chunks"]
+    model = cfg.setdefault("model", {})
+    model.update({k: chosen[k] for k in MODEL})
+    zero = cfg.setdefault("zero_optimization", {})
+    zero["stage"] = chosen["zero_stage"]
+    if chosen["offload_optimizer"]:
+        zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": "cpu"}
+    else:
+        zero.pop("offload_optimizer", None)
+    if "train_batch_size" in cfg:
+        dp = world // (chosen["ulysses_degree"] * chosen["ring_degree"])
+        micro = int(cfg.get("train_micro_batch_size_per_gpu", 1))
+        cfg["train_batch_size"] = micro * int(cfg.get("gradient_accumulation_steps", 1)) * dp
+    return cfg
+
+
+def write_config(result: dict, raw: dict, out: str | Path) -> str:
+    """Write :func:`planned_config` of ``result``'s chosen plan to ``out``; the line that
+    says what was written. ``ValueError`` when no plan fits (nothing is written)."""
+    chosen = result["chosen"]
+    if chosen is None:
+        raise ValueError(
+            f"--write-config {out}: no plan fits {result['hardware']['gpu_mem_gb']:g} GiB per "
+            f"GPU at seq_len {result['inputs']['seq_len']}; nothing written (try a shorter "
+            f"--seq-len or more --gpu-mem-gb)"
+        )
+    cfg = planned_config(raw, chosen, world=result["inputs"]["world"])
+    Path(out).write_text(json.dumps(cfg, indent=2) + "\n")
+    return (
+        f"config: {out}: the chosen plan (u{chosen['ulysses_degree']} x "
+        f"r{chosen['ring_degree']}, ZeRO-{chosen['zero_stage']}), fits up to "
+        f"{chosen['max_seq_len']:,} tokens; data.seq_len as written "
+        f"({result['inputs']['seq_len']:,})"
+    )
