@@ -183,9 +183,9 @@ def test_dpo_u2r2_zero3_equals_one_process(assets, tmp_path):
     assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=4))
 
 
-@pytest.mark.slow
-def test_dpo_lora_u2r2_zero3_equals_one_process(assets, tmp_path):
-    """LoRA under hybrid Ulysses 2 x ring 2, ZeRO-3 (base model partitioned)."""
+def test_dpo_lora_u2_zero3_equals_one_process(assets, tmp_path):
+    """LoRA under ZeRO-3 (the base model partitioned; the reference is the adapter
+    switched off)."""
     ref = spec(assets, tmp_path / "ref", lora=True)
-    sp = spec(assets, tmp_path / "sp", zero=3, sp=U2R2, lora=True)
-    assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=4))
+    sp = spec(assets, tmp_path / "sp", zero=3, sp=U2, lora=True)
+    assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=2))
