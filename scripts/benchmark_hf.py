@@ -12,25 +12,31 @@ of Ulysses on this machine's CPU (gloo). Variants:
   ``TiledMLP`` on every MLP (``ceil(s_local / hidden)`` shards), the model's activation
   checkpointing (``gradient_checkpointing_enable``, non-reentrant), and the LM head + loss
   through ``sequence_tiled_compute`` (recomputed in backward: ALST's exact loss).
+- ``alst_defaults``: ``alst_mem`` with ALST's own loss-tile rule (1 GiB of fp32 logits
+  per tile, one tile at every length here): ALST at its defaults.
 - ``alst_fused``: ``alst_mem`` with ``TiledFusedLogitsLoss`` (loss gradients in the forward).
 - ``ours``: ``HFCausalLM`` with ulysses_cp attention and ``sequence_parallel_cross_entropy``.
 - ``ours_mem``: ``tiled_mlp`` and ``tiled_loss`` with the SAME tile counts as ALST's, layer
-  activation checkpointing, and ``fused_loss`` (``ulysses_cp/models/fused_loss.py``).
+  activation checkpointing, and ``fused_loss`` (``ulysses_cp/models/fused_loss.py``):
+  ours tuned by hand.
 - ``ours_tiled``: ``ours_mem`` without ``fused_loss`` (the tiled loss, recomputed).
 - ``ours_plain_norms``: ``ours_mem`` with ``lean_norms`` off (transformers' own RMSNorm).
-- ``ours_budget``: the documented defaults, nothing set by hand: ``tiled_mlp: "auto"``,
-  ``tiled_loss: "auto"``, activation checkpointing, ``fused_loss``, lean norms, and
-  ``memory_budget_gb`` = ``--budget-mb`` (the tiles sized from the run's budget).
+- ``ours_defaults``: the documented defaults, nothing set by hand: ``tiled_mlp: "auto"``,
+  ``tiled_loss: "auto"``, activation checkpointing, ``fused_loss``, lean norms, no
+  ``memory_budget_gb`` (on a CPU the tiles then take the caps for a large GPU).
+- ``ours_budget``: ``ours_defaults`` with ``memory_budget_gb`` = ``--budget-mb`` (the
+  tiles sized from the run's budget).
 
-Loss tiles: ALST sizes them at 1 GiB of fp32 logits per tile, which at this model's size
-is one tile (the full logits) at every length measured; both sides here use
-``--loss-tile-mb`` (default 8 MiB) instead, the same rule for both.
+Every row prints its setting (``SETTINGS``). Loss tiles of ``alst_mem`` and the tuned
+variants: ``--loss-tile-mb`` (default 8 MiB) of fp32 logits per tile, the same rule for
+both sides.
 
 Measured: correctness at ``--check-len`` (loss and every gradient against one process:
 the same model with ``sdpa`` on the full sequence, float32; ours: the gradients summed
 over the ranks, DeepSpeed's reduction; ALST: summed and divided by P, the average that
 its ZeRO-3 reduction takes, since its loss gives each rank P times its share); the step
-time (forward, loss, backward; median of interleaved repeats, the slowest rank); the
+time at each ``--time-len`` (forward, loss, backward; median of interleaved repeats, the
+slowest rank); the
 per-rank peak (``scripts/profiling.py``, ``scratch=False``: every tensor the step
 creates, gradients included, weights not), the activation slope (peak growth per 1K
 tokens between two lengths) and the longest length whose per-rank peak stays within
@@ -72,24 +78,31 @@ CONFIG = dict(
     tie_word_embeddings=False,
     attention_dropout=0.0,
 )
-VARIANTS = (
-    "alst",
-    "alst_mem",
-    "alst_fused",
-    "ours",
-    "ours_mem",
-    "ours_tiled",
-    "ours_plain_norms",
-    "ours_budget",
-)
-MEMORY = ("alst_mem", "ours_mem", "ours_budget")  # the variants whose longest length is searched
+SETTINGS = {  # each variant and the setting it stands for (printed and in the JSON)
+    "alst": "ALST, attention only (no memory feature)",
+    "alst_defaults": "ALST at its defaults (its 1 GiB loss tiles)",
+    "alst_mem": "ALST tuned as its tutorial (--loss-tile-mb)",
+    "alst_fused": "ALST tuned, TiledFusedLogitsLoss",
+    "ours": "ours, no memory feature",
+    "ours_defaults": "ours at the documented defaults, no budget",
+    "ours_budget": "ours at the documented defaults + budget",
+    "ours_mem": "ours tuned by hand (ALST's tile counts)",
+    "ours_tiled": "ours tuned, tiled loss not fused",
+    "ours_plain_norms": "ours tuned, transformers' norms",
+}
+VARIANTS = tuple(SETTINGS)
+# the variants whose longest length is searched
+MEMORY = ("alst_defaults", "alst_mem", "ours_defaults", "ours_budget", "ours_mem")
+ALST_LOSS_TILE_MB = 1024.0  # ALST's own rule: 1 GiB of fp32 logits per loss tile
 
 
-def tiles(s_local: int, args) -> tuple[int, int]:
+def tiles(s_local: int, args, loss_tile_mb: float | None = None) -> tuple[int, int]:
     """(MLP tiles, loss tiles) at ``s_local`` tokens per rank, for both sides: ALST's MLP
-    rule (``ceil(s_local / hidden)``) and ``--loss-tile-mb`` of fp32 logits per tile."""
+    rule (``ceil(s_local / hidden)``) and ``--loss-tile-mb`` (or ``loss_tile_mb``) of fp32
+    logits per tile."""
     mlp = math.ceil(s_local / CONFIG["hidden_size"])
-    loss = math.ceil(s_local * CONFIG["vocab_size"] * 4 / (args.loss_tile_mb * 2**20))
+    tile_mb = args.loss_tile_mb if loss_tile_mb is None else loss_tile_mb
+    loss = math.ceil(s_local * CONFIG["vocab_size"] * 4 / (tile_mb * 2**20))
     return max(1, mlp), max(1, loss)
 
 
@@ -164,7 +177,8 @@ class Alst:
         )
 
         lm_head = self.model.lm_head
-        shards = tiles(hidden.shape[1], self.args)[1]
+        own = ALST_LOSS_TILE_MB if self.name == "alst_defaults" else None
+        shards = tiles(hidden.shape[1], self.args, own)[1]
 
         def loss_fn(self, x, y):
             logits = self.lm_head(x).float()
@@ -206,24 +220,26 @@ class Ours:
         hf.register_attention(topo, backend="torch")
         model = hf.from_config(hf.load_config(dict(CONFIG)))
         model.load_state_dict(state)
-        self.budget = name == "ours_budget"  # "auto" tiles from memory_budget_gb
+        # the documented defaults: "auto" tiles, from memory_budget_gb when one is given
+        self.auto = name in ("ours_defaults", "ours_budget")
+        self.budget = name == "ours_budget"
         mc = HFModelConfig(
             hf_config=dict(CONFIG),
-            tiled_mlp="auto" if self.budget else 2 if mem else 0,
+            tiled_mlp="auto" if self.auto else 2 if mem else 0,
             activation_checkpointing=mem,
             lean_norms=name != "ours_plain_norms",
             memory_budget_gb=args.budget_mb / 1024 if self.budget else None,
         )
         self.model = hf.wrap(model, topo, mc).to(device).train()
         self.model.probe()
-        self.mem, self.fused = mem, name in ("ours_mem", "ours_plain_norms", "ours_budget")
+        self.mem, self.fused = mem, name not in ("ours", "ours_tiled")
 
     def loss(self, full: dict) -> torch.Tensor:
         from ulysses_cp.models.memory import TiledMLP
 
         local = ucp.shard_batch(full, self.topo)
         n_mlp, n_loss = tiles(local["input_ids"].shape[1], self.args)
-        if not self.budget:
+        if not self.auto:
             for m in self.model.modules():
                 if isinstance(m, TiledMLP):
                     m.chunks = n_mlp  # ALST's count at this length
@@ -233,7 +249,7 @@ class Ours:
             local["shift_labels"],
             self.topo,
             batch=local["batch"],
-            tiled_loss="auto" if self.budget else n_loss if self.mem else 0,
+            tiled_loss="auto" if self.auto else n_loss if self.mem else 0,
             fused_loss=self.fused,
         )
 
@@ -341,22 +357,26 @@ def worker(rank, world, args, device):
                 f"lm_head x {r['lm_head_ratio']:.3f}",
                 flush=True,
             )
-    N = args.time_len
-    steps = {name: step_fn(v, N, device) for name, v in variants.items()}
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for rep in range(args.repeats + 1):
-        for name, step in steps.items():
-            barrier(device)
-            t0 = time.perf_counter()
-            step()
-            sync(device)
-            dt = max_over_ranks(time.perf_counter() - t0, device)
-            if rep:
-                times[name].append(dt)
+    for N in args.time_len:  # each length: the variants' steps interleaved
+        steps = {name: step_fn(v, N, device) for name, v in variants.items()}
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for rep in range(args.repeats + 1):
+            for name, step in steps.items():
+                barrier(device)
+                t0 = time.perf_counter()
+                step()
+                sync(device)
+                dt = max_over_ranks(time.perf_counter() - t0, device)
+                if rep:
+                    times[name].append(dt)
+        for name in variants:
+            rows[name].setdefault("step_s_at", {})[str(N)] = statistics.median(times[name])
     unit = 2 * world * 64
     for name, v in variants.items():
         row = rows[name]
-        row["time_len"], row["step_s"] = N, statistics.median(times[name])
+        row["setting"] = SETTINGS[name]
+        row["time_len"] = args.time_len[0]
+        row["step_s"] = row["step_s_at"][str(args.time_len[0])]
         a, b = args.slope_lens
         pa, pb = peak_at(v, a, device), peak_at(v, b, device)
         row["peak_mib_at"] = {str(a): pa / 2**20, str(b): pb / 2**20}
@@ -380,6 +400,8 @@ def ratios(rows: list[dict]) -> None:
         "ours": "alst",
         "ours_mem": "alst_mem",
         "ours_budget": "alst_mem",
+        "ours_defaults": "alst_mem",
+        "alst_defaults": "alst_mem",
         "ours_tiled": "alst_mem",
         "ours_plain_norms": "ours_mem",
         "alst_fused": "alst_mem",
@@ -390,9 +412,30 @@ def ratios(rows: list[dict]) -> None:
             continue
         r["peer"] = p["variant"]
         r["time_x_peer"] = r["step_s"] / p["step_s"]
+        r["time_x_peer_at"] = {n: t / p["step_s_at"][n] for n, t in r["step_s_at"].items()}
         r["peak_x_peer"] = r["peak_mib"] / p["peak_mib"]
         if "max_len" in r and p.get("max_len"):
             r["max_len_x_peer"] = r["max_len"] / p["max_len"]
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as printed: each with its setting, the step time at every timed length and
+    its ratio to the peer (``x``), the peak, the slope and the longest length."""
+    lens = list(rows[0]["step_s_at"])
+    head = f"{'variant':<17}{'setting':<46}{'loss err':>9}{'grad err':>9}{'lm_head x':>10}"
+    head += "".join(f"{'s @' + n:>10}{'x':>6}" for n in lens)
+    head += f"{'peak MiB':>10}{'MiB/1K':>8}{'max N':>8}{'x':>6}"
+    lines = [head]
+    for r in rows:
+        line = f"{r['variant']:<17}{r['setting']:<46}{r['loss_rel_err']:>9.1e}"
+        line += f"{r['grad_rel_err']:>9.1e}{r['lm_head_ratio']:>10.3f}"
+        for n in lens:
+            x = r.get("time_x_peer_at", {}).get(n)
+            line += f"{r['step_s_at'][n]:>10.3f}" + (f"{x:>6.2f}" if x else f"{'-':>6}")
+        x = r.get("max_len_x_peer")
+        line += f"{r['peak_mib']:>10.1f}{r['slope_mib_per_1k']:>8.2f}{r.get('max_len', '-'):>8}"
+        lines.append(line + (f"{x:>6.2f}" if x else f"{'-':>6}"))
+    return "\n".join(lines)
 
 
 def main():
@@ -401,33 +444,23 @@ def main():
     p.add_argument("--world", type=int, default=4, help="ranks (Ulysses degree)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--check-len", type=int, default=1024, help="length of the correctness check")
-    p.add_argument("--time-len", type=int, default=8192, help="length of the timed steps")
+    p.add_argument(
+        "--time-len", type=int, nargs="+", default=[8192], help="lengths of the timed steps"
+    )
     p.add_argument("--slope-lens", type=int, nargs=2, default=[4096, 8192])
     p.add_argument("--budget-mb", type=float, default=192.0, help="per-rank memory cap")
     p.add_argument("--loss-tile-mb", type=float, default=8.0, help="fp32 logits per loss tile")
     p.add_argument("--search-all", action="store_true", help="longest length of every variant")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="bench_results", help="folder for the JSON")
+    if p.parse_args().quick:  # the quick sizes as defaults: a flag given still wins
+        p.set_defaults(check_len=256, time_len=[512], slope_lens=[512, 1024])
+        p.set_defaults(budget_mb=96.0, repeats=1, loss_tile_mb=4.0)
     args = p.parse_args()
-    if args.quick:
-        args.check_len, args.time_len, args.slope_lens = 256, 512, [512, 1024]
-        args.budget_mb, args.repeats, args.loss_tile_mb = 96.0, 1, 4.0
     rows = run_ranks(worker, args.world, args)
     ratios(rows)
     print(f"\nP = {args.world} (Ulysses), CPU; per-rank budget {args.budget_mb} MiB")
-    head = (
-        f"{'variant':<11}{'loss err':>10}{'grad err':>10}{'lm_head x':>10}{'step s':>9}"
-        f"{'x peer':>8}{'peak MiB':>10}{'MiB/1K':>8}{'max N':>8}{'x peer':>8}"
-    )
-    print(head)
-    for r in rows:
-        peak = r["peak_mib"]
-        print(
-            f"{r['variant']:<11}{r['loss_rel_err']:>10.1e}{r['grad_rel_err']:>10.1e}"
-            f"{r['lm_head_ratio']:>10.3f}{r['step_s']:>9.3f}{r.get('time_x_peer', 1):>8.2f}"
-            f"{peak:>10.1f}{r['slope_mib_per_1k']:>8.2f}{r.get('max_len', '-'):>8}"
-            f"{r.get('max_len_x_peer', 1):>8.2f}"
-        )
+    print(table(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "benchmark_hf.json").write_text(json.dumps({"args": vars(args), "rows": rows}))
