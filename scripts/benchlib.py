@@ -133,6 +133,14 @@ def _start_method() -> str:
     return "forkserver"
 
 
+def parse_args(p, **quick):
+    """``p.parse_args()`` where ``--quick`` (a flag of ``p``) makes ``quick`` the defaults,
+    so a flag given with it still wins."""
+    if p.parse_args().quick:
+        p.set_defaults(**quick)
+    return p.parse_args()
+
+
 def run_ranks(body, world: int, args):
     """``body(rank, world, args, device)`` on ``world`` spawned ranks on this machine (a
     module-level function; ``device``: the rank's, see :func:`pick_device_and_backend`);

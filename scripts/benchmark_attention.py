@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchlib import barrier, gather_floats, max_over_ranks, run_ranks, sync
+from benchlib import barrier, gather_floats, max_over_ranks, parse_args, run_ranks, sync
 from profiling import longest_fitting, peak_memory
 
 import ulysses_cp as ucp
@@ -384,9 +384,7 @@ def main():
     )
     p.add_argument("--only", nargs="+", default=[], help="run only these rows (P > 1)")
     p.add_argument("--out", default="bench_results", help="folder for JSON and PNG")
-    if p.parse_args().quick:  # the quick sizes as defaults: a flag given still wins
-        p.set_defaults(seqs=[512, 1024], repeats=3, budget_mb=8.0)
-    args = p.parse_args()
+    args = parse_args(p, seqs=[512, 1024], repeats=3, budget_mb=8.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     HQ, HKV = args.heads

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchlib import barrier, gather_floats, max_over_ranks, run_ranks, sync
+from benchlib import barrier, gather_floats, max_over_ranks, parse_args, run_ranks, sync
 from profiling import longest_fitting, peak_memory
 
 import ulysses_cp as ucp
@@ -222,13 +222,12 @@ class Ours:
         model.load_state_dict(state)
         # the documented defaults: "auto" tiles, from memory_budget_gb when one is given
         self.auto = name in ("ours_defaults", "ours_budget")
-        self.budget = name == "ours_budget"
         mc = HFModelConfig(
             hf_config=dict(CONFIG),
             tiled_mlp="auto" if self.auto else 2 if mem else 0,
             activation_checkpointing=mem,
             lean_norms=name != "ours_plain_norms",
-            memory_budget_gb=args.budget_mb / 1024 if self.budget else None,
+            memory_budget_gb=args.budget_mb / 1024 if name == "ours_budget" else None,
         )
         self.model = hf.wrap(model, topo, mc).to(device).train()
         self.model.probe()
@@ -453,10 +452,15 @@ def main():
     p.add_argument("--search-all", action="store_true", help="longest length of every variant")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="bench_results", help="folder for the JSON")
-    if p.parse_args().quick:  # the quick sizes as defaults: a flag given still wins
-        p.set_defaults(check_len=256, time_len=[512], slope_lens=[512, 1024])
-        p.set_defaults(budget_mb=96.0, repeats=1, loss_tile_mb=4.0)
-    args = p.parse_args()
+    args = parse_args(  # --quick: these as defaults
+        p,
+        check_len=256,
+        time_len=[512],
+        slope_lens=[512, 1024],
+        budget_mb=96.0,
+        repeats=1,
+        loss_tile_mb=4.0,
+    )
     rows = run_ranks(worker, args.world, args)
     ratios(rows)
     print(f"\nP = {args.world} (Ulysses), CPU; per-rank budget {args.budget_mb} MiB")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchlib import barrier, max_over_ranks, run_ranks, sync
+from benchlib import barrier, max_over_ranks, parse_args, run_ranks, sync
 from profiling import longest_fitting, peak_memory
 
 import ulysses_cp as ucp
@@ -149,9 +149,7 @@ def main():
     p.add_argument("--time-len", type=int, default=2048, help="tokens per rank for tokens/s")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench_results", help="folder for the JSON")
-    if p.parse_args().quick:  # the quick sizes as defaults: a flag given still wins
-        p.set_defaults(budget_mb=4.0, time_len=256, repeats=1)
-    args = p.parse_args()
+    args = parse_args(p, budget_mb=4.0, time_len=256, repeats=1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
