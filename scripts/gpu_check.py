@@ -179,7 +179,11 @@ def training_rows(out_dir: Path, dry: bool) -> list[dict]:
     cmd = [sys.executable, str(ROOT / "train.py"), "--deepspeed_config", str(run / "config.json")]
     t = time.perf_counter()
     proc = subprocess.run(
-        [*cmd, "--output_dir", str(run)], env=env, capture_output=True, text=True, timeout=240
+        [*cmd, "--output_dir", str(run), "--overwrite"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     (run / "log.txt").write_text(proc.stdout + proc.stderr)
     metrics = run / "metrics.jsonl"

@@ -55,7 +55,7 @@ def test_benchmark_attention_memory_small(tmp_path):
     Ulysses all-to-all bytes and the head chunks none more."""
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_attention_memory.py")]
     run(
-        [*cmd, "--seq", "1024", "--budget-mb", "8", "--repeats", "1", "--out", str(tmp_path)],
+        [*cmd, "--seq", "512", "--budget-mb", "4", "--repeats", "1", "--out", str(tmp_path)],
         timeout=900,
     )
     rows = json.loads((tmp_path / "benchmark_attention_memory.json").read_text())["rows"]
@@ -83,6 +83,10 @@ def test_benchmark_quick(tmp_path):
         "4",
         "--repeats",
         "1",
+        "--seqs",
+        "512",
+        "--budget-mb",
+        "4",
         "--out",
         str(tmp_path),
     ]
@@ -176,8 +180,8 @@ def test_benchmark_loading_quick(tmp_path):
 def test_benchmark_hf_trainer_quick(tmp_path):
     """The Trainer three ways (one process, SequenceParallelTrainer, ALST's integration):
     ours equals the one-process losses and eval loss within 1e-5 relative, and evaluates
-    on shards; ALST's row is measured (numbers) or says why it did not run. 5 to 7
-    minutes here (three launches)."""
+    on shards; ALST's row is measured (numbers) or says why it did not run (three
+    launches)."""
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_hf_trainer.py"), "--quick"]
     out = run([*cmd, "--out", str(tmp_path)], timeout=900)
     rows = {

@@ -17,6 +17,9 @@ def test_gpu_check_dry_run_passes_every_section(tmp_path):
     standin = ROOT / "tests" / "flash_standin" / "v2_8_3"
     # the interpreter running the tests (the script's default is the repository's .venv)
     env = dict(OUT=str(tmp_path), PYTHONPATH=f"{standin}:{ROOT}", PYTHON=sys.executable)
+    # a second run into the same folder: the training section starts afresh there
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
     run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"], env=env)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] and report["dry_run"] and report["flash_attn"] == "2.8.3"
