@@ -5,7 +5,8 @@ reported as skipped when they do not. Sections, each a list of rows with ``ok``:
 
 1. ``kernels``: the local kernels on the GPU (backend ``torch``, ``flash_attn`` if it
    imports) against float64 math: dense and packed rows, causal and not, GQA, a head dim
-   that needs padding, float16/bfloat16 (and float32 for ``torch``), forward and backward.
+   that needs padding, MLA's values narrower than q/k (192/128), float16/bfloat16 (and
+   float32 for ``torch``), forward and backward.
 2. ``modes``: Ulysses, ring and hybrid with 4 processes sharing the GPU (gloo moves the
    CUDA tensors; ring steps go through the host), both layouts, dense and packed, against
    float64 attention on the gathered tensors.
@@ -72,9 +73,13 @@ def packed_bounds(N: int, multiple: int) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) * multiple
 
 
-def inputs(N: int, hq: int, hkv: int, d: int, g: torch.Generator) -> list[torch.Tensor]:
-    """q, k, v, dout of one row (batch 1), standard normal, on the CPU."""
-    shapes = [(1, N, hq, d), (1, N, hkv, d), (1, N, hkv, d), (1, N, hq, d)]
+def inputs(
+    N: int, hq: int, hkv: int, d: int, g: torch.Generator, dv: int | None = None
+) -> list[torch.Tensor]:
+    """q, k, v, dout of one row (batch 1), standard normal, on the CPU; ``dv``: the values'
+    head dim where it differs (MLA)."""
+    dv = d if dv is None else dv
+    shapes = [(1, N, hq, d), (1, N, hkv, d), (1, N, hkv, dv), (1, N, hq, dv)]
     return [torch.randn(s, generator=g) for s in shapes]
 
 
@@ -93,14 +98,15 @@ def kernel_rows(device: torch.device, dry: bool) -> list[dict]:
     rows = []
     N = 256 if dry else 1024
     g = torch.Generator().manual_seed(0)
-    cases = [(8, 8, 64), (8, 2, 128), (4, 1, 72)]  # (hq, hkv, d): MHA, GQA, MQA padded to 80
+    # (hq, hkv, d, dv): MHA, GQA, MQA padded to 80, MLA (DeepSeek-V3's q/k 192, values 128)
+    cases = [(8, 8, 64, 64), (8, 2, 128, 128), (4, 1, 72, 72), (8, 8, 192, 128)]
     for backend in backends():
         dtypes = ["bfloat16", "float16"] + (["float32"] if backend == "torch" else [])
-        for dname, (hq, hkv, d), causal, packed in itertools.product(
+        for dname, (hq, hkv, d, dv), causal, packed in itertools.product(
             dtypes, cases, (True, False), (False, True)
         ):
             dtype = DTYPES[dname]
-            q, k, v, do = inputs(N, hq, hkv, d, g)
+            q, k, v, do = inputs(N, hq, hkv, d, g, dv)
             cu = packed_bounds(N, 8) if packed else None
             ref = reference(q, k, v, do, causal, cu)
             leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
@@ -109,7 +115,7 @@ def kernel_rows(device: torch.device, dry: bool) -> list[dict]:
             out = local_attention(*leaves, spec, backend=backend, cu_seqlens=cud)
             out.backward(do.to(device, dtype))
             errs = rel_errors([out.detach().cpu()] + [t.grad.cpu() for t in leaves], ref)
-            case = dict(backend=backend, dtype=dname, hq=hq, hkv=hkv, d=d, causal=causal)
+            case = dict(backend=backend, dtype=dname, hq=hq, hkv=hkv, d=d, dv=dv, causal=causal)
             rows.append(
                 dict(case, packed=packed, err_out_dq_dk_dv=errs, ok=max(errs) <= TOL[dtype])
             )

@@ -44,14 +44,23 @@ HF_TINY = dict(
 
 
 def make_qkv(
-    seed: int, b: int, s: int, hq: int, hkv: int, d: int, dtype: torch.dtype = torch.float64
+    seed: int,
+    b: int,
+    s: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    dtype: torch.dtype = torch.float64,
+    dv: int | None = None,
 ):
-    """Full q, k, v, dout, identical on every rank for the same seed."""
+    """Full q, k, v, dout, identical on every rank for the same seed; ``dv``: the values'
+    (and so the output's) head dim where it is not q's and k's (MLA)."""
     g = torch.Generator().manual_seed(seed)
+    dv = d if dv is None else dv
     q = torch.randn(b, s, hq, d, generator=g, dtype=torch.float64)
     k = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
-    dout = torch.randn(b, s, hq, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, s, hkv, dv, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, s, hq, dv, generator=g, dtype=torch.float64)
     return [t.to(dtype) for t in (q, k, v, dout)]
 
 
@@ -138,13 +147,25 @@ def sharded_run(q, k, v, dout, topo, *, sinks=None, cu_seqlens=None, **attention
 
 
 def attend_case(
-    rank, u, r, layout="zigzag", *, seed, hq, hkv, bounds=None, sinks=False, options=None, **kw
+    rank,
+    u,
+    r,
+    layout="zigzag",
+    *,
+    seed,
+    hq,
+    hkv,
+    bounds=None,
+    sinks=False,
+    options=None,
+    widths=None,
+    **kw,
 ):
     """A pool task: the case's full tensors (``case_inputs``) through :func:`sharded_run`
-    on ``topology(u, r, layout, **options)``; ``kw`` go to ``ucp.attention``. Returns
-    ``(got, bytes sent by op)``."""
+    on ``topology(u, r, layout, **options)``; ``kw`` go to ``ucp.attention``; ``widths``:
+    ``(d, dv)``, q/k's and v's head dims. Returns ``(got, bytes sent by op)``."""
     topo = topology(u, r, layout, **(options or {}))
-    q, k, v, dout = case_inputs(seed, hq, hkv, bounds)
+    q, k, v, dout = case_inputs(seed, hq, hkv, bounds, *(widths or ()))
     cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
     ucp.comm_stats.reset()
     got = sharded_run(
@@ -153,17 +174,18 @@ def attend_case(
     return got, ucp.comm_stats.snapshot()
 
 
-def case_inputs(seed: int, hq: int, hkv: int, bounds=None, d: int = 8):
-    """A case's full q, k, v, dout: batch 2 x 32 tokens, or one packed row of ``bounds``."""
+def case_inputs(seed: int, hq: int, hkv: int, bounds=None, d: int = 8, dv: int | None = None):
+    """A case's full q, k, v, dout: batch 2 x 32 tokens, or one packed row of ``bounds``;
+    head dim ``d``, the values' ``dv`` (None: ``d``)."""
     s = 32 if bounds is None else bounds[-1]
-    return make_qkv(seed=seed, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=d)
+    return make_qkv(seed=seed, b=1 if bounds else 2, s=s, hq=hq, hkv=hkv, d=d, dv=dv)
 
 
-def check_case(results, *, seed, hq, hkv, bounds=None, sinks=False, tol=TOL64, **math):
+def check_case(results, *, seed, hq, hkv, bounds=None, sinks=False, widths=None, tol=TOL64, **math):
     """Every rank's gathered output and gradients of :func:`attend_case` against the float64
     reference (``math``: ``causal``, ``softcap``, ``window``...); the sinks' gradient summed
     over the ranks (each rank holds its share)."""
-    q, k, v, dout = case_inputs(seed, hq, hkv, bounds)
+    q, k, v, dout = case_inputs(seed, hq, hkv, bounds, *(widths or ()))
     ref = reference(q, k, v, dout, bounds=bounds, sinks=sinks_for(hq) if sinks else None, **math)
     for got, _ in results:
         for name, g, x in zip(("out", "dq", "dk", "dv"), got[:4], ref[:4]):
@@ -176,11 +198,24 @@ MATH = ("causal", "softmax_scale", "softcap", "window")  # attention keywords th
 
 
 def attend_and_check(
-    pools, u, r, layout="zigzag", *, seed, hq, hkv, bounds=None, sinks=False, options=None, **kw
+    pools,
+    u,
+    r,
+    layout="zigzag",
+    *,
+    seed,
+    hq,
+    hkv,
+    bounds=None,
+    sinks=False,
+    options=None,
+    widths=None,
+    **kw,
 ):
     """:func:`attend_case` on ``u * r`` pool ranks, every result checked (:func:`check_case`)
-    with the math keywords of ``kw``; the results, for more checks."""
-    case = dict(seed=seed, hq=hq, hkv=hkv, bounds=bounds, sinks=sinks)
+    with the math keywords of ``kw``; the results, for more checks. ``widths``: ``(d, dv)``
+    for values of their own head dim (MLA)."""
+    case = dict(seed=seed, hq=hq, hkv=hkv, bounds=bounds, sinks=sinks, widths=widths)
     results = pools(u * r).run(attend_case, u, r, layout, **case, options=options, **kw)
     check_case(results, **case, **{k: v for k, v in kw.items() if k in MATH})
     return results

@@ -56,11 +56,12 @@ BASE: dict[str, Any] = dict(
     # multi-token-prediction heads are not part of the causal-LM forward
     num_nextn_predict_layers=0,
     num_mtp_layers=0,
-    # MLA
+    # MLA at DeepSeek-V3's proportions: q/k heads 8 + 4 RoPE = 12 wide (128 + 64 = 192 there),
+    # values 8 (128 there)
     q_lora_rank=16,
     kv_lora_rank=16,
     qk_rope_head_dim=4,
-    qk_nope_head_dim=4,
+    qk_nope_head_dim=8,
     v_head_dim=8,
     # sparse-attention indexers: few heads, top-k below the sequence length so they select
     index_n_heads=4,

@@ -35,22 +35,7 @@ def _attention_fullgraph(rank: int) -> bool:
     equals eager, gradients included; ranks with different local lengths get the same
     ``ValueError`` from the in-graph check, every rank."""
     topo = _topology(2, 1)
-
-    def attend(q, k, v):
-        return ucp.attention(q, k, v, topo)
-
-    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
-    g = torch.Generator().manual_seed(rank)
-    q, k, v = (torch.randn(2, 8, h, 8, generator=g) for h in (4, 2, 2))
-    outs = {}
-    for name, fn in (("eager", attend), ("compiled", compiled)):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        out.square().sum().backward()
-        outs[name] = [out, *(t.grad for t in leaves)]
-    for got, want in zip(outs["compiled"], outs["eager"]):
-        torch.testing.assert_close(got, want)
-        assert got.abs().sum() > 0
+    compiled = compiled_equals_eager(rank, topo, [(2, 8, h, 8) for h in (4, 2, 2)], keep=True)
     s = 8 if rank == 0 else 16
     q, k, v = (torch.randn(1, s, h, 8) for h in (4, 2, 2))
     with pytest.raises(ValueError, match=r"q local seq: rank 0 8, rank 1 16"):
@@ -60,6 +45,29 @@ def _attention_fullgraph(rank: int) -> bool:
 
 def test_ulysses_attention_compiles_in_one_graph_and_checks_every_rank(pools):
     assert pools(2).run(_attention_fullgraph) == [True, True]
+
+
+def compiled_equals_eager(rank: int, topo, shapes, *, keep: bool = False):
+    """``ucp.attention`` compiled with ``fullgraph=True`` on random q, k, v of ``shapes``
+    equals eager, output and gradients, all nonzero (also tests/test_mla_widths.py's).
+    Returns the compiled output, or with ``keep`` the compiled function."""
+
+    def attend(q, k, v):
+        return ucp.attention(q, k, v, topo)
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(shape, generator=g) for shape in shapes)
+    outs = {}
+    for name, fn in (("eager", attend), ("compiled", compiled)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.square().sum().backward()
+        outs[name] = [out, *(t.grad for t in leaves)]
+    for got, want in zip(outs["compiled"], outs["eager"]):
+        torch.testing.assert_close(got, want)
+        assert got.abs().sum() > 0
+    return compiled if keep else outs["compiled"][0]
 
 
 def _topology(u: int, r: int):

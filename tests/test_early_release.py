@@ -47,8 +47,8 @@ def _live_at_dkv_posts(rank: int, hold: bool) -> tuple[list[int], int]:
             live_at.append(tracker.live)
         send_recv(self, x)
 
-    def adding(dkv, done):
-        add_blocks(dkv, done)
+    def adding(dkv, done, dk):
+        add_blocks(dkv, done, dk)
         if hold:
             held.extend(done)
 

@@ -26,7 +26,9 @@ def test_gpu_check_dry_run_passes_every_section(tmp_path):
     sections = report["sections"]
     for name in ("kernels", "modes", "timing"):
         assert {row["backend"] for row in sections[name]} == {"torch", "flash_attn"}, name
-    assert len(sections["kernels"]) == 2 * 2 * 3 * 2 * 2 + 3 * 2 * 2  # + float32 for torch
+    # 2 backends x 2 dtypes x 4 shapes (MLA's among them) x causal x packed, + float32 for torch
+    assert len(sections["kernels"]) == 2 * 2 * 4 * 2 * 2 + 4 * 2 * 2
+    assert {row["dv"] for row in sections["kernels"] if row["d"] == 192} == {128}
     modes = {
         (row["backend"], row["mode"], row["layout"], row["packed"]) for row in sections["modes"]
     }

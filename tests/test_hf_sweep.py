@@ -168,6 +168,20 @@ def test_named_families_are_exact_in_every_mode(pools, family, u, r):
     assert verdict == "exact", detail
 
 
+# MLA at DeepSeek-V3's proportions (q/k heads 12 wide, values 8; tests/hf_zoo.py): Ulysses
+# and ring alone too
+MLA_FAMILIES = ["deepseek_v3", "glm4_moe_lite", "minicpm3"]
+
+
+@pytest.mark.parametrize("u,r", [(2, 1), (1, 2)], ids=str)
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_mla_families_are_exact_in_every_mode(pools, family, u, r):
+    cfg = tiny_config(family)
+    assert cfg.qk_nope_head_dim + cfg.qk_rope_head_dim != cfg.v_head_dim
+    verdict, detail = check(pools(4).run(_sweep, family, u, r), family)
+    assert verdict == "exact", detail
+
+
 def test_the_family_table_in_the_docs_is_the_sweeps():
     """docs/models.md has one row per family: exact exactly for EXACT."""
     rows = {}

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from ..core.log import get_logger
 from ..core.options import BACKENDS
-from . import flash_backend, math_backend, torch_backend
+from . import flash_backend, math_backend, torch_backend, widths
 
 __all__ = [
     "Kernel",
@@ -61,12 +62,20 @@ _BACKWARD = {
 
 def forward_of(backend: str | Kernel) -> Callable:
     """The forward function of a resolved backend (a name other than ``"auto"``, or a
-    :class:`Kernel`)."""
-    return backend.forward if isinstance(backend, Kernel) else _FORWARD[backend]
+    :class:`Kernel`). Values of another width than q and k (MLA) reach every backend but
+    the math one padded to one width (:mod:`.widths`)."""
+    if backend == "math":
+        return math_backend.forward
+    fn = backend.forward if isinstance(backend, Kernel) else _FORWARD[backend]
+    return partial(widths.forward, fn)
 
 
 def backward_of(backend: str | Kernel) -> Callable:
-    return backend.backward if isinstance(backend, Kernel) else _BACKWARD[backend]
+    """The backward function of a resolved backend, as :func:`forward_of`."""
+    if backend == "math":
+        return math_backend.backward
+    fn = backend.backward if isinstance(backend, Kernel) else _BACKWARD[backend]
+    return partial(widths.backward, fn)
 
 
 def flash_attn_unusable(

@@ -3,8 +3,9 @@
 Legend: b batch, sq/sk query/key tokens, hq/hkv query/key-value heads (``hq % hkv == 0``,
 query head i uses kv head ``i // (hq // hkv)``), d head dim.
 
-Layout is flash-attn's: q ``(b, sq, hq, d)``, k/v ``(b, sk, hkv, d)``, out ``(b, sq, hq, d)``
-in q's dtype, lse ``(b, hq, sq)`` in float32 (float64 for float64 inputs).
+Layout is flash-attn's: q ``(b, sq, hq, d)``, k ``(b, sk, hkv, d)``, v ``(b, sk, hkv, dv)``,
+out ``(b, sq, hq, dv)`` in q's dtype, lse ``(b, hq, sq)`` in float32 (float64 for float64
+inputs); ``dv`` is ``d`` except for MLA (:mod:`.widths`).
 
 - :func:`attn_forward` / :func:`attn_backward` are the primitives (no autograd), for one
   :class:`KernelCall` (the spec, the backend, and where the block sits). The backward takes
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import flash_backend
+from . import flash_backend, widths
 from .backends import Kernel, backward_of, forward_of, resolve_backend
 from .blocks import block_scores, doc_groups, doc_scores, one_document, take, window_band, work
 from .math_backend import lse_dtype
@@ -75,11 +76,11 @@ class KernelCall:
         return Scores(causal, self.spec.scale_for(head_dim), float(self.spec.softcap))
 
 
-def _empty(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # no query sees a key: out 0, lse -inf (b, hq, sq)
+def _empty(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # no query sees a key: out 0 (b, sq, hq, dv), lse -inf (b, hq, sq)
     shape = (q.shape[0], q.shape[2], q.shape[1])
     lse = torch.full(shape, float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-    return torch.zeros_like(q), lse
+    return q.new_zeros(*q.shape[:3], v.shape[-1]), lse
 
 
 def _dense_scores(q: torch.Tensor, k: torch.Tensor, call: KernelCall) -> Scores | None:
@@ -95,7 +96,7 @@ def _dense_forward(q, k, v, call: KernelCall):
     how = _dense_scores(q, k, call)
     if how is None:  # no query sees a key: empty rows, no call
         work.skipped["forward"] += 1
-        return _empty(q)
+        return _empty(q, v)
     work.count("forward", q, k)
     return forward_of(call.backend)(q, k, v, how)
 
@@ -127,8 +128,8 @@ def _varlen_forward(q, k, v, call: KernelCall):
     flash = _flash_varlen(call, q.shape[-1])
     if flash is not None:
         work.scores["forward"] += doc_scores(cu_q, cu_k, hq)
-        return flash_backend.varlen_forward(q, k, v, (cu_q, cu_k), flash)
-    out, lse = _empty(q)  # rows in no document stay (0, -inf)
+        return widths.forward(flash_backend.varlen_forward, q, k, v, (cu_q, cu_k), flash)
+    out, lse = _empty(q, v)  # rows in no document stay (0, -inf)
     base = call.scores(q.shape[-1])
     for qi, ki, n, lq, lk in doc_groups(cu_q, cu_k):
         assert not base.causal or lq == lk, "causal documents must be square"
@@ -155,7 +156,8 @@ def _varlen_backward(dout, q, k, v, out, lse, call: KernelCall):
     flash = _flash_varlen(call, q.shape[-1])
     if flash is not None:
         work.scores["backward"] += doc_scores(cu_q, cu_k, hq)
-        return flash_backend.varlen_backward(dout, q, k, v, out, lse, (cu_q, cu_k), flash)
+        args = (dout, q, k, v, out, lse, (cu_q, cu_k), flash)
+        return widths.backward(flash_backend.varlen_backward, *args)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     base = call.scores(q.shape[-1])
     for qi, ki, n, lq, lk in doc_groups(cu_q, cu_k):
@@ -185,11 +187,11 @@ def attn_forward(
     Args:
         q: Queries ``(b, sq, hq, d)``.
         k: Keys ``(b, sk, hkv, d)``.
-        v: Values, shaped like ``k``.
+        v: Values ``(b, sk, hkv, dv)``: like ``k``, their head dim may differ (MLA).
         call: The call: spec, backend and where the block sits.
 
     Returns:
-        ``(out, lse)``: ``out (b, sq, hq, d)`` in q's dtype and ``lse (b, hq, sq)`` in
+        ``(out, lse)``: ``out (b, sq, hq, dv)`` in q's dtype and ``lse (b, hq, sq)`` in
         float32 (float64 for float64 inputs).
     """
     with torch.no_grad():
@@ -259,7 +261,7 @@ def local_attention(
     Args:
         q: Queries ``(b, s, hq, d)``.
         k: Keys ``(b, s, hkv, d)``.
-        v: Values, shaped like ``k``.
+        v: Values ``(b, s, hkv, dv)``; ``dv`` may differ from ``d`` (MLA).
         spec: Causal (the default), scale, softcap and window; None is causal attention.
         backend: ``"auto"``, ``"torch"``, ``"math"``, ``"flash_attn"`` or a ``Kernel``.
         cu_seqlens: Int32 document boundaries of a packed row (batch 1); attention stays
@@ -267,7 +269,7 @@ def local_attention(
         sinks: ``(hq,)`` attention-sink logits (GPT-OSS), differentiable.
 
     Returns:
-        The output ``(b, s, hq, d)`` in q's dtype.
+        The output ``(b, s, hq, dv)`` in q's dtype.
     """
     spec = replace(spec or AttentionSpec(), sinks=sinks is not None)
     call = KernelCall(spec, resolve_backend(backend, q), cu_q=cu_seqlens, cu_k=cu_seqlens)

@@ -70,7 +70,8 @@ def attention(
     Args:
         q: This rank's queries, ``(b, s_local, hq, d)``, sharded in the run's layout.
         k: This rank's keys, ``(b, s_local, hkv, d)``; ``hq`` must be a multiple of ``hkv``.
-        v: This rank's values, shaped like ``k``.
+        v: This rank's values ``(b, s_local, hkv, dv)``: like ``k``, with a head dim of
+            their own where the model has one (MLA: DeepSeek-V3's 128 against q/k's 192).
         topo: The run's topology (``init_topology`` or ``topology_from_config``).
         causal: Causal masking over global token positions.
         layout: ``"zigzag"`` or ``"contiguous"``; None takes the run's (``topo.layout``).
@@ -95,7 +96,7 @@ def attention(
             takes the run's.
 
     Returns:
-        This rank's output ``(b, s_local, hq, d)`` in q's dtype, differentiable in q, k, v
+        This rank's output ``(b, s_local, hq, dv)`` in q's dtype, differentiable in q, k, v
         (and ``sinks``).
 
     Raises:

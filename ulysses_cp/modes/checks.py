@@ -43,12 +43,15 @@ def validate_qkv(
             raise ValueError(
                 f"{name} must be (batch, seq, heads, head_dim), got shape {tuple(t.shape)}"
             )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, seq and heads "
+            "(their head dims may differ: MLA's values are narrower than its keys)"
+        )
     (b, s, hq, d), (bk, sk, hkv, dk) = q.shape, k.shape
     if (b, s, d) != (bk, sk, dk):
         raise ValueError(
-            f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in batch, seq and head_dim"
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq and head_dim"
         )
     if hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")

@@ -94,12 +94,16 @@ class _Plan:
     def post(
         self, parts: list[tuple[torch.Tensor, str]], phase: str, release: bool = False
     ) -> PendingAllToAll:
-        """One all-to-all of ``parts`` ``(P, b, s_l, h_i, d)`` packed along the heads; each
-        part's bytes counted under its op. The packed send buffer is freed once sent; one
-        contiguous part goes as it is, freed only with ``release`` (the caller's tensor)."""
-        # (P, b, s_l, sum h_i, d); one contiguous part goes as it is
+        """One all-to-all of ``parts`` ``(P, b, s_l, h_i, d_i)`` packed along heads x width
+        (MLA's values are narrower than q and k); each part's bytes counted under its op.
+        The packed send buffer is freed once sent; one contiguous part goes as it is, freed
+        only with ``release`` (the caller's tensor)."""
+        # (P, b, s_l, sum h_i d_i); one part keeps its shape, and goes as it is if contiguous
         one = len(parts) == 1 and parts[0][0].is_contiguous()
-        send = parts[0][0] if one else torch.cat([t for t, _ in parts], dim=3)
+        if len(parts) == 1:
+            send = parts[0][0].contiguous()
+        else:
+            send = torch.cat([t.flatten(3) for t, _ in parts], dim=3)
         sent: dict[str, int] = {}  # bytes per op; one call per op and message
         for t, op in parts:
             sent[op] = sent.get(op, 0) + t.numel() * t.element_size() * (self.P - 1) // self.P
@@ -109,13 +113,18 @@ class _Plan:
         pending.post(send, phase, op=None, release=release or not one)
         return pending
 
-    def unpack(self, pending: PendingAllToAll, sizes: list[int], phase: str) -> list[torch.Tensor]:
-        """The received ``(P, b, s_l, sum sizes, d)`` (dim 0 = source rank, i.e. sequence
-        chunk) -> one ``(b, s, n, d)`` tensor in token order per size, each its own buffer."""
+    def unpack(
+        self, pending: PendingAllToAll, sizes: list[tuple[int, int]], phase: str
+    ) -> list[torch.Tensor]:
+        """The received ``(P, b, s_l, sum n d)`` (dim 0 = source rank, i.e. sequence chunk)
+        -> one ``(b, s, n, d)`` tensor in token order per ``(n, d)`` in ``sizes``, each its
+        own buffer."""
         recv, out, at = pending.wait(phase), [], 0
-        for n in sizes:
-            out.append(_from_ranks(recv[:, :, :, at : at + n], self.P, self.order).contiguous())
-            at += n
+        flat = recv.flatten(3)
+        for n, d in sizes:
+            part = flat[:, :, :, at : at + n * d].unflatten(3, (n, d))
+            out.append(_from_ranks(part, self.P, self.order).contiguous())
+            at += n * d
         ptr = recv.untyped_storage().data_ptr()
         if all(o.untyped_storage().data_ptr() != ptr for o in out):  # all copied out of it
             recv.untyped_storage().resize_(0)
@@ -140,6 +149,7 @@ class _Chunked(torch.autograd.Function):
         P, c, qc, kc, per_kv = plan.P, plan.c, plan.qc, plan.kc, plan.per_kv
         kr, vr = plan.replicated(k, v)
         b, s_l, _, d = q.shape
+        dv = v.shape[-1]  # MLA: narrower than q and k
 
         def inbound(i: int) -> PendingAllToAll:  # chunk i's q, and its kv chunk if new
             parts = [plan.part(q, i, c)]
@@ -147,7 +157,7 @@ class _Chunked(torch.autograd.Function):
                 parts += [plan.part(t, i // per_kv, plan.ck) for t in (kr, vr)]
             return plan.post([(t, "all_to_all") for t in parts], "forward")
 
-        out = q.new_empty(b, s_l, P, c, qc, d)  # dim 2: the rank that computed the heads
+        out = q.new_empty(b, s_l, P, c, qc, dv)  # dim 2: the rank that computed the heads
         kept: list[torch.Tensor] = []
         lses: list[torch.Tensor] = []
         pending: PendingAllToAll | None = inbound(0)
@@ -156,7 +166,7 @@ class _Chunked(torch.autograd.Function):
             nxt = inbound(i + 1) if i + 1 < c else None  # in flight while chunk i computes
             new_kv = i % per_kv == 0
             assert pending is not None
-            heads = plan.unpack(pending, [qc] + [kc, kc] * new_kv, "forward")
+            heads = plan.unpack(pending, [(qc, d)] + [(kc, d), (kc, dv)] * new_kv, "forward")
             pending = nxt
             if new_kv:
                 kv = heads[1:]
@@ -175,8 +185,8 @@ class _Chunked(torch.autograd.Function):
             back = sent
         assert back is not None
         out[:, :, :, c - 1].copy_(back.wait("forward").permute(1, 2, 0, 3, 4))
-        out = out.view(b, s_l, P * c * qc, d)
-        ctx.plan = plan
+        out = out.view(b, s_l, P * c * qc, dv)
+        ctx.plan, ctx.width = plan, d
         ctx.n_kept = len(kept)
         mine = (q, k, v, out) if plan.redo else ()
         ctx.save_for_backward(*mine, *kept, torch.stack(lses), sinks)
@@ -199,7 +209,8 @@ class _Chunked(torch.autograd.Function):
                 "which keeps nothing of its own"
             )
         dout = dout.contiguous()
-        b, s_l, _, d = dout.shape
+        dv = dout.shape[-1]
+        d = ctx.width  # q's and k's
         dsinks = None if sinks is None else torch.zeros_like(sinks)
         redo = "all_to_all_redo"
 
@@ -221,7 +232,8 @@ class _Chunked(torch.autograd.Function):
         for i in range(c):
             new_kv = i % per_kv == 0
             assert fetched is not None
-            sizes = [qc] + ([qc, qc] + [kc, kc] * new_kv if plan.redo else [])
+            redone = [(qc, d), (qc, dv)] + [(kc, d), (kc, dv)] * new_kv
+            sizes = [(qc, dv)] + (redone if plan.redo else [])
             got = plan.unpack(fetched, sizes, "backward")
             gh = got[0]
             if plan.redo:
@@ -261,7 +273,7 @@ class _Chunked(torch.autograd.Function):
                 acc = None
             fetched = fetch(i + 1) if i + 1 < c else None
         # pieces (b, s_l, P, h', d) -> (b, s_l, P, pieces, h', d) -> (b, s_l, h, d)
-        grads = [torch.stack(x, 3).view(b, s_l, -1, d) for x in (dq, *dkv)]
+        grads = [torch.stack(x, 3).flatten(2, 4) for x in (dq, *dkv)]
         dk, dv = grads[1:]
         if plan.rep > 1:  # replicas' gradients summed: (b, s_l, hkv * rep, d) -> (b, s_l, hkv, d)
             dk, dv = (g.unflatten(2, (-1, plan.rep)).sum(3) for g in (dk, dv))

@@ -95,23 +95,33 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: tor
     lse.copy_(torch.where(torch.isinf(lse) | torch.isinf(lse_b), torch.maximum(lse, lse_b), new))
 
 
-def _pack(k, v):
-    return torch.stack([k, v])  # (2, b, s_l, hkv, d): one send per step
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k and v in one buffer, one send per step: ``(2, b, s_l, hkv, d)``, or for values of
+    their own width (MLA) ``(b, s_l, hkv, dk + dv)``, V at its width."""
+    return torch.stack([k, v]) if k.shape == v.shape else torch.cat([k, v], dim=-1)
+
+
+def _unpack(kv: torch.Tensor, dk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_pack`'s ``(k, v)`` (views); ``dk``: k's head dim."""
+    if kv.dim() == 5:
+        return kv[0], kv[1]
+    return kv[..., :dk], kv[..., dk:]
 
 
 def ring_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: Ring, call: KernelCall
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    b, s_l, hq, d = q.shape
+    b, s_l, hq, _ = q.shape
     schedule = ring.schedule(s_l, call)
     acc = lse_dtype(q.dtype)
-    out = torch.zeros(b, s_l, hq, d, dtype=acc, device=q.device)
+    out = torch.zeros(b, s_l, hq, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full((b, hq, s_l), float("-inf"), dtype=acc, device=q.device)
     for step, kv in _visiting(_pack(k, v), ring, "forward"):
+        kb, vb = _unpack(kv, k.shape[-1])
         blocks, skipped = schedule.blocks(step)
         work.skipped["forward"] += skipped
         for qs, ks, where in blocks:
-            o_b, l_b = attn_forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], call.at(**where))
+            o_b, l_b = attn_forward(q[:, qs], kb[:, ks], vb[:, ks], call.at(**where))
             o, lo = out[:, qs], lse[:, :, qs]  # views for a slice (merged in place), else copies
             merge_(o, lo, o_b.to(acc), l_b.to(acc))
             if not isinstance(qs, slice):
@@ -166,11 +176,13 @@ def _reduce_scatter(parts: torch.Tensor, group: Group) -> torch.Tensor:
     return got.sum(0)
 
 
-def _add_blocks(dkv: torch.Tensor, done: list) -> None:
-    """The step's kv-block gradients ``[(kv selection, dk, dv)]`` into ``dkv`` (2, ...)."""
+def _add_blocks(dkv: torch.Tensor, done: list, dk: int) -> None:
+    """The step's kv-block gradients ``[(kv selection, dk, dv)]`` into ``dkv`` (packed as
+    :func:`_pack`; ``dk``: k's head dim)."""
+    gk, gv = _unpack(dkv, dk)
     for ks, dk_b, dv_b in done:
-        dkv[0][:, ks] += dk_b
-        dkv[1][:, ks] += dv_b
+        gk[:, ks] += dk_b
+        gv[:, ks] += dv_b
 
 
 def ring_backward(
@@ -192,17 +204,20 @@ def ring_backward(
     dq: torch.Tensor | None = None  # the first whole block's dq, or zeros
     whole = slice(0, q.shape[1])
     gathered = ring.exchange == "allgather" and P > 1
+    # dk and dv packed as the kv block they belong to (_pack)
+    shape = (2, *k.shape) if k.shape == v.shape else (*k.shape[:3], k.shape[3] + v.shape[3])
     if gathered:  # this rank's share of every block's dk/dv, reduce-scattered at the end
-        dkv_all = torch.zeros((P, 2, *k.shape), dtype=acc, device=k.device)
-    dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # travels with its kv block
+        dkv_all = torch.zeros((P, *shape), dtype=acc, device=k.device)
+    dkv = torch.zeros(shape, dtype=acc, device=k.device)  # travels with its kv block
     # used only on the ring with P > 1
     dkv_comm = cast(RingComm, RingComm(group, "ring", "backward", tag=2) if P > 1 else None)
     for step, kv in _visiting(_pack(k, v), ring, "backward", tag=1):
+        kb, vb = _unpack(kv, k.shape[-1])
         done = []
         blocks, skipped = schedule.blocks(step)
         work.skipped["backward"] += skipped
         for qs, ks, where in blocks:
-            rows = (dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs])
+            rows = (dout[:, qs], q[:, qs], kb[:, ks], vb[:, ks], out[:, qs])
             dq_b, dk_b, dv_b = attn_backward(*rows, lse[:, :, qs], call.at(**where))
             if dq is None and isinstance(qs, slice) and qs == whole and dq_b.dtype == acc:
                 dq = dq_b  # no zeros and no copy: later blocks add into it
@@ -215,7 +230,7 @@ def ring_backward(
             dkv = dkv_all[(rank - step) % P]
         elif step > 0:
             dkv = dkv_comm.wait()  # the accumulator of the visiting block (overlapped compute)
-        _add_blocks(dkv, done)
+        _add_blocks(dkv, done, k.shape[-1])
         done = []  # released before the next block's gradients exist
         if P > 1 and not gathered:
             dkv_comm.send_recv(dkv)  # on to the next rank; overlaps the next step
@@ -224,7 +239,8 @@ def ring_backward(
     elif P > 1:
         dkv = dkv_comm.wait()  # our own block's accumulator, home after P hops
     dq = torch.zeros_like(q) if dq is None else dq  # every block skipped
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    gk, gv = _unpack(dkv, k.shape[-1])
+    return dq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)
 
 
 def ring_attention(

@@ -154,6 +154,15 @@ def _same(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _flat(fn: Callable) -> Callable:
+    """``fn`` of ``(..., h, d)`` tensors applied to ``(..., h * d)`` ones (one width 1 head)."""
+
+    def on_flat(x: torch.Tensor) -> torch.Tensor:
+        return fn(x.unsqueeze(-1)).squeeze(-1)
+
+    return on_flat
+
+
 class _Assemble(torch.autograd.Function):
     """The output chunks ``(P, b, s_l, hq/(cP), d)`` (dim 0 = the rank that computed
     them) -> ``(b, s_l, hq, d)``: one copy, and the backward hands each chunk a view of
@@ -233,11 +242,13 @@ def ulysses_attention(
         parts = [q_chunks[i]]
         if i % per_kv == 0:
             parts += [k_chunks[i // per_kv], v_chunks[i // per_kv]]
-        send = torch.cat([t.permute(2, 0, 1, 3, 4) for t in parts], dim=3)  # (P, b, s_l, h, d)
+        # (P, b, s_l, sum h_i d_i): heads x width, MLA's values at their own width
+        send = torch.cat([t.permute(2, 0, 1, 3, 4).flatten(3) for t in parts], dim=3)
         pending = BlockingAllToAll(group)
         return pending, pending.start(send, _same, _same)
 
     qc, kc = ql // c, kl // ck
+    d, dv = q.shape[-1], v.shape[-1]
     inbound = [post(0)]
     outbound: list[tuple[BlockingAllToAll, torch.Tensor]] = []
     kv = None
@@ -246,13 +257,14 @@ def ulysses_attention(
         if i + 1 < c:
             inbound.append(post(i + 1))
         pending, recv = inbound[i]
-        heads = pending.finish(recv, from_ranks, to_ranks)  # (b, s, h, d) token order
+        # (b, s, sum h_i d_i) in token order
+        heads = pending.finish(recv, _flat(from_ranks), _flat(to_ranks))
         inbound[i] = None  # type: ignore[call-overload]  # the receive buffer is ours no more
         if i % per_kv == 0:
-            qh, kh, vh = heads.split([qc, kc, kc], dim=2)
-            kv = (kh, vh)
+            qf, kf, vf = heads.split([qc * d, kc * d, kc * dv], dim=2)
+            qh, kv = qf.unflatten(2, (qc, d)), (kf.unflatten(2, (kc, d)), vf.unflatten(2, (kc, dv)))
         else:
-            qh = heads
+            qh = heads.unflatten(2, (qc, d))
         assert kv is not None
         part = {} if sinks is None else {"sinks": sinks[i * qc : (i + 1) * qc]}
         out = inner(qh, kv[0], kv[1], **part)  # (b, s, qc, d)

@@ -43,23 +43,24 @@ def forward_comm_bytes(
     seq_len: int,
     hq: int,
     hkv: int,
-    head_dim: int,
+    head_dim: int | tuple[int, int],
     ulysses_degree: int,
     ring_degree: int,
     bytes_per_element: int,
 ) -> tuple[int, int]:
     """Bytes one rank sends in one forward attention call, by formula.
 
-    All-to-all over u ranks: ``b * (N/P) * (2*hq + 2*hkv_sent) * d * (u-1)/u * B``; KV ring
-    over r ranks: ``2 * b * (N/r) * (hkv_sent/u) * d * (r-1) * B``; ``hkv_sent`` is ``hkv``
-    times its replication for u. The byte counters equal these (tested).
+    All-to-all over u ranks: ``b * (N/P) * (hq + hkv_sent) * (d + dv) * (u-1)/u * B`` (q, k,
+    v out and the output back); KV ring over r ranks: ``b * (N/r) * (hkv_sent/u) * (d + dv)
+    * (r-1) * B``; ``hkv_sent`` is ``hkv`` times its replication for u, ``dv`` the values'
+    head dim (MLA's; ``d`` otherwise). The byte counters equal these (tested).
 
     Args:
         batch: ``b``.
         seq_len: The full length ``N``.
         hq: Query heads.
         hkv: Key/value heads.
-        head_dim: ``d``.
+        head_dim: ``d``, or ``(d, dv)``: the q/k and the values' head dims (MLA).
         ulysses_degree: ``u``.
         ring_degree: ``r``.
         bytes_per_element: ``B``.
@@ -68,10 +69,12 @@ def forward_comm_bytes(
         ``(all_to_all, ring)`` bytes.
     """
     u, r = ulysses_degree, ring_degree
-    b, N, d, B = batch, seq_len, head_dim, bytes_per_element
+    b, N, B = batch, seq_len, bytes_per_element
+    d, dv = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
+    w = d + dv  # a q/output or k/v pair, per head
     hkv_sent = hkv * kv_replication(hq, hkv, u)
-    a2a = b * (N // (u * r)) * (2 * hq + 2 * hkv_sent) * d * (u - 1) // u * B
-    ring = 2 * b * (N // r) * (hkv_sent // u) * d * (r - 1) * B
+    a2a = b * (N // (u * r)) * (hq + hkv_sent) * w * (u - 1) // u * B
+    ring = b * (N // r) * (hkv_sent // u) * w * (r - 1) * B
     return a2a, ring
 
 
@@ -98,7 +101,7 @@ def attention_bytes(
         seq_len=seq_len,
         hq=shape.hq,
         hkv=shape.hkv,
-        head_dim=shape.head_dim,
+        head_dim=(shape.head_dim, shape.dv),
         ulysses_degree=ulysses,
         ring_degree=ring,
         bytes_per_element=B,

@@ -132,7 +132,7 @@ def attention_activation(
     u, r = ulysses, ring
     Q = shape.q_width * t * B  # the rank's q (or output, or dO) in bytes
     rep = kv_replication(shape.hq, shape.hkv, u) if u > 1 else 1
-    Kr = shape.hkv * rep * shape.head_dim * t * B  # k (or v) at its replicated width
+    Kr = shape.kv_width * rep * t * B  # k (or v) at its replicated width
     c = max(1, head_chunks) if u > 1 else 1
     ck = min(c, shape.hkv * rep // u) if u > 1 else 1
     qc, kc = Q // c, Kr // ck

@@ -103,7 +103,7 @@ def _shape(shape: ModelShape, run: Run) -> ModelShape:
 def _flops(shape: ModelShape, run: Run, seq_len: int, batch: int) -> float:
     t = batch * seq_len / run.sp
     dense = 6 * (shape.params - shape.vocab * shape.dim) * t
-    attn = 6 * batch * seq_len**2 * shape.hq * shape.head_dim * shape.layers / run.sp
+    attn = 6 * batch * seq_len**2 * shape.hq * shape.width * shape.layers / run.sp
     if run.layout == "contiguous" and run.ring > 1:
         attn *= 2 * run.ring / (run.ring + 1)
     total = dense + attn

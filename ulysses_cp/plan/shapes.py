@@ -65,6 +65,7 @@ class ModelShape:
     weights_file_bytes: int = 0  # the largest file of model.hf_weights (0: none)
     lean_norms: bool = False  # RMSNorms keep no normalised copy (models/lean_norm.py)
     memory_budget_gb: float | None = None  # sizes "auto" tiles (core.tiles.with_budget)
+    v_head_dim: int = 0  # MLA: the values' head dim where it is not q's and k's (0: the same)
 
     def persistent(self, threshold: float) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (tensors of at most ``threshold``
@@ -84,12 +85,23 @@ class ModelShape:
         return self.layers if self.attention_layers is None else self.attention_layers
 
     @property
+    def dv(self) -> int:
+        """The values' (and the attention output's) head dim."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def width(self) -> int:
+        """The mean of the q/k and v head dims: a q/output or k/v pair holds twice this
+        per head (the memory model counts pairs; MLA's are unequal)."""
+        return (self.head_dim + self.dv) // 2
+
+    @property
     def q_width(self) -> int:
-        return self.hq * self.head_dim
+        return self.hq * self.width
 
     @property
     def kv_width(self) -> int:
-        return self.hkv * self.head_dim
+        return self.hkv * self.width
 
 
 def _count(model: torch.nn.Module, layers) -> dict[str, Any]:
@@ -132,7 +144,7 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
 
     cfg = load_config(mc.hf_config)
     hq, hkv = heads(cfg)
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    d, dv = head_dims(cfg, hq)
     with torch.device("meta"):
         model = _transformers().AutoModelForCausalLM.from_config(cfg)
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
@@ -150,7 +162,20 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
         **feats,
         **_hybrid(cfg, model),
         lean_norms=bool(mc.lean_norms and lean_norms(model)),  # probed on the meta model
+        v_head_dim=dv if dv != d else 0,
     )
+
+
+def head_dims(cfg: Any, hq: int) -> tuple[int, int]:
+    """``(q/k head dim, v head dim)`` of a Hugging Face config: MLA's (DeepSeek-V2/V3,
+    Kimi-K2, GLM-4.7-Flash, MiniCPM3) are ``qk_nope_head_dim + qk_rope_head_dim`` and
+    ``v_head_dim``; others have one ``head_dim`` (or ``hidden_size / heads``)."""
+    nope, rope = getattr(cfg, "qk_nope_head_dim", None), getattr(cfg, "qk_rope_head_dim", None)
+    if nope is not None and rope is not None:
+        d = nope + rope
+        return d, getattr(cfg, "v_head_dim", None) or d
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    return d, getattr(cfg, "v_head_dim", None) or d
 
 
 def _hybrid(cfg: Any, model: torch.nn.Module) -> dict[str, Any]:
