@@ -199,3 +199,19 @@ def test_benchmark_hf_trainer_quick(tmp_path):
     assert all(p > 0 for p in ours["peak_mib_per_rank"]) and ours["step_s"] > 0
     assert "error" in alst or ("loss_rel_diff" in alst and len(alst["peak_mib_per_rank"]) == 2)
     assert "alst z2" in out  # the printed table has ALST's row either way
+
+
+def test_benchmark_mla_small(tmp_path):
+    """The MLA exchange benchmark at 2 ranks, 64 tokens: the latent exchange gives the plain
+    one's output and gradients (asserted in the script), each rank's bytes equal the
+    formulas, and at DeepSeek-V3's real sizes the latent one sends fewer bytes."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_mla.py"), "--world", "2"]
+    out = run([*cmd, "--seq", "64", "--out", str(tmp_path)], timeout=300)
+    data = json.loads((tmp_path / "benchmark_mla.json").read_text())
+    m = data["measured"]
+    assert m["bytes_latent"] > 0 and m["peak_plain"] > 0 and m["peak_latent"] > 0
+    real = {r["config"]: r for r in data["real"]}
+    v3 = real["DeepseekV3Config"]
+    assert (v3["hq"], v3["dn"] + v3["dr"], v3["dv"], v3["r"]) == (128, 192, 128, 512)
+    assert v3["bytes_latent"] < v3["bytes_plain"]
+    assert "latent/plain" in out
