@@ -38,16 +38,18 @@ from benchlib import parse_args, run_ranks
 from profiling import peak_memory
 
 import ulysses_cp as ucp
+from ulysses_cp.core.comm import stats
 from ulysses_cp.kernels.dispatch import local_attention
 
 # DeepSeek-V3's attention at 1/16 of its widths (128 heads -> 8): q/k 8 + 4, v 8, latent 32
 TINY = dict(hidden=64, hq=8, dn=8, dr=4, dv=8, r=32)
 REAL = ["DeepseekV3Config", "LongcatFlashConfig", "MiniCPM3Config", "Glm4MoeLiteConfig"]
-SENT = {"latent": 0}  # bytes this rank's latent exchange sent in its forward
+LATENT = "mla_latent"  # the latent exchange's bytes in ucp.comm_stats
 
 
 def _count(x: torch.Tensor, copies: float) -> None:
-    SENT["latent"] += int(x.numel() * x.element_size() * copies)
+    """This rank's forward bytes of the latent exchange, counted as ``mla_latent``."""
+    stats.add(LATENT, "forward", int(x.numel() * x.element_size() * copies))
 
 
 def bytes_forward(w: dict, N: int, P: int, B: int, b: int = 1) -> tuple[int, int]:
@@ -174,10 +176,9 @@ def worker(rank, world, args, device):
             got["out"] = out.detach()
 
         ucp.comm_stats.reset()
-        SENT["latent"] = 0
         peak = peak_memory(step, scratch=False)
         grads = [xl.grad, *(W[k].grad for k in ("q", "kv_a", "kv_b"))]
-        sent = SENT["latent"] if name == "latent" else ucp.comm_stats.total("all_to_all", "forward")
+        sent = ucp.comm_stats.total(LATENT if name == "latent" else "all_to_all", "forward")
         results[name] = dict(peak=peak, out=got["out"], grads=grads, sent=sent)
     # the weights' gradients: plain has every head from this rank's tokens, latent this
     # rank's heads from every token (kv_b) -- equal once summed over the ranks

@@ -14,6 +14,7 @@ import torch
 import ulysses_cp as ucp
 from tests.helpers import attend_and_check, make_qkv, reference, topology
 from tests.test_compile import compiled_equals_eager
+from tests.test_flash_contract import install, rel_err, uninstall
 from ulysses_cp.kernels import widths
 from ulysses_cp.kernels.dispatch import local_attention
 from ulysses_cp.plan.comm import forward_comm_bytes
@@ -123,12 +124,9 @@ def test_compiled_ulysses_carries_values_at_their_width(pools):
 def _flash_modes(rank: int) -> list[float]:
     """flash-attn 2.8.3's stand-in at u2 x r2, dense and packed, bf16, MLA widths: the
     largest relative error of out and the gradients against float64, per case."""
-    from tests.flash_standin import unuse, use
     from tests.helpers import sharded_run
-    from ulysses_cp.kernels import flash_backend
 
-    use("2.8.3", "custom_op")
-    flash_backend.reset()
+    install("2.8.3", "custom_op")
     try:
         q, k, v, do = make_qkv(seed=4, b=1, s=64, hq=8, hkv=2, d=24, dv=16)
         errs = []
@@ -137,13 +135,10 @@ def _flash_modes(rank: int) -> list[float]:
             ref = reference(q, k, v, do, bounds=bounds)[:4]
             low = (t.to(torch.bfloat16) for t in (q, k, v, do))
             got = sharded_run(*low, topology(2, 2), backend="flash_attn", cu_seqlens=cu)[:4]
-            errs.append(
-                max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref))
-            )
+            errs.append(max(rel_err(a, b) for a, b in zip(got, ref)))
         return errs
     finally:
-        unuse()
-        flash_backend.reset()
+        uninstall()
 
 
 def test_flash_attn_2_takes_values_padded_in_every_mode(pools):
@@ -154,11 +149,7 @@ def test_flash_attn_2_takes_values_padded_in_every_mode(pools):
 
 
 def test_flash_attn_2_refuses_values_of_another_width_unpadded(monkeypatch):
-    from tests.flash_standin import unuse, use
-    from ulysses_cp.kernels import flash_backend
-
-    use("2.8.3", "plain")
-    flash_backend.reset()
+    install("2.8.3", "plain")
     try:
         q, k, v, _ = (t.bfloat16() for t in make_qkv(seed=2, b=1, s=16, hq=2, hkv=2, d=24, dv=16))
         assert local_attention(q, k, v, backend="flash_attn").shape == (1, 16, 2, 16)
@@ -166,8 +157,7 @@ def test_flash_attn_2_refuses_values_of_another_width_unpadded(monkeypatch):
         with pytest.raises(RuntimeError, match="v must have shape"):
             local_attention(q, k, v, backend="flash_attn")
     finally:
-        unuse()
-        flash_backend.reset()
+        uninstall()
 
 
 def test_the_planner_reads_mla_widths():

@@ -204,14 +204,13 @@ def ring_backward(
     dq: torch.Tensor | None = None  # the first whole block's dq, or zeros
     whole = slice(0, q.shape[1])
     gathered = ring.exchange == "allgather" and P > 1
-    # dk and dv packed as the kv block they belong to (_pack)
-    shape = (2, *k.shape) if k.shape == v.shape else (*k.shape[:3], k.shape[3] + v.shape[3])
+    kv_own = _pack(k, v)  # dk and dv are packed as the kv block they belong to
     if gathered:  # this rank's share of every block's dk/dv, reduce-scattered at the end
-        dkv_all = torch.zeros((P, *shape), dtype=acc, device=k.device)
-    dkv = torch.zeros(shape, dtype=acc, device=k.device)  # travels with its kv block
+        dkv_all = torch.zeros((P, *kv_own.shape), dtype=acc, device=k.device)
+    dkv = torch.zeros(kv_own.shape, dtype=acc, device=k.device)  # travels with its kv block
     # used only on the ring with P > 1
     dkv_comm = cast(RingComm, RingComm(group, "ring", "backward", tag=2) if P > 1 else None)
-    for step, kv in _visiting(_pack(k, v), ring, "backward", tag=1):
+    for step, kv in _visiting(kv_own, ring, "backward", tag=1):
         kb, vb = _unpack(kv, k.shape[-1])
         done = []
         blocks, skipped = schedule.blocks(step)

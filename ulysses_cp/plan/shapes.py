@@ -173,8 +173,8 @@ def head_dims(cfg: Any, hq: int) -> tuple[int, int]:
     nope, rope = getattr(cfg, "qk_nope_head_dim", None), getattr(cfg, "qk_rope_head_dim", None)
     if nope is not None and rope is not None:
         d = nope + rope
-        return d, getattr(cfg, "v_head_dim", None) or d
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    else:
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     return d, getattr(cfg, "v_head_dim", None) or d
 
 
