@@ -197,25 +197,15 @@ def check_case(results, *, seed, hq, hkv, bounds=None, sinks=False, widths=None,
 MATH = ("causal", "softmax_scale", "softcap", "window")  # attention keywords the reference takes
 
 
-def attend_and_check(
-    pools,
-    u,
-    r,
-    layout="zigzag",
-    *,
-    seed,
-    hq,
-    hkv,
-    bounds=None,
-    sinks=False,
-    options=None,
-    widths=None,
-    **kw,
-):
+CASE = ("seed", "hq", "hkv", "bounds", "sinks", "widths")  # attend_case's case keywords
+
+
+def attend_and_check(pools, u, r, layout="zigzag", *, options=None, **kw):
     """:func:`attend_case` on ``u * r`` pool ranks, every result checked (:func:`check_case`)
-    with the math keywords of ``kw``; the results, for more checks. ``widths``: ``(d, dv)``
-    for values of their own head dim (MLA)."""
-    case = dict(seed=seed, hq=hq, hkv=hkv, bounds=bounds, sinks=sinks, widths=widths)
+    with the math keywords of ``kw``; the results, for more checks. ``kw``: the case's
+    keywords (``seed``, ``hq``, ``hkv`` required; ``bounds``, ``sinks``, ``widths``: ``(d,
+    dv)`` for values of their own head dim) and ``ucp.attention``'s."""
+    case = {key: kw.pop(key) for key in CASE if key in kw}
     results = pools(u * r).run(attend_case, u, r, layout, **case, options=options, **kw)
     check_case(results, **case, **{k: v for k, v in kw.items() if k in MATH})
     return results

@@ -28,18 +28,7 @@ RTOL = 1e-5
 # the quick start's settings in docs/huggingface.md (a short run that shows a wrong
 # gradient scale; tests/test_docs.py checks the page gives these)
 SETTINGS = (
-    "--max_length",
-    "64",
-    "--max_steps",
-    "3",
-    "--batch_size",
-    "2",
-    "--optim",
-    "sgd",
-    "--learning_rate",
-    "1.0",
-    "--max_grad_norm",
-    "0",
+    "--max_length 64 --max_steps 3 --batch_size 2 --optim sgd --learning_rate 1.0 --max_grad_norm 0"
 )
 
 
@@ -56,10 +45,10 @@ def tiny_assets(folder: Path) -> Path:
 
 
 def example_args(
-    assets: Path, out: Path, data: str = "chats.jsonl", settings: tuple[str, ...] = SETTINGS
+    assets: Path, out: Path, data: str = "chats.jsonl", settings: str = SETTINGS
 ) -> list[str]:
     model = ("--model_path", str(assets / "model"), "--tokenizer_path", str(assets / "tokenizer"))
-    return [*model, "--data", str(assets / data), "--output_dir", str(out), *settings]
+    return [*model, "--data", str(assets / data), "--output_dir", str(out), *settings.split()]
 
 
 LAUNCHERS = ("accelerate", "deepspeed")
