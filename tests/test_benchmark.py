@@ -38,12 +38,14 @@ def test_benchmark_window_quick(tmp_path):
 def test_benchmark_mixers_small(tmp_path):
     """One mixer layer of each kind at P = 4 against one rank: its per-rank peak near 1/P
     (the weights' gradients, full on every rank, keep it a little above at 1024 tokens),
-    and the bytes sent equal the formula."""
+    and the bytes sent equal the formula. Mamba1's row is left out (its torch scan loops
+    over the tokens: minutes under the profiler; tests/test_plan_hybrid.py checks its bytes)."""
     out = tmp_path / "mixers.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_mixers.py"), "--seq", "1024"]
-    run([*cmd, "--repeats", "1", "--json", str(out)], timeout=600)
+    rows3 = ["short conv (LFM2)", "gated delta net (Qwen3-Next)", "Mamba2 (Bamba)"]
+    run([*cmd, "--repeats", "1", "--json", str(out), "--mixers", *rows3], timeout=600)
     rows = json.loads(out.read_text())
-    assert len(rows) == 3
+    assert [row["mixer"] for row in rows] == rows3
     for row in rows:
         assert row["peak_ratio"] < 0.3, row["mixer"]
         assert row["four"]["bytes_sent"] == row["four"]["bytes_formula"] > 0

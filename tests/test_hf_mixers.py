@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import HF_TINY, hf_packed_loss_and_grads, hf_pair, topology
+from tests.hf_zoo import wake_zero_params_
 from ulysses_cp.core.comm import stats
 from ulysses_cp.core.varlen import doc_layout_indices
 from ulysses_cp.modes.mixer import MixerExchange, split_channels
@@ -37,6 +38,32 @@ def bamba():
     )
 
 
+def jamba():
+    """Mamba1 (64 channels, dt rank 4, state 8) then attention; dense MLPs. Its decoder
+    layer calls the mixer without the batch: packed rows are refused."""
+    return transformers.JambaConfig(
+        **HF_TINY,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=1,
+        mamba_d_state=8,
+        mamba_dt_rank=4,
+        mamba_expand=2,
+    )
+
+
+def zamba():
+    """Zamba's multi-head Mamba1 (4 heads of 16 channels), then two hybrid layers (the
+    shared attention block)."""
+    return transformers.ZambaConfig(
+        **{**HF_TINY, "num_hidden_layers": 3},
+        layers_block_type=["mamba", "hybrid", "hybrid"],
+        n_mamba_heads=4,
+        attention_head_dim=16,
+        mamba_d_state=8,
+    )
+
+
 def qwen3_next(k_heads=4):
     return transformers.Qwen3NextConfig(
         **HF_TINY,
@@ -52,6 +79,9 @@ def qwen3_next(k_heads=4):
         moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
     )
+
+
+FAMILIES = {"lfm2": lfm2, "bamba": bamba, "qwen3_next": qwen3_next, "zamba": zamba}
 
 
 def _exchange(rank, layout, packed):
@@ -83,8 +113,12 @@ def test_the_exchange_moves_channels_and_back(pools, layout, packed):
 def _packed(rank, u, r, family, packing="document"):
     """A packed row equals its documents run alone: no state crosses a document."""
     topo = topology(u, r, packing=packing)
-    cfg = {"lfm2": lfm2, "bamba": bamba, "qwen3_next": qwen3_next}[family]()
+    cfg = FAMILIES[family]()
     sp, ref = hf_pair(cfg, topo)  # sdpa: float64 softmax, where eager takes it in float32
+    if family == "zamba":  # its x_proj starts at zero: B = C = 0 would hide the scan
+        with torch.no_grad():
+            wake_zero_params_(sp, std=0.5)
+        ref.load_state_dict(sp.state_dict())
     g = torch.Generator().manual_seed(2)
     docs = [torch.randint(96, (n,), generator=g) for n in (13, 32, 8)]
     loss, ref_loss, grads = hf_packed_loss_and_grads(sp, ref, topo, docs)
@@ -95,17 +129,34 @@ def _packed(rank, u, r, family, packing="document"):
         torch.testing.assert_close(grad, want, **tol)
 
 
-@pytest.mark.parametrize("family", ["lfm2", "bamba", "qwen3_next"])
+@pytest.mark.parametrize("family", ["lfm2", "bamba", "qwen3_next", "zamba"])
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)], ids=str)
 def test_packed_documents_start_fresh_states(pools, family, u, r):
     pools(u * r).run(_packed, u, r, family)
 
 
-@pytest.mark.parametrize("family", ["lfm2", "bamba"])
+@pytest.mark.parametrize("family", ["lfm2", "bamba", "zamba"])
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)], ids=str)
 def test_row_packed_documents_start_fresh_states(pools, family, u, r):
     """Row-wise packing (13 + 32 + 8 tokens, only the row padded) through the mixers."""
     pools(u * r).run(_packed, u, r, family, "row")
+
+
+def _packed_rows_of_a_layer_that_drops_the_batch(rank):
+    topo = topology(2, 1)
+    sp, _ = hf_pair(jamba(), topo)
+    docs = [torch.arange(n) % 96 for n in (12, 20)]
+    with pytest.raises(ValueError) as info:
+        hf_packed_loss_and_grads(sp, sp, topo, docs)
+    return str(info.value)
+
+
+def test_a_mixer_its_layer_calls_without_the_batch_refuses_packed_rows(pools):
+    """transformers' Jamba (and Mamba, FalconMamba) layers call the mixer without
+    ``**kwargs``: the documents' bounds never reach it, so a packed row is refused."""
+    messages = pools(2).run(_packed_rows_of_a_layer_that_drops_the_batch)
+    assert len(set(messages)) == 1
+    assert "JambaMambaMixer" in messages[0] and "the 2 documents" in messages[0], messages[0]
 
 
 def _heads_that_do_not_split(rank):

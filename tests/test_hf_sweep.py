@@ -122,19 +122,19 @@ def check(results, family):
 # the families that train exactly (docs/models.md lists every family and why the rest are
 # refused); a family changing sides fails here until the table says so
 EXACT_NAMES = """
-    afmoe apertus apertus1p5_text arcee aria_text axk1 bamba beam bert bert-generation
-    biogpt bitnet codegen cohere cohere2 cohere2_moe cohere_compass_text ctrl cwm dbrx
-    deepseek_v2 deepseek_v3 diffllama dory dots1 emu3 ernie ernie4_5 ernie4_5_moe exaone
-    exaone4 exaone_moe falcon_h1 flex_olmo flint gemma gemma2 gemma3_text gemma3n_text
-    gemma4_text gemma4_unified_text glm glm4 glm4_moe glm4_moe_lite gpt-sw3 gpt2
-    gpt_bigcode gpt_neox gpt_oss gptj granite granite_swa granitemoe granitemoe_swa
-    granitemoehybrid granitemoeshared helium hrm_text hunyuan_v1_dense hunyuan_v1_moe hy_v3
-    hyperclovax internlm3 iquestcoder jais2 jetmoe kolibri1 laguna lfm2 lfm2_moe llama
-    llama4_text longcat_flash mellum mimo_v2_flash minicpm3 minimax_m2 minimax_m3_vl_text
-    ministral ministral3 mistral mixtral mllama moshi nanochat nemotron nemotron_h olmo
-    olmo2 olmo3 olmoe opt persimmon phi phi3 phi4_multimodal qwen2 qwen2_moe qwen3
-    qwen3_5_moe_text qwen3_5_text qwen3_moe qwen3_next roc_bert sarvam_mla sarvam_moe
-    seed_oss smollm3 solar_open stablelm starcoder2 vaultgemma whisper youtu
+    afmoe apertus apertus1p5_text arcee aria_text axk1 bamba beam bert bert-generation biogpt
+    bitnet codegen cohere cohere2 cohere2_moe cohere_compass_text ctrl cwm dbrx deepseek_v2
+    deepseek_v3 diffllama dory dots1 emu3 ernie ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe
+    falcon_h1 falcon_mamba flex_olmo flint gemma gemma2 gemma3_text gemma3n_text gemma4_text
+    gemma4_unified_text glm glm4 glm4_moe glm4_moe_lite gpt-sw3 gpt2 gpt_bigcode gpt_neox
+    gpt_oss gptj granite granite_swa granitemoe granitemoe_swa granitemoehybrid granitemoeshared
+    helium hrm_text hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax internlm3 iquestcoder
+    jais2 jamba jetmoe kolibri1 laguna lfm2 lfm2_moe llama llama4_text longcat_flash mamba
+    mamba2 mellum mimo_v2_flash minicpm3 minimax_m2 minimax_m3_vl_text ministral ministral3
+    mistral mixtral mllama moshi nanochat nemotron nemotron_h olmo olmo2 olmo3 olmoe opt
+    persimmon phi phi3 phi4_multimodal qwen2 qwen2_moe qwen3 qwen3_5_moe_text qwen3_5_text
+    qwen3_moe qwen3_next roc_bert sarvam_mla sarvam_moe seed_oss smollm3 solar_open stablelm
+    starcoder2 vaultgemma whisper youtu zamba zamba2
 """
 EXACT = set(EXACT_NAMES.split())
 # the families the hybrid and head work names: exact in every mode, not only hybrid 2 x 2
@@ -151,6 +151,12 @@ NAMED = [
     "falcon_h1",
     "lfm2",
     "lfm2_moe",
+    "mamba",
+    "falcon_mamba",
+    "jamba",
+    "mamba2",
+    "zamba",
+    "zamba2",
 ]
 
 

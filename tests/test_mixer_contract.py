@@ -23,16 +23,28 @@ import ulysses_cp as ucp
 from tests import mixer_standin
 from tests.distributed import DistPool
 from tests.helpers import shard_loss, topology
-from tests.test_hf_mixers import bamba, lfm2, qwen3_next
+from tests.hf_zoo import wake_zero_params_
+from tests.test_hf_mixers import bamba, jamba, lfm2, qwen3_next, zamba
 
 transformers = pytest.importorskip("transformers")
 from ulysses_cp.models import hf  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # its own 4-rank pool
-FAMILIES = {"lfm2": lfm2, "qwen3_next": qwen3_next, "bamba": bamba}
+FAMILIES = {"lfm2": lfm2, "qwen3_next": qwen3_next, "bamba": bamba, "zamba": zamba, "jamba": jamba}
 # the family's kernel functions (transformers' wrappers; ``__wrapped__``: its torch path)
-WRAPPERS = ("causal_conv1d_fn", "mamba2_chunk_scan", "torch_chunk_gated_delta_rule")
-SCAN = {"lfm2": None, "qwen3_next": "chunk_gated_delta_rule", "bamba": "mamba_chunk_scan_combined"}
+WRAPPERS = (
+    "causal_conv1d_fn",
+    "mamba2_chunk_scan",
+    "torch_chunk_gated_delta_rule",
+    "mamba_selective_scan",
+)
+SCAN = {
+    "lfm2": None,
+    "qwen3_next": "chunk_gated_delta_rule",
+    "bamba": "mamba_chunk_scan_combined",
+    "zamba": "selective_scan_fn",  # once per head
+    "jamba": "selective_scan_fn",
+}
 # float32, relative to the loss and to each gradient's largest entry. The gated delta rule's
 # decay parameters sum per-token terms that cancel: transformers' float32 torch path is off
 # by ~3e-4 from the stand-in's float64 (and by 3.5e-5 from itself with the heads split)
@@ -80,6 +92,9 @@ def _run(rank, family, u, r, packed):
     auto = transformers.AutoModelForCausalLM
     sp = auto.from_config(copy.deepcopy(cfg), attn_implementation="ulysses_cp", **kw)
     ref = auto.from_config(copy.deepcopy(cfg), attn_implementation="sdpa", **kw)
+    if family == "zamba":  # its x_proj starts at zero: B = C = 0 would hide the scan
+        with torch.no_grad():
+            wake_zero_params_(sp, std=0.5)
     ref.load_state_dict(sp.state_dict())
     g = torch.Generator().manual_seed(2)
     if packed:
@@ -112,21 +127,29 @@ def _run(rank, family, u, r, packed):
     return calls, errors
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("u,r,packed", [(2, 2, False), (2, 2, True), (2, 1, True)], ids=str)
+CASES = [(2, 2, False), (2, 2, True), (2, 1, True)]
+
+
+@pytest.mark.parametrize(
+    "family,u,r,packed",
+    [(f, *case) for f in FAMILIES if f != "jamba" for case in CASES] + [("jamba", 2, 2, False)],
+    ids=str,
+)
 def test_adapters_meet_the_kernel_contracts(standin_pool, family, u, r, packed):
+    """Jamba's layers refuse packed rows (tests/test_hf_mixers.py)."""
     P = u * r
     # the conv's x: a channel-last view of the exchanged channels where causal-conv1d takes
     # it (channels and row stride multiples of 8: LFM2's D/P = 8 or 16, Qwen3-Next's 64 + 8
-    # at P = 2), else a channel-first copy (Qwen3-Next 32 + 4, Bamba 32 + 2 or 48 + 4)
-    layout = (
-        "channel_last" if family == "lfm2" or (family, P) == ("qwen3_next", 2) else "channel_first"
-    )
+    # at P = 2, Zamba's and Jamba's 64/P), else a channel-first copy (Qwen3-Next 32 + 4,
+    # Bamba 32 + 2 or 48 + 4)
+    last = family in ("lfm2", "zamba", "jamba") or (family, P) == ("qwen3_next", 2)
+    layout = "channel_last" if last else "channel_first"
     for calls, errors in standin_pool().run(_run, family, u, r, packed):
         conv = calls.get("causal_conv1d_fn", 0)
         assert conv and calls.get(f"causal_conv1d_fn:{layout}") == conv, calls
         assert calls.get("causal_conv1d_fn.backward") == conv, calls
+        scans = conv * (4 // P if family == "zamba" else 1)  # Zamba: a scan per head
         if SCAN[family] is not None:
-            assert calls.get(SCAN[family]) == conv == calls.get(SCAN[family] + ".backward"), calls
+            assert calls.get(SCAN[family]) == scans == calls.get(SCAN[family] + ".backward"), calls
         for name, err in errors.items():
             assert err < TOL.get(name.rsplit(".", 1)[-1], TOL[None]), (name, err)

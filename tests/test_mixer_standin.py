@@ -19,14 +19,17 @@ from tests.mixer_standin import kernels
 transformers = pytest.importorskip("transformers")
 from transformers.integrations import hub_kernels  # noqa: E402
 from transformers.models.bamba import modeling_bamba  # noqa: E402
+from transformers.models.mamba import modeling_mamba  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
 # Parameter lists (name=default) copied from the releases: causal_conv1d_interface.py at
-# v1.6.1.post4, ops/triton/ssd_combined.py at v2.3.2.post1, ops/gated_delta_rule/chunk.py
-# at v0.5.2.
+# v1.6.1.post4, ops/selective_scan_interface.py and ops/triton/ssd_combined.py at
+# v2.3.2.post1, ops/gated_delta_rule/chunk.py at v0.5.2.
 SIGNATURES = {
     "causal_conv1d_fn": "x weight bias=None seq_idx=None initial_states=None"
     " return_final_states=False final_states_out=None activation=None",
+    "selective_scan_fn": "u delta A B C D=None z=None delta_bias=None delta_softplus=False"
+    " return_last_state=False",
     "mamba_chunk_scan_combined": "x dt A B C chunk_size D=None z=None dt_bias=None"
     " initial_states=None seq_idx=None cu_seqlens=None dt_softplus=False dt_limit=(0.0,inf)"
     " return_final_states=False return_varlen_states=False",
@@ -37,12 +40,14 @@ SIGNATURES = {
 }
 MODULES = {
     "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d"),
+    "selective_scan_fn": ("mamba_ssm", "mamba_ssm.ops.selective_scan_interface"),
     "mamba_chunk_scan_combined": ("mamba_ssm", "mamba_ssm.ops.triton.ssd_combined"),
     "chunk_gated_delta_rule": ("fla", "fla.ops.gated_delta_rule"),
 }
 # transformers' torch versions (the functions its decorator wraps)
 TORCH = {
     "causal_conv1d_fn": modeling_bamba.causal_conv1d_fn.__wrapped__,
+    "selective_scan_fn": modeling_mamba.mamba_selective_scan.__wrapped__,
     "mamba_chunk_scan_combined": modeling_bamba.mamba2_chunk_scan.__wrapped__,
     "chunk_gated_delta_rule": modeling_qwen3_next.torch_chunk_gated_delta_rule.__wrapped__,
 }
@@ -61,6 +66,17 @@ def _randn(*shape, seed=0):
 
 def conv_args(b=2, c=16, s=24, w=4):  # x (b, c, s) channel-first, weight, bias
     return _randn(b, c, s), _randn(c, w, seed=1), _randn(c, seed=2)
+
+
+def ssm_args(b=2, d=8, s=29, n=6, g=None):  # u, delta, A, B, C (3-D, or 4-D: g groups)
+    bc = (b, n, s) if g is None else (b, g, n, s)
+    A = -torch.exp(0.5 * _randn(d, n, seed=2))
+    return _randn(b, d, s), _randn(b, d, s, seed=1), A, _randn(*bc, seed=3), _randn(*bc, seed=4)
+
+
+def ssm_extras(b=2, d=8, s=29):  # D, z, delta_bias
+    D, bias = torch.linspace(0.5, 1.5, d), torch.linspace(-1, 1, d)
+    return {"D": D, "z": _randn(b, d, s, seed=5), "delta_bias": bias}
 
 
 def scan_args(b=2, s=37, h=4, p=8, g=2, n=8):  # x, dt, A, B, C
@@ -106,6 +122,7 @@ def test_transformers_binds_the_standin_and_filters_keywords(fn, name):
     wrapper = hub_kernels.use_kernel_func_from_hub_with_fallback(name, package)(TORCH[name])
     args = {
         "causal_conv1d_fn": conv_args,
+        "selective_scan_fn": ssm_args,
         "mamba_chunk_scan_combined": scan_args,
         "chunk_gated_delta_rule": rule_args,
     }[name]()
@@ -156,6 +173,73 @@ def test_causal_conv1d_backward_checks_the_gradient_layout(fn):
     dout = _randn(2, 24, 20)[..., :16].transpose(1, 2)
     with pytest.raises(RuntimeError, match=r"strides \(dout.stride\(0\) and dout.stride\(2\)\)"):
         out.backward(dout)
+
+
+SSM_REFUSALS = {  # changed arguments -> the release's error
+    "u float64": ({"u": _randn(2, 8, 29).double()}, "Expected input_type == at::ScalarType::Fl"),
+    "A float16": ({"A": -torch.ones(8, 6).half()}, "Expected weight_type == at::ScalarType::Fl"),
+    "delta float16": ({"delta": _randn(2, 8, 29).half()}, r"delta.scalar_type\(\) == input_t"),
+    "B float64": ({"B": _randn(2, 6, 29).double()}, r"\(!is_variable_B \? weight_type : input"),
+    "fixed C float16": ({"C": _randn(8, 6).half()}, r"\(!is_variable_C \? weight_type : input"),
+    "D float16": ({"D": torch.ones(8).half()}, r"Expected D.scalar_type\(\) == at::ScalarType"),
+    "delta_bias strided": ({"delta_bias": torch.ones(16)[::2]}, r"delta_bias.stride\(-1\) == 1"),
+    "z of another shape": ({"z": _randn(2, 8, 5)}, r"z must have shape \(batch_size, dim, seqlen"),
+    "dstate 257": (
+        {"A": -torch.ones(8, 257), "B": _randn(2, 257, 29), "C": _randn(2, 257, 29)},
+        "selective_scan only supports state dimension <= 256",
+    ),
+    "B of 2 groups, C of 1": (
+        {"B": _randn(2, 2, 6, 29)},
+        r"C must have shape \(batch_size, n_groups, dstate, !is_complex \? seqlen: seqlen \* 2\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", [*SSM_REFUSALS, "complex A", "3 groups, 8 channels"])
+def test_selective_scan_fn_refuses_what_the_release_refuses(fn, case):
+    """The extension's checks (RuntimeError); the stand-in's own refusals: complex A (not
+    modelled), groups that do not divide dim (unchecked in the release)."""
+    u, delta, A, B, C = ssm_args()
+    args = {"u": u, "delta": delta, "A": A, "B": B, "C": C, **ssm_extras()}
+    if case == "complex A":
+        change, error, match = {"A": A.cfloat()}, NotImplementedError, "complex A is not modelled"
+    elif case == "3 groups, 8 channels":
+        B, C = ssm_args(g=3)[3:]
+        change, error, match = {"B": B, "C": C}, ValueError, "3 groups of B and C do not divide"
+    else:
+        (change, match), error = SSM_REFUSALS[case], RuntimeError
+    with pytest.raises(error, match=match):
+        fn["selective_scan_fn"](**{**args, **change})
+
+
+def test_selective_scan_fn_dtypes_and_layouts_of_B_C(fn):
+    """bfloat16 in: out bfloat16, the last state a float32 view into the chunk states, the
+    gradients in their inputs' dtypes and shapes (B, C 3-D). B and C of 2 groups, and fixed
+    ``(dim, dstate)`` ones: as scans of the channels each group or row serves."""
+    scan = fn["selective_scan_fn"]
+    u, delta, A, B, C = ssm_args()
+    D, z, bias = ssm_extras().values()
+    low = [t.bfloat16().requires_grad_() for t in (u, delta, B, C, z)]
+    f32 = [t.clone().requires_grad_() for t in (A, D, bias)]
+    (u, delta, B, C, z), (A, D, bias) = low, f32
+    out, last = scan(u, delta, A, B, C, D, z, bias, delta_softplus=True, return_last_state=True)
+    assert out.dtype == torch.bfloat16 and last.dtype == torch.float32
+    assert last.shape == (2, 8, 6) and last.stride(-1) == 2
+    out.float().sum().backward()
+    assert all(t.grad.dtype == t.dtype and t.grad.shape == t.shape for t in low + f32)
+    u, delta, A, B, C = ssm_args(g=2)
+    delta = torch.nn.functional.softplus(delta)  # decays below 1
+    Bf, Cf = _randn(8, 6, seed=6), _randn(8, 6, seed=7)
+
+    def part(c, B, C):  # channels c alone
+        return scan(u[:, c], delta[:, c], A[c], B, C)
+
+    grouped = [part(slice(4 * i, 4 * i + 4), B[:, i], C[:, i]) for i in range(2)]
+    fixed = [
+        part(slice(i, i + 1), *(M[i, :, None].expand(2, 6, 29) for M in (Bf, Cf))) for i in range(8)
+    ]
+    got = [scan(u, delta, A, B, C), scan(u, delta, A, Bf, Cf)]
+    _compare(got, [torch.cat(grouped, 1), torch.cat(fixed, 1)], 1e-6)
 
 
 def test_mamba_chunk_scan_combined_asserts_and_dt_limit(fn):
@@ -274,3 +358,20 @@ def test_packed_documents_equal_separate_runs(fn):
     got, _ = rule(q, k, v, g, beta, cu_seqlens=torch.tensor(bounds))
     want = split(lambda *t: rule(*t)[0], q, k, v, g, beta, dim=1)
     _compare([got], [want], 1e-6)
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_selective_scan_fn_equals_transformers_torch_version(fn, last):
+    """float32 in, B and C 3-D, with D, z, delta_bias and softplus: out, the last state and
+    the gradients against autograd through transformers' torch version."""
+    kw = {"delta_softplus": True, "return_last_state": last}
+
+    def call(f, u, delta, A, B, C, D, z, bias):
+        return f(u, delta, A, B, C, D=D, z=z, delta_bias=bias, **kw)
+
+    inputs = (*ssm_args(), *ssm_extras().values())
+    fs = (fn["selective_scan_fn"], TORCH["selective_scan_fn"])
+    got, want = (_grads(lambda *t, f=f: call(f, *t), inputs) for f in fs)
+    _compare(got, want, 2e-5)
+    if last:
+        _compare(*([call(f, *inputs)[1]] for f in fs), 2e-5)

@@ -1,6 +1,7 @@
 """The planner knows hybrid models: which layers attend, which mix tokens with an adapter
 (how many channels their all-to-alls carry), and the bytes of a training step, equal to
-the counters of a step measured here (tiny Qwen3-Next and Bamba, the shipped configs)."""
+the counters of a step measured here (tiny Qwen3-Next, Bamba and Jamba, the shipped
+configs)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from ulysses_cp.plan.shapes import MixerShape, model_shape
 
 pytest.importorskip("transformers")
 CONFIGS = {
-    name: str(ROOT / "configs" / "hf" / f"tiny_{name}.json") for name in ("qwen3_next", "bamba")
+    name: str(ROOT / "configs" / "hf" / f"tiny_{name}.json")
+    for name in ("qwen3_next", "bamba", "jamba")
 }
 
 
@@ -31,6 +33,10 @@ def test_the_shape_of_a_hybrid_model():
     # 8 heads x 16 and dt out, B and C (2 x 16 per group, 2 groups) with them, 128 back
     assert bamba.mixers == (MixerShape(3, 128 + 8, 128, 32, 2),)
     assert bamba.mixers[0].channels(4) == (136 + 4 * 32, 128)  # a group goes to 2 ranks
+    jamba = model_shape(HFModelConfig(hf_config=CONFIGS["jamba"]))
+    assert jamba.n_attention == 1
+    # Mamba1: 128 channels out and back; dt_rank 8 + B and C 2 x 16 all-reduced
+    assert jamba.mixers == (MixerShape(3, 128, 128, reduced=8 + 2 * 16),)
 
 
 def test_mixer_bytes_follow_the_degree_and_checkpointing():
@@ -40,6 +46,10 @@ def test_mixer_bytes_follow_the_degree_and_checkpointing():
     two = mixer_bytes(shape, sp=2, **kw)
     assert two == 3 * 2 * (512 * (136 + 64 + 128) // 2) * 4
     assert mixer_bytes(replace(shape, activation_checkpointing=True), sp=2, **kw) == two * 3 // 2
+    jamba = model_shape(HFModelConfig(hf_config=CONFIGS["jamba"]))
+    # the all-to-alls of 512 tokens, and the all-reduce of all 1024 tokens' 40 numbers
+    a2a, reduce = 512 * (128 + 128) // 2, 2 * 1 * 1024 * 40 // 2
+    assert mixer_bytes(jamba, sp=2, **kw) == 3 * 2 * (a2a + reduce) * 4
 
 
 def _measured(rank, name, u, r):
@@ -56,11 +66,11 @@ def _measured(rank, name, u, r):
         local["input_ids"], local["position_ids"], local["shift_labels"], topo, batch=local["batch"]
     )
     loss.backward()
-    return stats.total("all_to_all") + stats.total("ring")
+    return stats.total("all_to_all") + stats.total("ring") + stats.total("mixer_all_reduce")
 
 
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)], ids=str)
-@pytest.mark.parametrize("name", ["qwen3_next", "bamba"])
+@pytest.mark.parametrize("name", ["qwen3_next", "bamba", "jamba"])
 def test_hybrid_step_bytes_equal_the_plan(pools, name, u, r):
     shape = model_shape(HFModelConfig(hf_config=CONFIGS[name]))
     want = attention_bytes(shape, seq_len=256, batch=1, ulysses=u, ring=r)["total"]

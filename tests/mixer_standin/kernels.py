@@ -1,7 +1,8 @@
 """Pure-torch kernels of the mixer stand-ins (float64, written here from the operations'
-definitions: a depthwise causal convolution, the Mamba2 SSD recurrence, the gated delta
-rule), call counters, and the backward by recomputation that the stand-ins' autograd
-functions use. Nothing here checks a contract: the stand-in modules do, as their release does.
+definitions: a depthwise causal convolution, Mamba1's selective scan, the Mamba2 SSD
+recurrence, the gated delta rule), call counters, and the backward by recomputation that the
+stand-ins' autograd functions use. Nothing here checks a contract: the stand-in modules do, as
+their release does.
 """
 
 from __future__ import annotations
@@ -30,6 +31,40 @@ def conv(x, weight, bias=None, silu=False, seq_idx=None):
     if bias is not None:
         out = out + bias[:, None]
     return F.silu(out) if silu else out
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, softplus=False):
+    """Mamba1's selective scan, one step at a time: ``u`` and ``delta`` ``(b, d, l)``, ``A``
+    ``(d, n)`` (real), ``B``/``C`` ``(d, n)`` (fixed), ``(b, n, l)`` or ``(b, g, n, l)``
+    (channel i reads group ``i // (d/g)``). ``x_t = exp(delta_t A) x_{t-1} + delta_t B_t u_t``,
+    ``y_t = x_t C_t + D u_t``, times ``silu(z)``. Returns ``(y, last state (b, d, n))``."""
+    b, d, s = u.shape
+    if delta_bias is not None:
+        delta = delta + delta_bias[:, None]
+    if softplus:
+        delta = F.softplus(delta)
+    B, C = (_per_channel(M, b, d, s) for M in (B, C))  # (b, d, n, l)
+    state = u.new_zeros(b, d, A.shape[1])
+    ys = []
+    for t in range(s):
+        dt = delta[:, :, t, None]
+        state = torch.exp(dt * A) * state + dt * B[..., t] * u[:, :, t, None]
+        ys.append((state * C[..., t]).sum(-1))
+    y = torch.stack(ys, -1)
+    if D is not None:
+        y = y + D[:, None] * u
+    if z is not None:
+        y = y * F.silu(z)
+    return y, state
+
+
+def _per_channel(M, b, d, s):
+    """B or C as ``(b, d, n, l)``."""
+    if M.dim() == 2:
+        return M[None, :, :, None].expand(b, d, M.shape[1], s)
+    if M.dim() == 3:
+        M = M[:, None]
+    return M.repeat_interleave(d // M.shape[1], dim=1)
 
 
 def ssd(

@@ -48,7 +48,8 @@ class CommStats:
 
     One process-wide instance, ``ulysses_cp.core.comm.stats`` (``ucp.comm_stats``); the
     caller resets it. Ops: ``all_to_all``, ``ring``, ``kv_allgather``,
-    ``kv_reduce_scatter``, and ``all_gather`` / ``input check`` for the input checks.
+    ``kv_reduce_scatter``, ``mixer_all_reduce`` (Mamba1's partial sums), and ``all_gather`` /
+    ``input check`` for the input checks.
     Phases: ``forward``, ``backward``.
     """
 

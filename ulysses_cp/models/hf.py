@@ -133,7 +133,7 @@ class HFCausalLM(nn.Module):
                 module.forward = partial(_global_temperature, module.forward, module)
                 self._positions = True
         # hybrid layers' SP forwards (or a refusal); a model of mixers alone calls no attention
-        self._mixers = 0 if topo is None else install_mixers(model, topo)
+        self._mixers = 0 if topo is None else install_mixers(model, topo, self.base)
         if activation_checkpointing:
             layers = self.decoder_layers()
             offloaded = offloaded_layers(offload_activations, len(layers))

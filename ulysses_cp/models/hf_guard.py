@@ -165,14 +165,19 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
 # ---------------------------------------------------------------- the guard
 
 
+def _adapted(m: nn.Module) -> bool:
+    """A token mixer the package runs across ranks (``models/hf_mixers.py``)."""
+    return bool(getattr(m, "ucp_sequence_parallel", False))
+
+
 def _guard(
     base: nn.Module, layers: nn.ModuleList, calls: _Calls, attention: set[int], n: int
 ) -> tuple[list[str], int]:
     """Findings of the module walk (module docstring, step 1) and how many modules were
     split-tested."""
-    containing: set[int] = set()
+    containing: set[int] = set()  # holds attention or an adapted mixer: a container
     for m in base.modules():
-        if any(id(d) in attention for d in m.modules()):
+        if any(id(d) in attention or (_adapted(d) and d is not m) for d in m.modules()):
             containing.add(id(m))
     layer_of = {id(m): i for i, layer in enumerate(layers) for m in layer.modules()}
     findings: list[str] = []
@@ -185,7 +190,7 @@ def _guard(
             for name, child in m.named_children():
                 visit(f"{path}.{name}" if path else name, child)
             return
-        if getattr(m, "ucp_sequence_parallel", False):
+        if _adapted(m):
             return
         if isinstance(m, PER_TOKEN) or is_activation(m):
             return

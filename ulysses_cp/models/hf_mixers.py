@@ -17,14 +17,14 @@ stay as they are) with the Ulysses treatment (:mod:`~ulysses_cp.modes.mixer`):
 Families: short convolutions (LFM2, LFM2-MoE: channels split), gated delta nets
 (Qwen3-Next, Qwen3.5: key heads and their value heads split), Mamba2 (Bamba,
 GraniteMoeHybrid, Nemotron-H, Falcon-H1: heads split; B/C groups split with them, or sent
-to every rank whose heads use them). Head counts that do not split over the SP degree are
-refused with the degrees that work. Every other mixer is refused by the guard
-(:mod:`~ulysses_cp.models.hf_guard`).
+to every rank whose heads use them) and Mamba1 (Mamba, FalconMamba, Jamba: channels split,
+one all-reduce of ``x_proj``'s partial sums; :mod:`~ulysses_cp.models.hf_mamba`). Head
+counts that do not split over the SP degree are refused with the degrees that work. Every
+other mixer is refused by the guard (:mod:`~ulysses_cp.models.hf_guard`).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -37,49 +37,24 @@ from ..core.derived import once
 from ..core.topology import Topology
 from ..modes.mixer import MixerExchange, split_channels
 from .hf_attention import local_topology, whole
+from .hf_mamba import (
+    mamba1,
+    mamba1_units,
+    mamba2,
+    mamba2_groups,
+    mamba2_units,
+    zamba_mamba,
+    zamba_mamba_units,
+)
+from .mixer_ops import by_document, causal_conv, family_kernel, units
 
-__all__ = ["ADAPTERS", "install_mixers", "mixer_channels", "mixer_degrees"]
-
-
-def _kernel(module: Any, name: str) -> Callable:
-    """The family's own kernel function of that name (its modeling module's)."""
-    return getattr(sys.modules[type(module).__module__], name)
-
-
-def _by_document(ex: MixerExchange, run: Callable, *seq: torch.Tensor) -> Any:
-    """``run(*seq)`` on the whole sequence (dim 1), or on each document's piece, so that
-    every document starts from a fresh state; the outputs concatenated along dim 1."""
-    docs = ex.documents()
-    if len(docs) == 1:
-        return run(*seq)
-    return torch.cat([run(*(t[:, a:b] for t in seq)) for a, b in docs], dim=1)
-
-
-def _conv_layout(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``(b, c, s)`` in a layout causal-conv1d takes (csrc/causal_conv1d.cpp): as it is
-    where channel-last is allowed (c and strides 0 and 2 multiples of 8; a view of the
-    exchanged channels, which the dt or gate channels follow), else channel-first."""
-    if x.shape[1] % 8 == 0 and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.stride(2) % 8 == 0:
-        return x
-    return x.contiguous()
-
-
-def _conv(module: Any, conv: nn.Conv1d, ex: MixerExchange, x, mine, activation):
-    """Depthwise causal conv of channels ``mine`` (``x`` ``(b, s, c)`` natural order)."""
-    fn = _kernel(module, "causal_conv1d_fn")
-    weight = conv.weight.squeeze(1)[mine]  # (C, K) -> (c, K)
-    bias = None if conv.bias is None else conv.bias[mine]
-
-    def run(piece):  # (b, s_doc, c) -> (b, c, s_doc) -> (b, s_doc, c)
-        kw = {} if activation is None else {"activation": activation}
-        return fn(_conv_layout(piece.transpose(1, 2)), weight, bias, **kw).transpose(1, 2)
-
-    return _by_document(ex, run, x)
-
-
-def _units(n: int, width: int, offset: int = 0) -> torch.Tensor:
-    """Channel indices of ``n`` units (heads, groups) of ``width`` channels: ``(n, width)``."""
-    return torch.arange(offset, offset + n * width).view(n, width)
+__all__ = [
+    "ADAPTERS",
+    "install_mixers",
+    "mixer_channels",
+    "mixer_degrees",
+    "mixer_reduced",
+]
 
 
 # ---------------------------------------------------------------- short convolution (LFM2)
@@ -89,10 +64,10 @@ def short_conv(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor:
     """LFM2's ShortConv: ``out_proj(C * conv(B * x))``, the conv per channel."""
     B, C, h = module.in_proj(x).chunk(3, dim=-1)  # (b, s_l, D) each
     D = h.shape[-1]
-    index = split_channels([_units(D, 1)], ex.P, "channels")
+    index = split_channels([units(D, 1)], ex.P, "channels")
     mine = index[ex.topo.sp_rank].to(x.device)
     full = ex.to_channels(B * h, index)  # (b, s, D/P)
-    y = ex.from_channels(_conv(module, module.conv, ex, full, mine, None))  # (b, s_l, D)
+    y = ex.from_channels(causal_conv(module, module.conv, ex, full, mine, None))  # (b, s_l, D)
     return module.out_proj((C * y).contiguous())
 
 
@@ -128,28 +103,28 @@ def gated_delta_net(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Te
     kd = hk * dk
     conv_dim = 2 * kd + hv * dv
     source = torch.cat([mixed, b, a], dim=-1)  # (b, s_l, conv_dim + 2 Hv)
-    units = [
-        _units(hk, dk),  # q
-        _units(hk, dk, kd),  # k
-        _units(hv, dv, 2 * kd),  # v
-        _units(hv, 1, conv_dim),  # b
-        _units(hv, 1, conv_dim + hv),  # a
+    blocks = [
+        units(hk, dk),  # q
+        units(hk, dk, kd),  # k
+        units(hv, dv, 2 * kd),  # v
+        units(hv, 1, conv_dim),  # b
+        units(hv, 1, conv_dim + hv),  # a
     ]
-    index = split_channels(units, ex.P, "key and value heads")
+    index = split_channels(blocks, ex.P, "key and value heads")
     rank = ex.topo.sp_rank
     full = ex.to_channels(source, index)  # (b, s, c)
     k_l, v_l = hk // ex.P, hv // ex.P
     c_conv = 2 * k_l * dk + v_l * dv
     mine = index[rank][:c_conv].to(x.device)
     heads = slice(rank * v_l, (rank + 1) * v_l)
-    qkv = _conv(module, module.conv1d, ex, full[..., :c_conv], mine, module.activation)
+    qkv = causal_conv(module, module.conv1d, ex, full[..., :c_conv], mine, module.activation)
     q, k, v = qkv.split([k_l * dk, k_l * dk, v_l * dv], dim=-1)
     q, k = (t.unflatten(-1, (k_l, dk)) for t in (q, k))  # (b, s, Hk/P, dk)
     v = v.unflatten(-1, (v_l, dv))  # (b, s, Hv/P, dv)
     b_, a_ = full[..., c_conv : c_conv + v_l], full[..., c_conv + v_l :]
     beta = b_.sigmoid()
     g = -module.A_log[heads].float().exp() * F.softplus(a_.float() + module.dt_bias[heads])
-    rule = _kernel(module, "torch_chunk_gated_delta_rule")
+    rule = family_kernel(module, "torch_chunk_gated_delta_rule")
 
     def run(q, k, v, g, beta):
         out, _ = rule(
@@ -164,7 +139,7 @@ def gated_delta_net(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Te
         )
         return out
 
-    core = _by_document(ex, run, q, k, v, g, beta)  # (b, s, Hv/P, dv)
+    core = by_document(ex, run, q, k, v, g, beta)  # (b, s, Hv/P, dv)
     core = ex.from_channels(core.flatten(2)).unflatten(-1, (hv, dv))  # (b, s_l, Hv, dv)
     shape = core.shape
     core = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(shape)
@@ -173,82 +148,6 @@ def gated_delta_net(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Te
 
 def gated_delta_net_units(module: Any) -> dict[str, int]:
     return {"key heads": module.num_k_heads, "value heads": module.num_v_heads}
-
-
-# ---------------------------------------------------------------- Mamba2
-
-
-def _mamba2_groups(module: Any, P: int) -> list[torch.Tensor]:
-    """Per rank, the B/C groups its heads use (contiguous head blocks; a group shared by
-    several ranks goes to each of them)."""
-    H, G = module.num_heads, module.n_groups
-    per_group = H // G
-    out = []
-    for r in range(P):
-        heads = range(r * H // P, (r + 1) * H // P)
-        out.append(torch.tensor(sorted({h // per_group for h in heads})))
-    if len({len(g) for g in out}) != 1:
-        raise ValueError(f"{H} heads in {G} groups do not split evenly over {P} ranks")
-    return out
-
-
-def mamba2(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor:
-    """Mamba2 (SSD): heads split, each rank's B/C groups with them; the gated norm (per
-    token) and the output projection back on the shard."""
-    H, p, G, N = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
-    I = module.intermediate_size
-    dtype = x.dtype
-    if hasattr(module, "mup_vector"):  # Falcon-H1's multipliers
-        proj = module.in_proj(x * module.ssm_in_multiplier) * module.mup_vector
-    else:
-        proj = module.in_proj(x)
-    gate, xbc, dt = proj.split([I, module.conv_dim, H], dim=-1)
-    source = torch.cat([xbc, dt], dim=-1)  # (b, s_l, conv_dim + H)
-    groups = _mamba2_groups(module, ex.P)
-    heads = split_channels([_units(H, p)], ex.P, "heads")
-    dts = split_channels([_units(H, 1, module.conv_dim)], ex.P, "heads")
-    index = [
-        torch.cat(
-            [heads[r], *(_units(G, N, I + off)[groups[r]].flatten() for off in (0, G * N)), dts[r]]
-        )
-        for r in range(ex.P)
-    ]
-    rank = ex.topo.sp_rank
-    full = ex.to_channels(source, index)  # (b, s, c)
-    h_l, g_l = H // ex.P, len(groups[rank])
-    c_conv = h_l * p + 2 * g_l * N
-    mine = index[rank][:c_conv].to(x.device)
-    conv = _conv(module, module.conv1d, ex, full[..., :c_conv], mine, module.activation)
-    xs, B, C = conv.split([h_l * p, g_l * N, g_l * N], dim=-1)
-    dt_l = full[..., c_conv:]  # (b, s, H/P)
-    my = slice(rank * h_l, (rank + 1) * h_l)
-    A = -torch.exp(module.A_log.float())[my]
-    scan = _kernel(module, "mamba2_chunk_scan")
-
-    def run(xs, dt_l, B, C):
-        return scan(
-            xs.unflatten(-1, (h_l, p)),
-            dt_l,
-            A,
-            B.unflatten(-1, (g_l, N)),
-            C.unflatten(-1, (g_l, N)),
-            chunk_size=module.chunk_size,
-            D=module.D[my],
-            z=None,
-            dt_bias=module.dt_bias[my],
-            dt_softplus=True,
-            dt_limit=module.time_step_limit,
-        )
-
-    y = _by_document(ex, run, xs, dt_l, B, C).flatten(2)  # (b, s, H/P * p)
-    y = ex.from_channels(y)  # (b, s_l, I)
-    norm = getattr(module, "mamba_rms_norm", True)  # Falcon-H1 may gate without the norm
-    y = module.norm(y, gate) if norm else y * F.silu(gate)
-    return module.out_proj(y.to(dtype))
-
-
-def mamba2_units(module: Any) -> dict[str, int]:
-    return {"heads": module.num_heads, "groups": module.n_groups}
 
 
 # ---------------------------------------------------------------- bytes
@@ -266,9 +165,20 @@ def mixer_channels(module: Any, P: int) -> tuple[int, int]:
         hk, hv = module.num_k_heads, module.num_v_heads
         dk, dv = module.head_k_dim, module.head_v_dim
         return 2 * hk * dk + hv * dv + 2 * hv, hv * dv
+    if kind in (mamba1, zamba_mamba):
+        return module.intermediate_size, module.intermediate_size
     H, p, N = module.num_heads, module.head_dim, module.ssm_state_size
-    groups = sum(len(g) for g in _mamba2_groups(module, P))  # a shared group goes to each
+    groups = sum(len(g) for g in mamba2_groups(module, P))  # a shared group goes to each
     return H * p + 2 * groups * N + H, H * p
+
+
+def mixer_reduced(module: Any) -> int:
+    """Numbers per token of the whole sequence that one mixer layer all-reduces over the SP
+    group (Mamba1's ``dt_rank + 2 d_state``; 0 for the others), in float32 at least. A
+    ring all-reduce sends ``2 (P-1)/P`` of them, in forward and again in backward."""
+    if ADAPTERS[type(module).__name__][0] is mamba1:
+        return int(module.time_step_rank + 2 * module.ssm_state_size)
+    return 0
 
 
 # ---------------------------------------------------------------- installing
@@ -285,6 +195,12 @@ ADAPTERS: dict[str, tuple[Callable, Callable]] = {
     "GraniteMoeHybridMambaLayer": (mamba2, mamba2_units),
     "NemotronHMamba2Mixer": (mamba2, mamba2_units),
     "FalconH1Mixer": (mamba2, mamba2_units),
+    "Mamba2Mixer": (mamba2, mamba2_units),
+    "Zamba2MambaMixer": (mamba2, mamba2_units),
+    "MambaMixer": (mamba1, mamba1_units),
+    "FalconMambaMixer": (mamba1, mamba1_units),
+    "JambaMambaMixer": (mamba1, mamba1_units),
+    "ZambaMambaMixer": (zamba_mamba, zamba_mamba_units),
 }
 
 
@@ -348,14 +264,31 @@ def _forward(
     if whole():  # the probe's whole-sequence reference
         topo = local_topology(topo)
     plan = None if whole() else kwargs.get("ucp_batch")
+    root = getattr(module, "_ucp_root_plan", None)  # what the base model was called with
+    docs = 0 if root is None or root.bounds is None else len(root.bounds) - 1
+    if plan is None and not whole() and docs > 1:
+        raise ValueError(
+            f"{type(module).__name__}: its decoder layer calls it without the batch "
+            f"(transformers' layer passes no **kwargs on), so the {docs} documents of a "
+            f"packed row would run as one sequence; train this model on unpacked rows (one "
+            f"document per row, padded at its end with ignored labels)"
+        )
     ex = _exchange(topo, hidden_states.shape[1], None if plan is None else plan.cu_seqlens)
     return adapter(module, ex, hidden_states)
 
 
-def install_mixers(model: nn.Module, topo: Topology) -> int:
+def _record_plan(mixers: list[nn.Module], base: nn.Module, args, kwargs) -> None:
+    """The base model's forward pre-hook: every mixer learns the batch the model runs."""
+    for m in mixers:
+        object.__setattr__(m, "_ucp_root_plan", kwargs.get("ucp_batch"))
+
+
+def install_mixers(model: nn.Module, topo: Topology, base: nn.Module | None = None) -> int:
     """Give every known mixer of ``model`` its sequence-parallel forward over ``topo`` (its
-    head counts checked against the SP degree first). Returns how many."""
-    n = 0
+    head counts checked against the SP degree first). ``base``: the decoder stack the run
+    calls with the batch (``ucp_batch``); a mixer whose layer does not pass the batch on
+    then refuses packed rows. Returns how many."""
+    n, mixers = 0, []
     for module in model.modules():
         entry = ADAPTERS.get(type(module).__name__)
         if entry is None or getattr(module, "ucp_sequence_parallel", False):
@@ -364,5 +297,8 @@ def install_mixers(model: nn.Module, topo: Topology) -> int:
         _check(module, units(module), topo.sp_world_size)
         module.forward = partial(_forward, adapter, module, topo)
         object.__setattr__(module, "ucp_sequence_parallel", True)  # read by the guard
+        mixers.append(module)
         n += 1
+    if base is not None and mixers:
+        base.register_forward_pre_hook(partial(_record_plan, mixers), with_kwargs=True)
     return n

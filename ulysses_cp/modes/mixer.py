@@ -15,6 +15,10 @@ which then travel to each of them) for all tokens, in natural order;
 holding the tokens. Both are one all-to-all over the SP group (``PendingAllToAll``, byte
 counted) and differentiable; the backward of each is the other's all-to-all.
 
+:meth:`MixerExchange.sum_over_ranks` all-reduces partial sums over the ranks' channels
+(a projection that reads every channel, such as Mamba1's ``x_proj``), in forward and in
+backward.
+
 Documents: a packed row (``cu``, sharded in the run's packing: document-wise or row-wise)
 is in natural order after :meth:`to_channels`, so the kernel runs once per document
 (:meth:`MixerExchange.documents`), each from a fresh state.
@@ -25,8 +29,9 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.distributed as dist
 
-from ..core.comm import PendingAllToAll
+from ..core.comm import PendingAllToAll, collective, stats
 from ..core.sharding import layout_indices
 from ..core.topology import Topology
 from ..core.varlen import Permute, doc_layout_indices, inverse_permutation
@@ -42,6 +47,31 @@ def _exchange(send: torch.Tensor, topo: Topology) -> torch.Tensor:
     """All-to-all over dim 0 (destination rank in, source rank out), differentiable."""
     pending = PendingAllToAll(topo.sp_group)
     return pending.finish(pending.start(send, _same, _same), _same, _same)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) over the SP group in forward and in backward: every rank uses the
+    sum, so each rank's share gets the sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo = topo
+        return _all_reduce(x, topo, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.topo, "backward"), None
+
+
+def _all_reduce(x: torch.Tensor, topo: Topology, phase: str) -> torch.Tensor:
+    """Sum of ``x`` over the SP group, counted as a ring all-reduce sends: ``2 (P-1)/P`` of
+    its bytes (op ``mixer_all_reduce``)."""
+    x = x.contiguous().clone()
+    P = topo.sp_world_size
+    with collective("mixer_all_reduce", phase, topo.sp_group):
+        dist.all_reduce(x, group=topo.sp_group)
+    stats.add("mixer_all_reduce", phase, 2 * (P - 1) * x.numel() * x.element_size() // P)
+    return x
 
 
 def split_channels(groups: list[torch.Tensor], P: int, what: str) -> list[torch.Tensor]:
@@ -93,6 +123,11 @@ class MixerExchange:
             return full
         perm, inv = self.natural.to(x.device), self.order.to(x.device)
         return Permute.apply(full, perm, inv, 1)  # natural order
+
+    def sum_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the SP group of every rank's ``x`` (partial sums over its channels
+        of a projection that reads all channels: Mamba1's ``x_proj``), differentiable."""
+        return x if self.P == 1 else _SumOverRanks.apply(x, self.topo)
 
     def from_channels(self, y: torch.Tensor) -> torch.Tensor:
         """``(b, s, c)`` this rank's mixed channels for every token, natural order ->

@@ -126,14 +126,18 @@ def attention_bytes(
 def mixer_bytes(shape: ModelShape, *, seq_len: int, batch: int, sp: int) -> int:
     """Bytes one rank sends per micro batch for the hybrid token mixers (all-to-alls over
     the whole SP group): per mixer layer, ``b * s_local * (to + back) * (P-1)/P * B`` in
-    forward and again in backward (and in the recomputed forward with checkpointing)."""
+    forward and again in backward (and in the recomputed forward with checkpointing); and
+    Mamba1's all-reduce of ``b * s * reduced`` numbers in float32 at least, of which a
+    ring all-reduce sends ``2 (P-1)/P``, as often."""
     if sp == 1:
         return 0
     runs = 3 if shape.activation_checkpointing else 2
     t, total = batch * (seq_len // sp), 0
+    wide = max(shape.dtype_bytes, 4)
     for m in shape.mixers:
         to, back = m.channels(sp)
         total += m.count * runs * (t * (to + back) * (sp - 1) // sp) * shape.dtype_bytes
+        total += m.count * runs * (2 * (sp - 1) * batch * seq_len * m.reduced // sp) * wide
     return total
 
 

@@ -273,7 +273,8 @@ def activation_bytes(
     c_mlp = tiles["mlp"]
     mlp = (5 * F * B * t // c_mlp + 2 * D * B * t) if c_mlp > 1 else 0  # one piece again
     for m in shape.mixers:  # the send, receive and natural-order copies of a mixer's input
-        staging = 3 * t * m.channels(P)[0] * B
+        # (and Mamba1's partial sums and their all-reduced copy, float32, whole sequence)
+        staging = 3 * t * m.channels(P)[0] * B + 2 * P * t * m.reduced * max(B, FP32)
         attn = {**attn, "staging": max(attn["staging"], staging)}
     if shape.activation_checkpointing:
         # the layer input, on the host for the offloaded layers

@@ -25,13 +25,16 @@ class MixerShape:
     """One kind of hybrid token-mixer layer (``ulysses_cp.models.hf_mixers``): ``count``
     layers; per token, ``to_fixed`` channels go to the heads' ranks plus ``group_width``
     for each B/C group a rank receives (Mamba2: every rank receives at least one, so
-    ``max(groups, P)`` in all), and ``back`` channels come back."""
+    ``max(groups, P)`` in all), and ``back`` channels come back; ``reduced`` numbers per
+    token of the whole sequence are all-reduced over the SP group in float32 at least
+    (Mamba1's ``x_proj`` partial sums)."""
 
     count: int
     to_fixed: int
     back: int
     group_width: int = 0
     groups: int = 0
+    reduced: int = 0
 
     def channels(self, P: int) -> tuple[int, int]:
         """Channels per token of the two all-to-alls at degree ``P``, summed over ranks."""
@@ -182,7 +185,7 @@ def _hybrid(cfg: Any, model: torch.nn.Module) -> dict[str, Any]:
     """The attention layers (from the config's layer types) and the mixer layers (the
     modules ``models/hf_mixers.py`` adapts) of a Hugging Face model built on meta."""
     from ..models.hf_attention import LAYER_TYPES, layer_type_name
-    from ..models.hf_mixers import ADAPTERS, mixer_channels
+    from ..models.hf_mixers import ADAPTERS, mixer_channels, mixer_reduced
 
     types = [layer_type_name(t) for t in getattr(cfg, "layer_types", None) or []]
     attention = sum(t in LAYER_TYPES for t in types) if types else None
@@ -194,7 +197,7 @@ def _hybrid(cfg: Any, model: torch.nn.Module) -> dict[str, Any]:
             to, back = mixer_channels(m, 1)
             width = 2 * m.ssm_state_size if hasattr(m, "n_groups") else 0
             groups = int(m.n_groups) if width else 0
-            key = (to - width * groups, back, width, groups)
+            key = (to - width * groups, back, width, groups, mixer_reduced(m))
             kinds[key] = kinds.get(key, 0) + 1
     mixers = tuple(MixerShape(n, *key) for key, n in kinds.items())
     return {"attention_layers": attention, "mixers": mixers}
