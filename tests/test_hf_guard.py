@@ -101,7 +101,6 @@ def test_the_guard_passes_attention_models():
 # token mixers the package has no sequence-parallel version of (the zoo's tiny configs);
 # the adapted ones (LFM2, Qwen3-Next, Bamba...) are in tests/test_hf_mixers.py
 UNADAPTED = {
-    "minimax": "layers.0.self_attn (MiniMaxLightningAttention) mixes tokens",
     "recurrent_gemma": "(RecurrentGemmaRecurrentBlock) mixes tokens",
     "lfm3": "(Lfm3ShortConv) mixes tokens",
     "olmo_hybrid": "(OlmoHybridGatedDeltaNet) mixes tokens",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import HF_TINY, hf_packed_loss_and_grads, hf_pair, topology
-from tests.hf_zoo import wake_zero_params_
+from tests.hf_zoo import tiny_config, wake_zero_params_
 from ulysses_cp.core.comm import stats
 from ulysses_cp.core.varlen import doc_layout_indices
 from ulysses_cp.modes.mixer import MixerExchange, split_channels
@@ -81,7 +81,25 @@ def qwen3_next(k_heads=4):
     )
 
 
-FAMILIES = {"lfm2": lfm2, "bamba": bamba, "qwen3_next": qwen3_next, "zamba": zamba}
+def kimi_linear():
+    """KDA (4 heads of 8) then MLA attention (the zoo's tiny Kimi Linear)."""
+    return tiny_config("kimi_linear")
+
+
+def minimax():
+    """Lightning attention in blocks of 16 (a 32-token document spans two), then softmax
+    attention (the zoo's tiny MiniMax)."""
+    return tiny_config("minimax")
+
+
+FAMILIES = {
+    "lfm2": lfm2,
+    "bamba": bamba,
+    "qwen3_next": qwen3_next,
+    "zamba": zamba,
+    "kimi_linear": kimi_linear,
+    "minimax": minimax,
+}
 
 
 def _exchange(rank, layout, packed):
@@ -122,14 +140,14 @@ def _packed(rank, u, r, family, packing="document"):
     g = torch.Generator().manual_seed(2)
     docs = [torch.randint(96, (n,), generator=g) for n in (13, 32, 8)]
     loss, ref_loss, grads = hf_packed_loss_and_grads(sp, ref, topo, docs)
-    # the gated delta rule computes in float32 inside its kernel
-    tol = TOL if family != "qwen3_next" else dict(rtol=1e-5, atol=1e-6)
+    # the gated delta rule and KDA compute in float32 inside their kernels
+    tol = TOL if family not in ("qwen3_next", "kimi_linear") else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, ref_loss, **tol)
     for grad, want in grads.values():
         torch.testing.assert_close(grad, want, **tol)
 
 
-@pytest.mark.parametrize("family", ["lfm2", "bamba", "qwen3_next", "zamba"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)], ids=str)
 def test_packed_documents_start_fresh_states(pools, family, u, r):
     pools(u * r).run(_packed, u, r, family)
@@ -207,3 +225,26 @@ def test_mixer_bytes_match_the_formula(pools):
     want = 2 * b * (s // P) * D * (P - 1) // P * B
     for forward, backward in pools(4).run(_bytes):
         assert forward == want and backward == want
+
+
+@pytest.mark.launcher
+def test_the_real_proportions_table_is_the_scripts():
+    """docs/models.md's rows of scripts/mixer_degrees.py for two families are what the
+    script prints now (Zamba: 2 heads, P <= 2; Mamba: channels and the all-reduce)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    script = ROOT / "scripts" / "mixer_degrees.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "MambaConfig", "ZambaConfig"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| Mamba") or "Zamba" in line]
+    assert len(rows) == 2 and "| 1, 2 |" in rows[1], out
+    page = (ROOT / "docs" / "models.md").read_text()
+    for line in rows:
+        assert line in page, line

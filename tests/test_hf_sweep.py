@@ -129,10 +129,10 @@ EXACT_NAMES = """
     gemma4_unified_text glm glm4 glm4_moe glm4_moe_lite gpt-sw3 gpt2 gpt_bigcode gpt_neox
     gpt_oss gptj granite granite_swa granitemoe granitemoe_swa granitemoehybrid granitemoeshared
     helium hrm_text hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax internlm3 iquestcoder
-    jais2 jamba jetmoe kolibri1 laguna lfm2 lfm2_moe llama llama4_text longcat_flash mamba
-    mamba2 mellum mimo_v2_flash minicpm3 minimax_m2 minimax_m3_vl_text ministral ministral3
-    mistral mixtral mllama moshi nanochat nemotron nemotron_h olmo olmo2 olmo3 olmoe opt
-    persimmon phi phi3 phi4_multimodal qwen2 qwen2_moe qwen3 qwen3_5_moe_text qwen3_5_text
+    jais2 jamba jetmoe kimi_linear kolibri1 laguna lfm2 lfm2_moe llama llama4_text longcat_flash
+    mamba mamba2 mellum mimo_v2_flash minicpm3 minimax minimax_m2 minimax_m3_vl_text ministral
+    ministral3 mistral mixtral mllama moshi nanochat nemotron nemotron_h olmo olmo2 olmo3 olmoe
+    opt persimmon phi phi3 phi4_multimodal qwen2 qwen2_moe qwen3 qwen3_5_moe_text qwen3_5_text
     qwen3_moe qwen3_next roc_bert sarvam_mla sarvam_moe seed_oss smollm3 solar_open stablelm
     starcoder2 vaultgemma whisper youtu zamba zamba2
 """
@@ -157,6 +157,8 @@ NAMED = [
     "mamba2",
     "zamba",
     "zamba2",
+    "kimi_linear",
+    "minimax",
 ]
 
 

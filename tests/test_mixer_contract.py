@@ -24,19 +24,27 @@ from tests import mixer_standin
 from tests.distributed import DistPool
 from tests.helpers import shard_loss, topology
 from tests.hf_zoo import wake_zero_params_
-from tests.test_hf_mixers import bamba, jamba, lfm2, qwen3_next, zamba
+from tests.test_hf_mixers import bamba, jamba, kimi_linear, lfm2, qwen3_next, zamba
 
 transformers = pytest.importorskip("transformers")
 from ulysses_cp.models import hf  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # its own 4-rank pool
-FAMILIES = {"lfm2": lfm2, "qwen3_next": qwen3_next, "bamba": bamba, "zamba": zamba, "jamba": jamba}
+FAMILIES = {
+    "lfm2": lfm2,
+    "qwen3_next": qwen3_next,
+    "bamba": bamba,
+    "zamba": zamba,
+    "kimi_linear": kimi_linear,
+    "jamba": jamba,
+}
 # the family's kernel functions (transformers' wrappers; ``__wrapped__``: its torch path)
 WRAPPERS = (
     "causal_conv1d_fn",
     "mamba2_chunk_scan",
     "torch_chunk_gated_delta_rule",
     "mamba_selective_scan",
+    "chunk_kimi_delta_attention",
 )
 SCAN = {
     "lfm2": None,
@@ -44,6 +52,7 @@ SCAN = {
     "bamba": "mamba_chunk_scan_combined",
     "zamba": "selective_scan_fn",  # once per head
     "jamba": "selective_scan_fn",
+    "kimi_linear": "chunk_kda",
 }
 # float32, relative to the loss and to each gradient's largest entry. The gated delta rule's
 # decay parameters sum per-token terms that cancel: transformers' float32 torch path is off

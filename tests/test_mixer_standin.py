@@ -19,12 +19,13 @@ from tests.mixer_standin import kernels
 transformers = pytest.importorskip("transformers")
 from transformers.integrations import hub_kernels  # noqa: E402
 from transformers.models.bamba import modeling_bamba  # noqa: E402
+from transformers.models.kimi_linear import modeling_kimi_linear  # noqa: E402
 from transformers.models.mamba import modeling_mamba  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
 # Parameter lists (name=default) copied from the releases: causal_conv1d_interface.py at
 # v1.6.1.post4, ops/selective_scan_interface.py and ops/triton/ssd_combined.py at
-# v2.3.2.post1, ops/gated_delta_rule/chunk.py at v0.5.2.
+# v2.3.2.post1, ops/gated_delta_rule/chunk.py and ops/kda/chunk.py at v0.5.2.
 SIGNATURES = {
     "causal_conv1d_fn": "x weight bias=None seq_idx=None initial_states=None"
     " return_final_states=False final_states_out=None activation=None",
@@ -37,12 +38,18 @@ SIGNATURES = {
     " output_final_state=False use_qk_l2norm_in_kernel=False use_beta_sigmoid_in_kernel=False"
     " allow_neg_eigval=False state_v_first=False cu_seqlens=None cu_seqlens_cpu=None"
     " cp_context=None **kwargs",
+    "chunk_kda": "q k v g beta scale=None initial_state=None output_final_state=False"
+    " use_qk_l2norm_in_kernel=False use_gate_in_kernel=False use_beta_sigmoid_in_kernel=False"
+    " allow_neg_eigval=False safe_gate=False lower_bound=None disable_recompute=False"
+    " return_intermediate_states=False state_v_first=False cu_seqlens=None"
+    " cu_seqlens_cpu=None cp_context=None **kwargs",
 }
 MODULES = {
     "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d"),
     "selective_scan_fn": ("mamba_ssm", "mamba_ssm.ops.selective_scan_interface"),
     "mamba_chunk_scan_combined": ("mamba_ssm", "mamba_ssm.ops.triton.ssd_combined"),
     "chunk_gated_delta_rule": ("fla", "fla.ops.gated_delta_rule"),
+    "chunk_kda": ("fla", "fla.ops.kda"),
 }
 # transformers' torch versions (the functions its decorator wraps)
 TORCH = {
@@ -50,6 +57,7 @@ TORCH = {
     "selective_scan_fn": modeling_mamba.mamba_selective_scan.__wrapped__,
     "mamba_chunk_scan_combined": modeling_bamba.mamba2_chunk_scan.__wrapped__,
     "chunk_gated_delta_rule": modeling_qwen3_next.torch_chunk_gated_delta_rule.__wrapped__,
+    "chunk_kda": modeling_kimi_linear.chunk_kimi_delta_attention.__wrapped__,
 }
 
 
@@ -101,6 +109,11 @@ def rule_args(b=2, t=40, h=2, hv=4, k=8, v=8):  # q, k, v, g (log decay), beta
     )
 
 
+def kda_args(b=2, t=40, h=2, hv=2, k=8, v=8):  # as rule_args, g per key channel
+    q, k_, v_, _, beta = rule_args(b, t, h, hv, k, v)
+    return q, k_, v_, -torch.nn.functional.softplus(_randn(b, t, hv, k, seed=3)), beta
+
+
 def test_signatures_and_versions(fn):
     for name, spec in SIGNATURES.items():
         got = []
@@ -125,8 +138,11 @@ def test_transformers_binds_the_standin_and_filters_keywords(fn, name):
         "selective_scan_fn": ssm_args,
         "mamba_chunk_scan_combined": scan_args,
         "chunk_gated_delta_rule": rule_args,
+        "chunk_kda": kda_args,
     }[name]()
-    extra = {"chunk_size": 8} if name == "mamba_chunk_scan_combined" else {}
+    # chunk_kda takes chunk_size in **kwargs and refuses 16: transformers drops it
+    extra = {"mamba_chunk_scan_combined": {"chunk_size": 8}, "chunk_kda": {"chunk_size": 16}}
+    extra = extra.get(name, {})
     before = kernels.CALLS[name]
     wrapper(*args, **extra, not_a_parameter=1)  # dropped by transformers' filter
     assert kernels.CALLS[name] == before + 1
@@ -300,12 +316,15 @@ def _compare(got, want, rtol):
         assert ((a - b).abs().max() / b.abs().max()).item() < rtol
 
 
-def _grads(f, inputs):
+def _grads(f, inputs, every=False):
+    """The first output of ``f`` (``every``: all its tensor outputs) and the gradients of a
+    weighted sum of it (them)."""
     leaves = [t.clone().requires_grad_() for t in inputs]
     out = f(*leaves)
-    out = out[0] if isinstance(out, tuple) else out
-    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
-    return [out.detach(), *(t.grad for t in leaves)]
+    outs = [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, tuple) else [out]
+    outs = outs if every else outs[:1]
+    sum((o * torch.linspace(-1, 1, o.shape[-1])).sum() for o in outs).backward()
+    return [*(o.detach() for o in outs), *(t.grad for t in leaves)]
 
 
 def test_kernels_equal_transformers_torch_versions(fn):

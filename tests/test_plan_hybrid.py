@@ -1,7 +1,7 @@
 """The planner knows hybrid models: which layers attend, which mix tokens with an adapter
 (how many channels their all-to-alls carry), and the bytes of a training step, equal to
-the counters of a step measured here (tiny Qwen3-Next, Bamba and Jamba, the shipped
-configs)."""
+the counters of a step measured here (tiny Qwen3-Next, Bamba, Jamba and Kimi Linear, the
+shipped configs)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ulysses_cp.plan.shapes import MixerShape, model_shape
 pytest.importorskip("transformers")
 CONFIGS = {
     name: str(ROOT / "configs" / "hf" / f"tiny_{name}.json")
-    for name in ("qwen3_next", "bamba", "jamba")
+    for name in ("qwen3_next", "bamba", "jamba", "kimi_linear")
 }
 
 
@@ -37,6 +37,11 @@ def test_the_shape_of_a_hybrid_model():
     assert jamba.n_attention == 1
     # Mamba1: 128 channels out and back; dt_rank 8 + B and C 2 x 16 all-reduced
     assert jamba.mixers == (MixerShape(3, 128, 128, reduced=8 + 2 * 16),)
+    kimi = model_shape(HFModelConfig(hf_config=CONFIGS["kimi_linear"]))
+    # KDA, 4 heads x 16: q, k, v, the forget gate's projection and beta out, values back;
+    # its MLA attention: q/k 16 + 8 wide, values 16
+    assert kimi.mixers == (MixerShape(3, 4 * 64 + 4, 64),) and kimi.n_attention == 1
+    assert (kimi.head_dim, kimi.dv) == (24, 16)
 
 
 def test_mixer_bytes_follow_the_degree_and_checkpointing():
@@ -70,7 +75,7 @@ def _measured(rank, name, u, r):
 
 
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)], ids=str)
-@pytest.mark.parametrize("name", ["qwen3_next", "bamba", "jamba"])
+@pytest.mark.parametrize("name", ["qwen3_next", "bamba", "jamba", "kimi_linear"])
 def test_hybrid_step_bytes_equal_the_plan(pools, name, u, r):
     shape = model_shape(HFModelConfig(hf_config=CONFIGS[name]))
     want = attention_bytes(shape, seq_len=256, batch=1, ulysses=u, ring=r)["total"]

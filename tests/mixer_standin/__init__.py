@@ -1,7 +1,8 @@
 """CPU stand-ins for the kernel packages of transformers' hybrid token mixers: causal-conv1d
 1.6.1 (``causal_conv1d_fn``), mamba-ssm 2.3.2.post1 (``selective_scan_fn``,
 ``mamba_chunk_scan_combined``), flash-linear-attention 0.5.2 (``chunk_gated_delta_rule``;
-0.5.0 is the first release with the grouped value heads transformers 5 passes it).
+0.5.0 is the first release with the grouped value heads transformers 5 passes it; and
+``chunk_kda``, Kimi Delta Attention).
 
 Each folder here holds one package release with the real import path and the function's exact
 parameter list (what transformers' ``use_kernel_func_from_hub_with_fallback`` reads to filter

@@ -1,12 +1,13 @@
 """Pure-torch kernels of the mixer stand-ins (float64, written here from the operations'
 definitions: a depthwise causal convolution, Mamba1's selective scan, the Mamba2 SSD
-recurrence, the gated delta rule), call counters, and the backward by recomputation that the
-stand-ins' autograd functions use. Nothing here checks a contract: the stand-in modules do, as
-their release does.
+recurrence, the gated delta rule, Kimi Delta Attention), call counters, the backward by
+recomputation that the stand-ins' autograd functions use, and the one the fla stand-ins share.
+Nothing here checks a contract: the stand-in modules do, as their release does.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -109,11 +110,12 @@ def ssd(
     return y, state
 
 
-def gated_delta(q, k, v, g, beta, scale, initial=None, l2norm=False, bounds=None):
-    """The gated delta rule, one step at a time: ``q``/``k`` ``(b, t, h, K)``, ``v``
-    ``(b, t, hv, V)``, ``g`` (log decay) and ``beta`` ``(b, t, hv)``; value head i reads
-    key head ``i // (hv/h)``. ``S = exp(g) S``; ``S += k (beta (v - S^T k))^T``;
-    ``o = scale S^T q``. ``bounds``: documents of a batch-1 row, each from its own state.
+def kda(q, k, v, g, beta, scale, initial=None, l2norm=False, bounds=None):
+    """Kimi Delta Attention, one step at a time: ``q``/``k`` ``(b, t, h, K)``, ``v``
+    ``(b, t, hv, V)``, ``g`` (log decay per key channel) ``(b, t, hv, K)``, ``beta``
+    ``(b, t, hv)``; value head i reads key head ``i // (hv/h)``. ``S = diag(exp(g)) S``;
+    ``S += k (beta (v - S^T k))^T``; ``o = scale S^T q`` (S ``(K, V)`` per head). ``l2norm``:
+    q and k over K first. ``bounds``: documents of a batch-1 row, each from its own state.
     Returns ``(o (b, t, hv, V), final states (n, hv, K, V))``."""
     if l2norm:
         q, k = (u * torch.rsqrt((u * u).sum(-1, keepdim=True) + 1e-6) for u in (q, k))
@@ -128,13 +130,18 @@ def gated_delta(q, k, v, g, beta, scale, initial=None, l2norm=False, bounds=None
         else:
             S = initial if bounds is None else initial[i : i + 1]
         for t in range(start, end):
-            S = S * g[:, t].exp()[..., None, None]
+            S = S * g[:, t].exp()[..., None]
             kt = k[:, t]
             u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, kt))
             S = S + kt[..., None] * u[..., None, :]
             outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]) * scale)
         finals.append(S)
     return torch.stack(outs, 1), torch.cat(finals)
+
+
+def gated_delta(q, k, v, g, beta, scale, initial=None, l2norm=False, bounds=None):
+    """The gated delta rule: ``kda`` with one decay per head, ``g`` ``(b, t, hv)``."""
+    return kda(q, k, v, g[..., None], beta, scale, initial, l2norm, bounds)
 
 
 def as64(t):
@@ -167,3 +174,53 @@ def recompute_grads(fn: Callable, inputs: Sequence, needs: Sequence[bool], grad_
         grad = next(got)
         grads.append(torch.zeros_like(t) if grad is None else grad.to(t.dtype))
     return grads
+
+
+def fla_delta(kernel, q, k, v, g, beta, initial, *, scale, l2norm, beta_sigmoid, v_first, bounds):
+    """fla's in-kernel options around ``kernel`` (``gated_delta`` or ``kda``):
+    ``beta_sigmoid`` (0: beta as given, else ``beta_sigmoid * sigmoid(beta)``), ``v_first``
+    (states ``(..., V, K)`` in and out)."""
+    if beta_sigmoid:
+        beta = beta.sigmoid() * beta_sigmoid
+    if initial is not None and v_first:
+        initial = initial.transpose(-1, -2)
+    o, final = kernel(q, k, v, g, beta, scale, initial, l2norm, bounds)
+    return o, final.transpose(-1, -2) if v_first else final
+
+
+def fla_options(scale, l2norm, beta_sigmoid, allow_neg_eigval, state_v_first, cu_seqlens):
+    """``fla_delta``'s keywords from the releases' arguments."""
+    return {
+        "scale": scale,
+        "l2norm": l2norm,
+        "beta_sigmoid": (2.0 if allow_neg_eigval else 1.0) if beta_sigmoid else 0,
+        "v_first": state_v_first,
+        "bounds": None if cu_seqlens is None else [int(b) for b in cu_seqlens.tolist()],
+    }
+
+
+class FlaDeltaFunction(torch.autograd.Function):
+    """fla's chunked delta rules (``chunk_gated_delta_rule``, ``chunk_kda``): ``fla_delta`` of
+    ``kernel`` over float64 copies of the inputs, made contiguous as the releases'
+    ``input_guard`` makes them: ``(o in q's dtype, final state float32 or None)``; the
+    backward by recomputation. Counts ``name`` and ``name + ".backward"``. ``options``:
+    ``fla_options``."""
+
+    @staticmethod
+    def forward(ctx, name, kernel, q, k, v, g, beta, initial_state, output_final_state, options):
+        CALLS[name] += 1
+        tensors = tuple(
+            t.contiguous() if t is not None else None  # input_guard
+            for t in (q, k, v, g, beta, initial_state)
+        )
+        ctx.name, ctx.run = name, functools.partial(fla_delta, kernel, **options)
+        o, final = ctx.run(*map(as64, tensors))
+        ctx.save_for_backward(*tensors)
+        return o.to(q.dtype), final.float() if output_final_state else None
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        CALLS[ctx.name + ".backward"] += 1
+        needs = ctx.needs_input_grad[2:8]
+        grads = recompute_grads(ctx.run, ctx.saved_tensors, needs, (do.contiguous(), dht))
+        return (None, None, *grads, None, None)

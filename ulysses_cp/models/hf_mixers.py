@@ -17,7 +17,9 @@ stay as they are) with the Ulysses treatment (:mod:`~ulysses_cp.modes.mixer`):
 Families: short convolutions (LFM2, LFM2-MoE: channels split), gated delta nets
 (Qwen3-Next, Qwen3.5: key heads and their value heads split), Mamba2 (Bamba,
 GraniteMoeHybrid, Nemotron-H, Falcon-H1: heads split; B/C groups split with them, or sent
-to every rank whose heads use them) and Mamba1 (Mamba, FalconMamba, Jamba: channels split,
+to every rank whose heads use them), KDA (Kimi Linear: heads split;
+:mod:`~ulysses_cp.models.hf_delta`), lightning attention (MiniMax: heads split;
+:mod:`~ulysses_cp.models.hf_lightning`) and Mamba1 (Mamba, FalconMamba, Jamba: channels split,
 one all-reduce of ``x_proj``'s partial sums; :mod:`~ulysses_cp.models.hf_mamba`). Head
 counts that do not split over the SP degree are refused with the degrees that work. Every
 other mixer is refused by the guard (:mod:`~ulysses_cp.models.hf_guard`).
@@ -31,12 +33,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..core.derived import once
 from ..core.topology import Topology
 from ..modes.mixer import MixerExchange, split_channels
 from .hf_attention import local_topology, whole
+from .hf_delta import gated_delta_net, gated_delta_net_units, kda, kda_units
+from .hf_lightning import lightning, lightning_units
 from .hf_mamba import (
     mamba1,
     mamba1_units,
@@ -46,7 +49,7 @@ from .hf_mamba import (
     zamba_mamba,
     zamba_mamba_units,
 )
-from .mixer_ops import by_document, causal_conv, family_kernel, units
+from .mixer_ops import causal_conv, units
 
 __all__ = [
     "ADAPTERS",
@@ -75,81 +78,6 @@ def short_conv_units(module: Any) -> dict[str, int]:
     return {"channels": int(module.conv.weight.shape[0])}
 
 
-# ---------------------------------------------------------------- gated delta net (Qwen3-Next)
-
-
-def _qwen3_next_projection(module: Any, x: torch.Tensor):
-    q, k, v, z, b, a = module.fix_query_key_value_ordering(
-        module.in_proj_qkvz(x), module.in_proj_ba(x)
-    )
-    mixed = torch.cat([t.flatten(2) for t in (q, k, v)], dim=-1)  # (b, s_l, 2 Kd + Vd)
-    return mixed, z, b, a
-
-
-def _qwen3_5_projection(module: Any, x: torch.Tensor):
-    z = module.in_proj_z(x)
-    z = z.unflatten(-1, (-1, module.head_v_dim))  # (b, s_l, Hv, dv)
-    return module.in_proj_qkv(x), z, module.in_proj_b(x), module.in_proj_a(x)
-
-
-def gated_delta_net(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor:
-    """The gated delta rule per value head; each rank takes a block of key heads and the
-    value heads that use them (consecutive, as the kernel groups them)."""
-    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
-    if hasattr(module, "in_proj_qkvz"):
-        mixed, z, b, a = _qwen3_next_projection(module, x)
-    else:
-        mixed, z, b, a = _qwen3_5_projection(module, x)
-    kd = hk * dk
-    conv_dim = 2 * kd + hv * dv
-    source = torch.cat([mixed, b, a], dim=-1)  # (b, s_l, conv_dim + 2 Hv)
-    blocks = [
-        units(hk, dk),  # q
-        units(hk, dk, kd),  # k
-        units(hv, dv, 2 * kd),  # v
-        units(hv, 1, conv_dim),  # b
-        units(hv, 1, conv_dim + hv),  # a
-    ]
-    index = split_channels(blocks, ex.P, "key and value heads")
-    rank = ex.topo.sp_rank
-    full = ex.to_channels(source, index)  # (b, s, c)
-    k_l, v_l = hk // ex.P, hv // ex.P
-    c_conv = 2 * k_l * dk + v_l * dv
-    mine = index[rank][:c_conv].to(x.device)
-    heads = slice(rank * v_l, (rank + 1) * v_l)
-    qkv = causal_conv(module, module.conv1d, ex, full[..., :c_conv], mine, module.activation)
-    q, k, v = qkv.split([k_l * dk, k_l * dk, v_l * dv], dim=-1)
-    q, k = (t.unflatten(-1, (k_l, dk)) for t in (q, k))  # (b, s, Hk/P, dk)
-    v = v.unflatten(-1, (v_l, dv))  # (b, s, Hv/P, dv)
-    b_, a_ = full[..., c_conv : c_conv + v_l], full[..., c_conv + v_l :]
-    beta = b_.sigmoid()
-    g = -module.A_log[heads].float().exp() * F.softplus(a_.float() + module.dt_bias[heads])
-    rule = family_kernel(module, "torch_chunk_gated_delta_rule")
-
-    def run(q, k, v, g, beta):
-        out, _ = rule(
-            q,
-            k,
-            v,
-            g=g,
-            beta=beta,
-            initial_state=None,
-            output_final_state=False,
-            use_qk_l2norm_in_kernel=True,
-        )
-        return out
-
-    core = by_document(ex, run, q, k, v, g, beta)  # (b, s, Hv/P, dv)
-    core = ex.from_channels(core.flatten(2)).unflatten(-1, (hv, dv))  # (b, s_l, Hv, dv)
-    shape = core.shape
-    core = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(shape)
-    return module.out_proj(core.flatten(2))
-
-
-def gated_delta_net_units(module: Any) -> dict[str, int]:
-    return {"key heads": module.num_k_heads, "value heads": module.num_v_heads}
-
-
 # ---------------------------------------------------------------- bytes
 
 
@@ -165,6 +93,12 @@ def mixer_channels(module: Any, P: int) -> tuple[int, int]:
         hk, hv = module.num_k_heads, module.num_v_heads
         dk, dv = module.head_k_dim, module.head_v_dim
         return 2 * hk * dk + hv * dv + 2 * hv, hv * dv
+    if kind is lightning:  # q, k, v out, values back
+        w = module.num_attention_heads * module.head_dim
+        return 3 * w, w
+    if kind is kda:  # q, k, v, the forget gate's projection and beta out; values back
+        w = module.num_heads * module.head_dim
+        return 4 * w + module.num_heads, w
     if kind in (mamba1, zamba_mamba):
         return module.intermediate_size, module.intermediate_size
     H, p, N = module.num_heads, module.head_dim, module.ssm_state_size
@@ -201,6 +135,8 @@ ADAPTERS: dict[str, tuple[Callable, Callable]] = {
     "FalconMambaMixer": (mamba1, mamba1_units),
     "JambaMambaMixer": (mamba1, mamba1_units),
     "ZambaMambaMixer": (zamba_mamba, zamba_mamba_units),
+    "KimiLinearDeltaAttention": (kda, kda_units),
+    "MiniMaxLightningAttention": (lightning, lightning_units),
 }
 
 

@@ -23,40 +23,6 @@ import torch
 from tests.mixer_standin import kernels
 
 
-class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, options):
-        tensors = tuple(
-            t.contiguous() if t is not None else None  # input_guard
-            for t in (q, k, v, g, beta, initial_state)
-        )
-        ctx.options = {"scale": scale, **options}
-        o, final = _rule(*map(kernels.as64, tensors), **ctx.options)
-        ctx.save_for_backward(*tensors)
-        return o.to(q.dtype), final.float() if output_final_state else None
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        kernels.CALLS["chunk_gated_delta_rule.backward"] += 1
-        tensors = ctx.saved_tensors
-        needs = (*ctx.needs_input_grad[:5], ctx.needs_input_grad[6])
-
-        def run(*tensors):
-            return _rule(*tensors, **ctx.options)
-
-        grads = kernels.recompute_grads(run, tensors, needs, (do.contiguous(), dht))
-        return (*grads[:5], None, grads[5], None, None)
-
-
-def _rule(q, k, v, g, beta, initial, *, scale, l2norm, beta_sigmoid, state_v_first, bounds):
-    if beta_sigmoid:
-        beta = beta.sigmoid() * beta_sigmoid
-    if initial is not None and state_v_first:
-        initial = initial.transpose(-1, -2)
-    o, final = kernels.gated_delta(q, k, v, g, beta, scale, initial, l2norm, bounds)
-    return o, final.transpose(-1, -2) if state_v_first else final
-
-
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -77,7 +43,6 @@ def chunk_gated_delta_rule(
 ):
     """q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g (log decay) and beta ``[B, T, HV]``:
     ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)``."""
-    kernels.CALLS["chunk_gated_delta_rule"] += 1
     if "transpose_state_layout" in kwargs:
         if state_v_first:
             raise ValueError(
@@ -138,15 +103,10 @@ def chunk_gated_delta_rule(
     for name, t in (("g", g), ("beta", beta)):
         assert t.shape == (B, T, HV), f"stand-in: {name} {tuple(t.shape)} is not [B, T, HV]"
     assert K <= 256, "current kernel does not support head dimension larger than 256."
-    options = {
-        "l2norm": use_qk_l2norm_in_kernel,
-        "beta_sigmoid": (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else 0,
-        "state_v_first": state_v_first,
-        "bounds": None if cu_seqlens is None else [int(b) for b in cu_seqlens.tolist()],
-    }
-    return ChunkGatedDeltaRuleFunction.apply(
-        q, k, v, g, beta, scale, initial_state, output_final_state, options
-    )
+    flags = (use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    options = kernels.fla_options(scale, *flags, state_v_first, cu_seqlens)
+    args = (q, k, v, g, beta, initial_state, output_final_state, options)
+    return kernels.FlaDeltaFunction.apply("chunk_gated_delta_rule", kernels.gated_delta, *args)
 
 
 chunk_gdn = chunk_gated_delta_rule

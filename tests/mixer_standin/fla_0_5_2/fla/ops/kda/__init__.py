@@ -1,0 +1,3 @@
+from .chunk import chunk_kda
+
+__all__ = ["chunk_kda"]
