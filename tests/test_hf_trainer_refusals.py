@@ -60,3 +60,21 @@ def test_the_trainer_refuses_what_the_hf_path_refuses(pools):
         assert "BloomForCausalLM cannot train exactly" in trainer, trainer
         assert trainer == path
         assert rank_result["cohere"] == ("accepted", "accepted")
+
+
+def _vision_batch(rank: int) -> str:
+    from ulysses_cp.integrations.hf_trainer.run import SequenceParallelRun
+
+    run = SequenceParallelRun.from_block(BLOCK)
+    ids = torch.arange(16)[None]
+    batch = {"input_ids": ids, "labels": ids, "pixel_values": torch.zeros(4, 12)}
+    batch["image_grid_thw"] = torch.tensor([[1, 2, 2]])
+    return _verdict(lambda: run.shard(batch))
+
+
+def test_an_image_batch_is_refused_naming_the_images(pools):
+    """Qwen2.5-VL's batch keys: refused on every rank with what to do (text trains)."""
+    messages = pools(2).run(_vision_batch)
+    assert len(set(messages)) == 1
+    assert "['image_grid_thw', 'pixel_values']" in messages[0], messages[0]
+    assert "vision-language batches are not supported" in messages[0]

@@ -213,6 +213,15 @@ class SequenceParallelRun:
         batch plan from the full batch every SP rank holds; ``full_length`` is the
         length before end padding."""
         unknown = sorted(k for k in inputs if k not in IGNORED_KEYS and k not in _USED_KEYS)
+        vision = [k for k in unknown if k.startswith(_VISION_KEYS)]
+        if vision:
+            raise ValueError(
+                f"this batch has images or videos ({vision}): vision-language batches are not "
+                f"supported under sequence parallelism yet (the vision tower's features would "
+                f"have to be merged into the whole sequence before it is sharded, and M-RoPE's "
+                f"positions sharded with it); train on text only (the language model trains "
+                f"exactly), or with ulysses_degree = ring_degree = 1"
+            )
         if unknown:
             raise ValueError(
                 f"sequence parallelism shards input_ids, labels and position_ids; this batch "
@@ -273,6 +282,8 @@ class SequenceParallelRun:
 
 
 _USED_KEYS = frozenset({"input_ids", "labels", "shift_labels", "position_ids"})
+# the keys of an image or video batch (Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3, InternVL...)
+_VISION_KEYS = ("pixel_values", "image_", "video_", "second_per_grid", "image_sizes")
 
 
 def _transformers_model(model: Any) -> Any:
