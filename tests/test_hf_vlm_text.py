@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from tests.helpers import hf_loss_and_grads, topology
+from tests.helpers import HF_TINY, hf_loss_and_grads, topology
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,15 +20,7 @@ TOL = dict(rtol=1e-9, atol=1e-10)
 
 def qwen2_5_vl():
     """A tiny Qwen2.5-VL: M-RoPE sections 1 + 1 + 2 of the 8-wide heads' 4 frequencies."""
-    text = dict(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
-    )
+    text = dict(HF_TINY, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
     return transformers.Qwen2_5_VLConfig(
         text_config=text,
