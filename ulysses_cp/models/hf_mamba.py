@@ -110,6 +110,14 @@ def mamba2_units(module: Any) -> dict[str, int]:
 # ---------------------------------------------------------------- Mamba1
 
 
+def _gated_output(module: Any, y: torch.Tensor, gate: torch.Tensor, dtype) -> torch.Tensor:
+    """``out_proj(y * silu(z))`` on the shard, the gate in float32 at least (where the
+    kernel would apply it), back in the layer input's ``dtype``: ``y``, ``gate``
+    ``(b, s_l, I)``."""
+    wide = torch.promote_types(dtype, torch.float32)
+    return module.out_proj((y.to(wide) * F.silu(gate.to(wide))).to(dtype))
+
+
 def mamba1(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor:
     """Mamba1: channels split; ``x_proj``'s partial sums all-reduced; the RMS norms of
     dt, B and C (Jamba, FalconMamba) per token on the sums."""
@@ -136,8 +144,7 @@ def mamba1(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor:
         return scan(u, dt, A, B, C, D=D, z=None, delta_bias=bias, delta_softplus=True).mT
 
     y = ex.from_channels(by_document(ex, run, u, dt, B, C))  # (b, s_l, I)
-    y = y.to(wide) * F.silu(gate.to(wide))
-    return module.out_proj(y.to(dtype))
+    return _gated_output(module, y, gate, dtype)
 
 
 def mamba1_units(module: Any) -> dict[str, int]:
@@ -149,8 +156,6 @@ def zamba_mamba(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor
     heads split over the ranks and nothing is summed across them."""
     H, hd = module.n_mamba_heads, module.mamba_head_dim
     N, R = module.ssm_state_size, module.time_step_rank
-    dtype = x.dtype
-    wide = torch.promote_types(dtype, torch.float32)
     proj = module.in_proj(x)  # (b, s_l, 2I): x and gate interleaved per channel
     hs, gate = proj[..., 0::2], proj[..., 1::2]
     index = split_channels([units(H, hd)], ex.P, "heads")
@@ -177,8 +182,7 @@ def zamba_mamba(module: Any, ex: MixerExchange, x: torch.Tensor) -> torch.Tensor
         return torch.cat(out, dim=-1)
 
     y = ex.from_channels(by_document(ex, run, u, dt, B, C))  # (b, s_l, I)
-    y = y.to(wide) * F.silu(gate.to(wide))
-    return module.out_proj(y.to(dtype))
+    return _gated_output(module, y, gate, x.dtype)
 
 
 def zamba_mamba_units(module: Any) -> dict[str, int]:
