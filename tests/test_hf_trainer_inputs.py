@@ -79,3 +79,24 @@ def test_loss_value_and_gradient_scale(num_items):
     (g,) = torch.autograd.grad(loss, logits)
     (g_want,) = torch.autograd.grad(want, logits)
     torch.testing.assert_close(g, 3 * g_want)
+
+
+def test_image_batches_of_other_families_and_positions_are_refused():
+    """An image batch is padded with its tokens (mm_token_type_ids too, images as they are);
+    a family whose image batches are not pinned, position_ids and unknown keys are refused
+    naming what to do."""
+    from ulysses_cp.models.hf_vision import vision_batch
+
+    ids = torch.arange(6)[None]
+    batch = {"input_ids": ids, "labels": ids, "pixel_values": torch.zeros(4, 12)}
+    batch["mm_token_type_ids"] = torch.ones_like(ids)
+    out = vision_batch(batch, "qwen2_5_vl", 4, ignored=frozenset({"attention_mask"}))
+    assert out["input_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 0, 0]]
+    assert out["mm_token_type_ids"].tolist() == [[1] * 6 + [0, 0]]
+    assert out["pixel_values"] is batch["pixel_values"] and "labels" not in out
+    with pytest.raises(ValueError, match=r"'gemma3' is not one.*'qwen3_vl', 'internvl'"):
+        vision_batch(batch, "gemma3", 4, ignored=frozenset())
+    with pytest.raises(ValueError, match="takes no position_ids"):
+        vision_batch({**batch, "position_ids": ids}, "qwen3_vl", 4, ignored=frozenset())
+    with pytest.raises(ValueError, match="it also has 'foo'"):
+        vision_batch({**batch, "foo": ids}, "qwen3_vl", 4, ignored=frozenset())

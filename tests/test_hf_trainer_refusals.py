@@ -73,8 +73,9 @@ def _vision_batch(rank: int) -> str:
 
 
 def test_an_image_batch_is_refused_naming_the_images(pools):
-    """Qwen2.5-VL's batch keys: refused on every rank with what to do (text trains)."""
+    """Qwen2.5-VL's batch keys for a model without a vision tower: refused on every rank
+    (tests/test_hf_vlm_images.py trains the families that have one)."""
     messages = pools(2).run(_vision_batch)
     assert len(set(messages)) == 1
     assert "['image_grid_thw', 'pixel_values']" in messages[0], messages[0]
-    assert "vision-language batches are not supported" in messages[0]
+    assert "the model has no vision tower" in messages[0]

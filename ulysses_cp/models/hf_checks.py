@@ -75,6 +75,10 @@ def eager_logits(model: Any, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     """The logits with transformers' eager attention and its own masks (None where the model
     cannot switch its attention implementation)."""
     key = model.config._attn_implementation
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    kept = [
+        (c, c._attn_implementation) for c in configs.values() if hasattr(c, "_attn_implementation")
+    ]
     try:
         model.set_attn_implementation("eager")
         if model.config._attn_implementation != "eager":
@@ -84,6 +88,8 @@ def eager_logits(model: Any, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         return None
     finally:
         model.set_attn_implementation(key)
+        for config, implementation in kept:  # a VLM's vision tower keeps its own
+            config._attn_implementation = implementation
 
 
 def same_as_eager(logits: torch.Tensor, eager: torch.Tensor | None) -> list[str]:

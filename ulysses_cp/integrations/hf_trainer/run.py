@@ -32,6 +32,13 @@ from ...core.topology import Topology, init_topology, validate_degrees
 from ...core.varlen import cu_seqlens_from_position_ids
 from ...models.hf import HFCausalLM, register_attention
 from ...models.hf_attention import KEY
+from ...models.hf_vision import (
+    VISION_KEYS,
+    LanguageModelShard,
+    language_model,
+    vision_attention,
+    vision_batch,
+)
 from ...models.lean_norm import lean_norms
 from ...models.loss import local_loss_term, sequence_parallel_loss_from_sums
 
@@ -149,6 +156,7 @@ class SequenceParallelRun:
     config: SequenceParallelConfig
     original_attention: str | None = None
     wrapper: HFCausalLM | None = field(default=None, repr=False)
+    vision: LanguageModelShard | None = field(default=None, repr=False)
 
     @classmethod
     def from_block(cls, block: dict) -> SequenceParallelRun:
@@ -186,6 +194,10 @@ class SequenceParallelRun:
             lean_norms(base)
         self.original_attention = base.config._attn_implementation
         self.wrapper = self.wrap_model(base)
+        lm = language_model(base)
+        if lm is not None:  # a VLM: its vision tower keeps its attention (whole images)
+            vision_attention(base, _plain(self.original_attention))
+            self.vision = LanguageModelShard(lm, self.topo, self.wrapper.layout)
 
     def wrap_model(self, model: Any) -> HFCausalLM:
         """A transformers model switched to ulysses_cp attention on this run's topology and
@@ -213,15 +225,9 @@ class SequenceParallelRun:
         batch plan from the full batch every SP rank holds; ``full_length`` is the
         length before end padding."""
         unknown = sorted(k for k in inputs if k not in IGNORED_KEYS and k not in _USED_KEYS)
-        vision = [k for k in unknown if k.startswith(_VISION_KEYS)]
+        vision = [k for k in unknown if k.startswith(VISION_KEYS)]
         if vision:
-            raise ValueError(
-                f"this batch has images or videos ({vision}): vision-language batches are not "
-                f"supported under sequence parallelism yet (the vision tower's features would "
-                f"have to be merged into the whole sequence before it is sharded, and M-RoPE's "
-                f"positions sharded with it); train on text only (the language model trains "
-                f"exactly), or with ulysses_degree = ring_degree = 1"
-            )
+            return self._shard_images(inputs)
         if unknown:
             raise ValueError(
                 f"sequence parallelism shards input_ids, labels and position_ids; this batch "
@@ -253,10 +259,32 @@ class SequenceParallelRun:
         local["full_length"] = full_length
         return local
 
+    def _shard_images(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """An image batch: the labels' shard as :meth:`shard` makes it, and under
+        ``"images"`` the whole (end-padded) batch the model's forward takes, whose language
+        model gets this rank's tokens (:class:`~ulysses_cp.models.hf_vision.LanguageModelShard`)."""
+        if self.vision is None or self.wrapper is None:
+            keys = sorted(k for k in inputs if k.startswith(VISION_KEYS))
+            raise ValueError(
+                f"this batch has images or videos ({keys}), and the model has no vision "
+                f"tower under a language model the path knows: train on text only"
+            )
+        family = self.wrapper.model.config.model_type
+        multiple = sequence_multiple(self.topo.sp_world_size, self.topo.layout)
+        images = vision_batch(inputs, family, multiple, ignored=IGNORED_KEYS)
+        text = {k: v for k, v in inputs.items() if k in IGNORED_KEYS or k in _USED_KEYS}
+        local = self.shard(text)
+        local["images"] = images
+        return local
+
     def forward_kwargs(self, local: dict[str, Any]) -> dict[str, Any]:
         """The model's keyword arguments for this rank's shard."""
         assert self.wrapper is not None
         extra = self.wrapper.extra_kwargs(local["position_ids"], local["batch"])
+        if "images" in local:
+            assert self.vision is not None
+            self.vision.arm(local["images"]["input_ids"].shape[1], extra)
+            return {**local["images"], "use_cache": False}
         return {
             "input_ids": local["input_ids"],
             "position_ids": local["position_ids"],
@@ -282,8 +310,11 @@ class SequenceParallelRun:
 
 
 _USED_KEYS = frozenset({"input_ids", "labels", "shift_labels", "position_ids"})
-# the keys of an image or video batch (Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3, InternVL...)
-_VISION_KEYS = ("pixel_values", "image_", "video_", "second_per_grid", "image_sizes")
+
+
+def _plain(implementation: str | None) -> str:
+    """The attention a vision tower keeps: the model's own, sdpa if it had ours."""
+    return "sdpa" if implementation in (None, KEY) else implementation
 
 
 def _transformers_model(model: Any) -> Any:
