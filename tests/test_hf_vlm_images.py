@@ -26,10 +26,8 @@ FAMILIES = ["qwen2_5_vl", "qwen3_vl", "internvl"]
 
 
 def _qwen_vision(**extra) -> dict:
-    return dict(
-        depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-        patch_size=2, temporal_patch_size=2, spatial_merge_size=2, **extra,
-    )  # fmt: skip
+    sizes = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+    return dict(sizes, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, **extra)
 
 
 def config(family: str):
@@ -45,10 +43,8 @@ def config(family: str):
         )
         vision = _qwen_vision(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
         return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
-    vision = dict(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        image_size=[8, 8], patch_size=[2, 2],
-    )  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2)
+    vision.update(num_attention_heads=2, image_size=[8, 8], patch_size=[2, 2])
     return transformers.InternVLConfig(
         text_config=dict(HF_TINY, model_type="qwen2"), vision_config=vision, image_token_id=IMAGE
     )
@@ -98,7 +94,7 @@ def video_batch(family: str) -> dict:
         if family == "qwen2_5_vl"
         else [START, VIDEO, VIDEO, 13, START, VIDEO, VIDEO]
     )
-    rows[1] = [11, 12] + frames + torch.randint(90, (13 - 2 - len(frames),), generator=g).tolist()
+    rows[1] = [11, 12, *frames, *torch.randint(90, (13 - 2 - len(frames),), generator=g).tolist()]
     ids = torch.tensor(rows)
     labels = ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100)
     types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
