@@ -5,7 +5,12 @@ one ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line, of uneven l
 and one of preference pairs (``DIR/pairs.jsonl``, one ``{"prompt": ..., "chosen": ...,
 "rejected": ...}`` per line).
 
-    python examples/make_tiny_assets.py DIR [--chats 48] [--pairs 32] [--seed 0]
+    python examples/make_tiny_assets.py DIR [--chats 48] [--pairs 32] [--seed 0] [--vlm]
+
+``--vlm`` also writes what ``examples/vlm_sft.py`` needs: a tiny random Qwen2.5-VL with its
+image processor (``DIR/vlm``), four small PNGs of different sizes (``DIR/images``) and
+``DIR/captions.jsonl`` (one ``{"image": "images/img0.png", "prompt": ..., "answer": ...}``
+per line).
 
 The model learns nothing useful: it stands in for a real checkpoint so that the examples
 and their tests (tests/test_examples_hf.py, tests/test_examples_trl.py) run in seconds on
@@ -70,6 +75,54 @@ def save_model(folder: Path, seed: int) -> None:
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
 
 
+# the tiny VLM's token ids of its image placeholders (words the texts never use)
+VISION_IDS = dict(image_token_id=93, video_token_id=94, vision_start_token_id=95)
+VISION_END = 92
+CAPTION_WORDS = VOCAB - 8  # captions use the words below w88
+
+
+def save_vlm(folder: Path, seed: int) -> None:
+    """A tiny random Qwen2.5-VL (M-RoPE) with its image processor (patches of 2 x 2 pixels
+    and 2 frames, 2 x 2 patches merged into one token)."""
+    import torch
+    import transformers
+
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    text.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    text.update(rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, pad_token_id=0)
+    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+    vision.update(patch_size=2, temporal_patch_size=2, spatial_merge_size=2, window_size=8)
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, vision_end_token_id=VISION_END, **VISION_IDS
+    )
+    torch.manual_seed(seed)
+    transformers.Qwen2_5_VLForConditionalGeneration._from_config(cfg).save_pretrained(folder)
+    processor = transformers.Qwen2VLImageProcessor(
+        patch_size=2, temporal_patch_size=2, merge_size=2, min_pixels=64, max_pixels=1024
+    )
+    processor.save_pretrained(folder)
+
+
+def save_images(folder: Path, seed: int) -> list[dict]:
+    """Four small PNGs of different sizes (``folder/images``) and a caption row for each
+    image twice (prompt and answer of 2-8 words); returns the rows of captions.jsonl."""
+    from PIL import Image
+
+    rng = random.Random(seed + 2)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    vocab = words()[: CAPTION_WORDS - len(SPECIAL) - len(ROLES)]
+    rows = []
+    for i, (h, w) in enumerate([(12, 20), (16, 16), (8, 24), (20, 12)]):
+        pixels = bytes(rng.randrange(256) for _ in range(h * w * 3))
+        name = f"images/img{i}.png"
+        Image.frombytes("RGB", (w, h), pixels).save(folder / name)
+        for _ in range(2):
+            prompt, answer = (" ".join(rng.choices(vocab, k=rng.randint(2, 8))) for _ in "pa")
+            rows.append({"image": name, "prompt": prompt, "answer": answer})
+    rng.shuffle(rows)
+    return rows
+
+
 def chats(n: int, seed: int) -> list[dict]:
     """``n`` chats: an optional system turn, then 1-2 user/assistant exchanges; contents of
     1-12 words, so the tokenized chats have lengths of every residue."""
@@ -106,6 +159,9 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=48, help="chats in chats.jsonl (48)")
     parser.add_argument("--pairs", type=int, default=32, help="pairs in pairs.jsonl (32)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and texts (0)")
+    parser.add_argument(
+        "--vlm", action="store_true", help="also vlm/, images/ and captions.jsonl (vlm_sft.py's)"
+    )
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
     save_model(args.folder / "model", args.seed)
@@ -118,6 +174,11 @@ def main() -> None:
         f"wrote {args.folder}/model, {args.folder}/tokenizer, {args.folder}/chats.jsonl, "
         f"{args.folder}/pairs.jsonl"
     )
+    if args.vlm:
+        save_vlm(args.folder / "vlm", args.seed)
+        lines = (json.dumps(r) for r in save_images(args.folder, args.seed))
+        (args.folder / "captions.jsonl").write_text("\n".join(lines) + "\n")
+        print(f"wrote {args.folder}/vlm, {args.folder}/images, {args.folder}/captions.jsonl")
 
 
 if __name__ == "__main__":

@@ -73,10 +73,12 @@ def literal(path, name: str):
 
 def test_trainer_quick_start_gives_the_settings_the_tests_run():
     page = (ROOT / "docs" / "huggingface.md").read_text()
-    found = dict(re.findall(r'^(ARGS|DPO|GRPO)="([^"]*)"$', page, re.M))
+    found = dict(re.findall(r'^(ARGS|DPO|GRPO|VLM)="([^"]*)"$', page, re.M))
     sft = literal(ROOT / "tests" / "test_examples_hf.py", "SETTINGS")
     trl = literal(ROOT / "tests" / "test_examples_trl.py", "EXAMPLES")
-    for key, settings in (("ARGS", sft), ("DPO", trl["dpo"][1]), ("GRPO", trl["grpo"][1])):
+    vlm = literal(ROOT / "tests" / "test_examples_vlm.py", "SETTINGS")
+    pairs = (("ARGS", sft), ("DPO", trl["dpo"][1]), ("GRPO", trl["grpo"][1]), ("VLM", vlm))
+    for key, settings in pairs:
         assert key in found, (key, sorted(found))
         assert settings in found[key], (key, settings, found[key])
 
