@@ -38,7 +38,8 @@ def _text(rank, u, r):
     hf.register_attention(topo, backend="math")
     cls = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(0)
-    sp = cls._from_config(copy.deepcopy(qwen2_5_vl()), attn_implementation="ulysses_cp")
+    sp = hf.from_config(copy.deepcopy(qwen2_5_vl()))  # as train.py builds it
+    assert type(sp) is cls
     ref = cls._from_config(copy.deepcopy(qwen2_5_vl()), attn_implementation="sdpa")
     sp, ref = sp.double(), ref.double()
     ref.load_state_dict(sp.state_dict())

@@ -54,6 +54,7 @@ from .memory import LossPlan, checkpointed, lm_loss, tile_mlps
 __all__ = [
     "DTYPES",
     "HFCausalLM",
+    "auto_class",
     "build_model",
     "ffn_width",
     "from_config",
@@ -61,6 +62,7 @@ __all__ = [
     "load_config",
     "register_attention",
     "shard_batch",
+    "text_config",
     "wrap",
 ]
 
@@ -315,7 +317,7 @@ def from_config(config: Any, *, dtype: torch.dtype = torch.float32, hf_weights=N
     transformers = _transformers()
     if hf_weights and not Path(hf_weights).is_dir():
         raise ValueError(f"model.hf_weights: {hf_weights} is not a local folder")
-    auto = transformers.AutoModelForCausalLM
+    auto = auto_class(config)
     try:
         if hf_weights:
             model = auto.from_pretrained(
@@ -336,14 +338,33 @@ def from_config(config: Any, *, dtype: torch.dtype = torch.float32, hf_weights=N
     return model
 
 
+def auto_class(config: Any) -> Any:
+    """The transformers auto class that builds ``config``'s model with its LM head:
+    ``AutoModelForImageTextToText`` for a vision-language model, else
+    ``AutoModelForCausalLM``."""
+    transformers = _transformers()
+    if getattr(config, "vision_config", None) is not None:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: a vision-language model's ``text_config``, else the
+    config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def ffn_width(config: Any) -> int:
     """The MLP's intermediate width of a transformers config (``intermediate_size``, else
     4 x hidden): what ``"tiled_mlp": "auto"`` and the planner size MLP tiles by."""
+    config = text_config(config)
     return getattr(config, "intermediate_size", None) or 4 * config.hidden_size
 
 
 def heads(config: Any) -> tuple[int, int]:
     """(query heads, kv heads) of a transformers config (:func:`load_config`'s result)."""
+    config = text_config(config)
     hq = config.num_attention_heads
     return hq, getattr(config, "num_key_value_heads", None) or hq
 

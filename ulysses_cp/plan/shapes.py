@@ -142,14 +142,15 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
             **_count(model, model.layers),
             **feats,
         )
-    from ..models.hf import _transformers, ffn_width, heads, load_config
+    from ..models.hf import auto_class, ffn_width, heads, load_config, text_config
     from ..models.lean_norm import lean_norms
 
-    cfg = load_config(mc.hf_config)
+    full = load_config(mc.hf_config)
+    cfg = text_config(full)  # a vision-language model's language model
     hq, hkv = heads(cfg)
     d, dv = head_dims(cfg, hq)
     with torch.device("meta"):
-        model = _transformers().AutoModelForCausalLM.from_config(cfg)
+        model = auto_class(full).from_config(full)
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     return ModelShape(
         "hf",

@@ -61,7 +61,7 @@ def model_counts(mc: ModelConfig | HFModelConfig) -> tuple[int, int, int]:
     from ..models import hf
 
     config = hf.load_config(mc.hf_config)
-    return (*hf.heads(config), config.vocab_size)
+    return (*hf.heads(config), hf.text_config(config).vocab_size)
 
 
 def validate(run: RunConfig) -> None:
