@@ -120,13 +120,14 @@ def test_hf_config_block_and_local_configs(tmp_path):
 def test_a_vision_language_config_is_read_from_its_language_model():
     """train.py and the planner read a VLM's heads, MLP width and vocabulary from its
     text_config, and build it with its image-text class (the vision tower included)."""
+    from ulysses_cp.models.hf_vision import auto_class
     from ulysses_cp.plan.shapes import model_shape
     from ulysses_cp.training.build import model_counts
 
     mc = HFModelConfig.from_dict({"hf_config": "configs/hf/tiny_qwen2_5_vl.json"})
     cfg = hf.load_config(mc.hf_config)
     assert (hf.heads(cfg), hf.ffn_width(cfg)) == ((4, 2), 128)
-    assert hf.auto_class(cfg).__name__ == "AutoModelForImageTextToText"
+    assert auto_class(cfg).__name__ == "AutoModelForImageTextToText"
     assert model_counts(mc) == (4, 2, 256)
     shape = model_shape(mc)
     assert (shape.vocab, shape.dim, shape.layers, shape.ffn) == (256, 64, 2, 128)

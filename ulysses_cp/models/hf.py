@@ -46,6 +46,7 @@ from .hf_attention import (
 from .hf_guard import ProbeResult, decoder_layers, probe
 from .hf_head import HeadTransform, LMHead, head_module
 from .hf_mixers import install_mixers
+from .hf_vision import auto_class, text_config
 from .lean_norm import lean_norms
 from .memory import LossPlan, checkpointed, lm_loss, tile_mlps
 
@@ -54,7 +55,6 @@ from .memory import LossPlan, checkpointed, lm_loss, tile_mlps
 __all__ = [
     "DTYPES",
     "HFCausalLM",
-    "auto_class",
     "build_model",
     "ffn_width",
     "from_config",
@@ -62,7 +62,6 @@ __all__ = [
     "load_config",
     "register_attention",
     "shard_batch",
-    "text_config",
     "wrap",
 ]
 
@@ -310,11 +309,10 @@ def load_config(spec: str | dict) -> Any:
 
 
 def from_config(config: Any, *, dtype: torch.dtype = torch.float32, hf_weights=None) -> Any:
-    """``AutoModelForCausalLM`` with ulysses_cp attention: random init from ``config``, or
-    the weights of the local folder ``hf_weights``. A family that picks its attention code
-    itself (transformers cannot build it with a custom implementation) is refused with a
-    ``ValueError``. Call :func:`register_attention` first."""
-    transformers = _transformers()
+    """The model of ``config`` (its :func:`auto_class`) with ulysses_cp attention: random
+    init, or the weights of the local folder ``hf_weights``. A family that picks its
+    attention code itself is refused with a ``ValueError``. Call `register_attention` first."""
+    _transformers()  # a clear error without transformers
     if hf_weights and not Path(hf_weights).is_dir():
         raise ValueError(f"model.hf_weights: {hf_weights} is not a local folder")
     auto = auto_class(config)
@@ -336,23 +334,6 @@ def from_config(config: Any, *, dtype: torch.dtype = torch.float32, hf_weights=N
             f"itself instead of through the attention interface, so ulysses_cp cannot run it"
         ) from exc
     return model
-
-
-def auto_class(config: Any) -> Any:
-    """The transformers auto class that builds ``config``'s model with its LM head:
-    ``AutoModelForImageTextToText`` for a vision-language model, else
-    ``AutoModelForCausalLM``."""
-    transformers = _transformers()
-    if getattr(config, "vision_config", None) is not None:
-        return transformers.AutoModelForImageTextToText
-    return transformers.AutoModelForCausalLM
-
-
-def text_config(config: Any) -> Any:
-    """The language model's config: a vision-language model's ``text_config``, else the
-    config itself."""
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
 
 
 def ffn_width(config: Any) -> int:

@@ -29,7 +29,9 @@ __all__ = [
     "PER_TOKEN_KEYS",
     "VISION_KEYS",
     "LanguageModelShard",
+    "auto_class",
     "language_model",
+    "text_config",
     "vision_batch",
 ]
 
@@ -40,6 +42,24 @@ IMAGE_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 VISION_KEYS = ("pixel_values", "image_", "video_", "second_per_grid", "image_sizes", "batch_num")
 # the vision batch's keys with one value per token, padded with the tokens
 PER_TOKEN_KEYS = frozenset({"mm_token_type_ids"})
+
+
+def auto_class(config: Any) -> Any:
+    """The transformers auto class that builds ``config``'s model with its LM head:
+    ``AutoModelForImageTextToText`` for a vision-language model, else
+    ``AutoModelForCausalLM``."""
+    import transformers
+
+    if getattr(config, "vision_config", None) is not None:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: a vision-language model's ``text_config``, else the
+    config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
 
 
 def language_model(model: nn.Module) -> nn.Module | None:

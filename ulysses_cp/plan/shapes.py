@@ -142,7 +142,8 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
             **_count(model, model.layers),
             **feats,
         )
-    from ..models.hf import auto_class, ffn_width, heads, load_config, text_config
+    from ..models.hf import ffn_width, heads, load_config
+    from ..models.hf_vision import auto_class, text_config
     from ..models.lean_norm import lean_norms
 
     full = load_config(mc.hf_config)

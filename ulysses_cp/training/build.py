@@ -59,9 +59,10 @@ def model_counts(mc: ModelConfig | HFModelConfig) -> tuple[int, int, int]:
     if isinstance(mc, ModelConfig):
         return mc.n_heads, mc.n_kv_heads, mc.vocab_size
     from ..models import hf
+    from ..models.hf_vision import text_config
 
     config = hf.load_config(mc.hf_config)
-    return (*hf.heads(config), hf.text_config(config).vocab_size)
+    return (*hf.heads(config), text_config(config).vocab_size)
 
 
 def validate(run: RunConfig) -> None:
