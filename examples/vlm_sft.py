@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from hf_trainer_sft import (
     InputError,
@@ -114,8 +115,8 @@ def collate(pad_id: int, image_id: int):
             "input_ids": ids,
             "attention_mask": mask,
             "labels": labels,
-            "pixel_values": torch.cat([r["pixel_values"] for r in rows]),
-            "image_grid_thw": torch.cat([r["image_grid_thw"] for r in rows]),
+            "pixel_values": torch.cat([torch.as_tensor(r["pixel_values"]) for r in rows]),
+            "image_grid_thw": torch.cat([torch.as_tensor(r["image_grid_thw"]) for r in rows]),
             "mm_token_type_ids": (ids == image_id).int(),
         }
 
@@ -128,6 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_steps", type=int, default=10, help="optimizer steps (10)")
     p.add_argument("--batch_size", type=int, default=2, help="rows per batch (2)")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument(
+        "--trainer",
+        choices=("trainer", "sft"),
+        default="trainer",
+        help="SequenceParallelTrainer (trainer) or TRL's SequenceParallelSFTTrainer (sft)",
+    )
     optimizer_args(p, learning_rate=1e-4)
     return p.parse_args(argv)
 
@@ -151,15 +158,33 @@ def train(args: argparse.Namespace) -> list[float]:
     processor = transformers.AutoImageProcessor.from_pretrained(model_path)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = transformers.AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype)
-    options = training_options(args, ds_path)
-    trainer = SequenceParallelTrainer(
-        model=model,
-        args=transformers.TrainingArguments(
-            output_dir=str(args.output_dir), remove_unused_columns=False, **options
-        ),
-        train_dataset=encode(rows, tokenizer, processor, config),
-        data_collator=collate(tokenizer.pad_token_id, config.image_token_id),
+    options = dict(
+        output_dir=str(args.output_dir),
+        remove_unused_columns=False,  # the images' columns reach the collator
+        **training_options(args, ds_path),
     )
+    rows_in = encode(rows, tokenizer, processor, config)
+    collator = collate(tokenizer.pad_token_id, config.image_token_id)
+    if args.trainer == "sft":  # TRL's SFTTrainer on the tokenized rows, with their images
+        import datasets
+        from trl import SFTConfig
+
+        from ulysses_cp.integrations.hf_trainer import SequenceParallelSFTTrainer
+
+        trainer: Any = SequenceParallelSFTTrainer(
+            model=model,
+            args=SFTConfig(max_length=None, **options),
+            train_dataset=datasets.Dataset.from_list(rows_in),
+            processing_class=tokenizer,
+            data_collator=collator,
+        )
+    else:
+        trainer = SequenceParallelTrainer(
+            model=model,
+            args=transformers.TrainingArguments(**options),
+            train_dataset=rows_in,
+            data_collator=collator,
+        )
     return train_and_save(trainer, tokenizer, args, f"training on {len(rows)} images")
 
 

@@ -1,7 +1,7 @@
 """examples/vlm_sft.py as docs/huggingface.md starts it: a tiny Qwen2.5-VL trained on four
 local images of different sizes (examples/make_tiny_assets.py --vlm) under the ``deepspeed``
-launcher, 2 CPU ranks, Ulysses 2, ZeRO-2, against the same example in one process without
-DeepSpeed. SGD with a constant learning rate and no clipping, so a wrong gradient (the
+launcher (the Trainer subclass) and ``accelerate launch`` (the SFTTrainer subclass), 2 CPU
+ranks, Ulysses 2, ZeRO-2, against the same example in one process without DeepSpeed. SGD with a constant learning rate and no clipping, so a wrong gradient (the
 vision tower's included) changes the losses of steps 2 and 3. Also: bad rows are refused
 naming the line and the fix."""
 
@@ -36,10 +36,15 @@ def example_args(assets: Path, out: Path, data: Path | None = None) -> list[str]
     return [*model, "--data", str(data), "--output_dir", str(out), *SETTINGS.split()]
 
 
-def test_vlm_example_under_deepspeed_equals_one_process(assets, tmp_path):
-    outs, texts = three_ways(
-        EXAMPLE, lambda out: example_args(assets, out), tmp_path, launchers=("deepspeed",)
-    )
+def test_vlm_example_under_both_launchers_equals_one_process(assets, tmp_path):
+    """The deepspeed launcher runs SequenceParallelTrainer, accelerate launch TRL's
+    SequenceParallelSFTTrainer; the one-process run is the plain Trainer."""
+
+    def args_of(out: Path) -> list[str]:
+        sft = ["--trainer", "sft"] if out.name == "accelerate" else []
+        return [*example_args(assets, out), *sft]
+
+    outs, texts = three_ways(EXAMPLE, args_of, tmp_path)
     assert "training on 8 images" in texts[0]
     assert_same_losses(outs)
 
