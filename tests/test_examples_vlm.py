@@ -1,9 +1,10 @@
 """examples/vlm_sft.py as docs/huggingface.md starts it: a tiny Qwen2.5-VL trained on four
 local images of different sizes (examples/make_tiny_assets.py --vlm) under the ``deepspeed``
 launcher (the Trainer subclass) and ``accelerate launch`` (the SFTTrainer subclass), 2 CPU
-ranks, Ulysses 2, ZeRO-2, against the same example in one process without DeepSpeed. SGD with a constant learning rate and no clipping, so a wrong gradient (the
-vision tower's included) changes the losses of steps 2 and 3. Also: bad rows are refused
-naming the line and the fix."""
+ranks, Ulysses 2, ZeRO-2, against the same example in one process without DeepSpeed. SGD
+with a constant learning rate and no clipping, so a wrong gradient (the vision tower's
+included) changes the losses of steps 2 and 3. Also: bad rows are refused naming the line
+and the fix."""
 
 from __future__ import annotations
 
