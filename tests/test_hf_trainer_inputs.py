@@ -12,7 +12,7 @@ from ulysses_cp.core.topology import init_topology
 from ulysses_cp.integrations.hf_trainer.run import (
     _end_padding_only,
     _packed_bounds,
-    lean_norms_option,
+    model_block_options,
     sequence_parallel_block,
     sequence_parallel_loss,
 )
@@ -31,21 +31,25 @@ def test_block_from_dict_path_or_none(tmp_path):
         sequence_parallel_block({"sequence_parallel": 2})
 
 
-def test_lean_norms_option_from_the_model_block(tmp_path):
-    """On unless ``"model": {"lean_norms": false}``; any other model key (train.py's, which
-    the Trainer would skip) and a non-boolean are refused with the key named."""
+def test_model_block_options(tmp_path):
+    """Lean norms on unless ``"model": {"lean_norms": false}``, the budget as given (None
+    by default); any other model key (train.py's, which the Trainer would skip), a
+    non-boolean and a budget that is not a positive number are refused with the key named."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"sequence_parallel": BLOCK, "model": {"lean_norms": False}}))
-    assert lean_norms_option(str(path)) is False
-    assert lean_norms_option({"sequence_parallel": BLOCK}) is True
-    assert lean_norms_option({"model": {"lean_norms": True}}) is True
-    assert lean_norms_option(None) is True
+    assert model_block_options(str(path)) == (False, None)
+    assert model_block_options({"sequence_parallel": BLOCK}) == (True, None)
+    assert model_block_options({"model": {"memory_budget_gb": 2}}) == (True, 2.0)
+    assert model_block_options(None) == (True, None)
     with pytest.raises(ValueError, match=r"only\s+lean_norms.*\['tiled_mlp'\]"):
-        lean_norms_option({"model": {"lean_norms": True, "tiled_mlp": 2}})
+        model_block_options({"model": {"lean_norms": True, "tiled_mlp": 2}})
     with pytest.raises(ValueError, match="lean_norms must be true or false, got 'no'"):
-        lean_norms_option({"model": {"lean_norms": "no"}})
+        model_block_options({"model": {"lean_norms": "no"}})
+    for bad in (0, -1, "8", True):
+        with pytest.raises(ValueError, match="memory_budget_gb must be the GiB > 0"):
+            model_block_options({"model": {"memory_budget_gb": bad}})
     with pytest.raises(ValueError, match="model must be an object"):
-        lean_norms_option({"model": 3})
+        model_block_options({"model": 3})
 
 
 def test_right_padding_drops_targets_left_padding_is_refused():
@@ -100,3 +104,23 @@ def test_image_batches_of_other_families_and_positions_are_refused():
         vision_batch({**batch, "position_ids": ids}, "qwen3_vl", 4, ignored=frozenset())
     with pytest.raises(ValueError, match="it also has 'foo'"):
         vision_batch({**batch, "foo": ids}, "qwen3_vl", 4, ignored=frozenset())
+
+
+def test_the_budget_reaches_the_wrappers():
+    """The model block's budget sizes the policy's and a reference model's "auto" log-prob
+    tiles (their wrappers'); without one, on CPU, there is none."""
+    import transformers
+
+    from tests.helpers import HF_TINY
+    from ulysses_cp.config import SequenceParallelConfig
+    from ulysses_cp.integrations.hf_trainer.run import SequenceParallelRun
+
+    def llama():
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_TINY))
+
+    for given, want in ((0.5, 0.5), (None, None if not torch.cuda.is_available() else "gpu")):
+        run = SequenceParallelRun(topo=init_topology(1, 1), config=SequenceParallelConfig())
+        run.attach(llama(), memory_budget_gb=given)
+        ref = run.wrap_model(llama())
+        got = {run.wrapper.memory_budget_gb, ref.memory_budget_gb}
+        assert got == {want} or (want == "gpu" and len(got) == 1), got

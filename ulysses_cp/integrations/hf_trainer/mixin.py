@@ -41,7 +41,7 @@ from .metrics import (
 )
 from .run import (
     SequenceParallelRun,
-    lean_norms_option,
+    model_block_options,
     sequence_parallel_block,
     sequence_parallel_loss,
 )
@@ -68,9 +68,9 @@ class SequenceParallelMixin:
         self.sequence_parallel: SequenceParallelRun | None = None
         if block is None:
             return
-        lean = lean_norms_option(self.args.deepspeed)
+        lean, budget = model_block_options(self.args.deepspeed)
         self.sequence_parallel = SequenceParallelRun.from_block(block)
-        self.sequence_parallel.attach(self.model, lean=lean)
+        self.sequence_parallel.attach(self.model, lean=lean, memory_budget_gb=budget)
         self.gather_function = self._gather_for_metrics
         ds_config = getattr(getattr(self.args, "hf_deepspeed_config", None), "config", None)
         zero = zero_bytes_per_step(

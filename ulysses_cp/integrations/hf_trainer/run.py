@@ -28,6 +28,7 @@ from ...core.batch import shard_batch
 from ...core.log import get_logger
 from ...core.process import set_cpu_threads
 from ...core.sharding import gather_sequence, pad_batch, sequence_multiple
+from ...core.tiles import gpu_budget_gb
 from ...core.topology import Topology, init_topology, validate_degrees
 from ...core.varlen import cu_seqlens_from_position_ids
 from ...models.hf import HFCausalLM, register_attention
@@ -45,7 +46,7 @@ from ...models.loss import local_loss_term, sequence_parallel_loss_from_sums
 __all__ = [
     "IGNORED_KEYS",
     "SequenceParallelRun",
-    "lean_norms_option",
+    "model_block_options",
     "sequence_parallel_block",
     "sequence_parallel_loss",
 ]
@@ -96,25 +97,34 @@ def sequence_parallel_block(deepspeed: Any) -> dict | None:
     return block
 
 
-def lean_norms_option(deepspeed: Any) -> bool:
-    """``"model": {"lean_norms": ...}`` of ``args.deepspeed`` (default true), the one key of
-    ``train.py``'s model block a Trainer run reads; any other key there is refused, since
-    the Trainer builds the model itself and would silently skip it."""
+def model_block_options(deepspeed: Any) -> tuple[bool, float | None]:
+    """``"model": {"lean_norms": ..., "memory_budget_gb": ...}`` of ``args.deepspeed``: the
+    keys of ``train.py``'s model block a Trainer run reads (lean norms default true; the
+    per-rank budget that sizes the fused log-prob head's "auto" tiles, default None: on a
+    GPU, its free memory at start less a margin). Any other key there is refused, since the
+    Trainer builds the model itself and would silently skip it."""
     block = _deepspeed_config(deepspeed).get("model", {})
     if not isinstance(block, dict):
         raise ValueError(f"the DeepSpeed config's model must be an object, got {block!r}")
-    other = sorted(k for k in block if k != "lean_norms")
+    other = sorted(k for k in block if k not in ("lean_norms", "memory_budget_gb"))
     if other:
         raise ValueError(
             f"under SequenceParallelTrainer the DeepSpeed config's model block takes only "
-            f"lean_norms; it also has {other}, which train.py reads but the Trainer does not "
-            f"(it trains the model it is given: use TrainingArguments' own options, e.g. "
-            f"gradient_checkpointing): remove them"
+            f"lean_norms and memory_budget_gb; it also has {other}, which train.py reads but "
+            f"the Trainer does not (it trains the model it is given: use TrainingArguments' "
+            f"own options, e.g. gradient_checkpointing): remove them"
         )
     lean = block.get("lean_norms", True)
     if not isinstance(lean, bool):
         raise ValueError(f"model.lean_norms must be true or false, got {lean!r}")
-    return lean
+    budget = block.get("memory_budget_gb")
+    ok = budget is None or (isinstance(budget, int | float) and not isinstance(budget, bool))
+    if not ok or (budget is not None and not budget > 0):
+        raise ValueError(
+            f"model.memory_budget_gb must be the GiB > 0 each rank may use, got {budget!r}; "
+            f'for example "memory_budget_gb": 16'
+        )
+    return lean, None if budget is None else float(budget)
 
 
 def sequence_parallel_loss(
@@ -157,6 +167,7 @@ class SequenceParallelRun:
     original_attention: str | None = None
     wrapper: HFCausalLM | None = field(default=None, repr=False)
     vision: LanguageModelShard | None = field(default=None, repr=False)
+    memory_budget_gb: float | None = None  # sizes the fused log-prob head's "auto" tiles
 
     @classmethod
     def from_block(cls, block: dict) -> SequenceParallelRun:
@@ -184,11 +195,15 @@ class SequenceParallelRun:
 
     # ------------------------------------------------------------ the model
 
-    def attach(self, model: Any, *, lean: bool = True) -> None:
+    def attach(
+        self, model: Any, *, lean: bool = True, memory_budget_gb: float | None = None
+    ) -> None:
         """Switch a transformers model (a PEFT model's base model included) to ulysses_cp
         attention and wrap it; ``lean``: its RMSNorms keep only their input for backward
         (:func:`~ulysses_cp.models.lean_norm.lean_norms`). The guard and the probe run at
-        :meth:`probe`."""
+        :meth:`probe`. ``memory_budget_gb``: the per-rank budget of "auto" tiles (None:
+        on a GPU its free memory at start less a margin, on CPU none)."""
+        self.memory_budget_gb = _budget(memory_budget_gb)
         base = _transformers_model(model)
         if lean:
             lean_norms(base)
@@ -209,7 +224,7 @@ class SequenceParallelRun:
             # a family that cannot switch (its attention bypasses the interface, as
             # Bloom's): named anyway, so that the probe gives the Hugging Face path's refusal
             model.config._attn_implementation = KEY
-        return HFCausalLM(model, topo=self.topo)
+        return HFCausalLM(model, topo=self.topo, memory_budget_gb=self.memory_budget_gb)
 
     def probe(self) -> None:
         """The guard and the probe of :mod:`ulysses_cp.models.hf_guard`, once, collective
@@ -310,6 +325,14 @@ class SequenceParallelRun:
 
 
 _USED_KEYS = frozenset({"input_ids", "labels", "shift_labels", "position_ids"})
+
+
+def _budget(given: float | None) -> float | None:
+    """The budget as given; else on a GPU its free memory at start less a margin
+    (``core.tiles.gpu_budget_gb``, as train.py takes it); else (CPU) None."""
+    if given is not None or not torch.cuda.is_available():
+        return given
+    return gpu_budget_gb(*torch.cuda.mem_get_info())
 
 
 def _plain(implementation: str | None) -> str:
