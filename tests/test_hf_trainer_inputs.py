@@ -124,3 +124,31 @@ def test_the_budget_reaches_the_wrappers():
         ref = run.wrap_model(llama())
         got = {run.wrapper.memory_budget_gb, ref.memory_budget_gb}
         assert got == {want} or (want == "gpu" and len(got) == 1), got
+
+
+def test_the_language_model_hook_runs_once_per_arming():
+    """Armed, the hook hands the language model its tokens and the extra arguments once;
+    a length other than the armed batch's is refused; disarmed, nothing changes."""
+    from ulysses_cp.models.hf_vision import LanguageModelShard
+
+    seen = []
+
+    class LM(torch.nn.Module):
+        def forward(self, inputs_embeds=None, position_ids=None, **kwargs):
+            seen.append((inputs_embeds.shape[1], position_ids, sorted(kwargs)))
+
+    lm = LM()
+    hook = LanguageModelShard(lm, init_topology(1, 1), "zigzag")
+    hook.arm(4, {"ucp_batch": 1})
+    lm(inputs_embeds=torch.zeros(2, 4, 3))
+    assert seen[-1][0] == 4 and seen[-1][1].tolist() == [[0, 1, 2, 3]] * 2
+    assert seen[-1][2] == ["ucp_batch"]
+    lm(inputs_embeds=torch.zeros(2, 4, 3))  # used up: as given
+    assert seen[-1][1] is None and seen[-1][2] == []
+    hook.arm(4, {})
+    with pytest.raises(ValueError, match="got 6 tokens where the image batch had 4"):
+        lm(inputs_embeds=torch.zeros(1, 6, 3))
+    hook.arm(4, {})
+    hook.disarm()
+    lm(inputs_embeds=torch.zeros(1, 6, 3))
+    assert seen[-1][0] == 6 and seen[-1][1] is None

@@ -139,6 +139,11 @@ class LanguageModelShard:
         index = layout_indices(seq_len, topo.sp_world_size, topo.sp_rank, self.layout)
         self._pending = (index, extra)
 
+    def disarm(self) -> None:
+        """The next call of the language model runs on what it is given (a text batch's
+        shard): an arming that no call used (a forward that failed before) is dropped."""
+        self._pending = None
+
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self._pending is None:
             return None
@@ -151,6 +156,12 @@ class LanguageModelShard:
                 f"vision-language path shards the merged embeddings there and cannot here"
             )
         b, s = embeds.shape[:2]
+        if s != index.numel() * self.topo.sp_world_size:
+            raise ValueError(
+                f"{type(module).__name__} got {s} tokens where the image batch had "
+                f"{index.numel() * self.topo.sp_world_size}: the vision-language path shards "
+                f"the whole merged sequence"
+            )
         index = index.to(embeds.device)
         pos = kwargs.get("position_ids")
         if pos is None:

@@ -300,6 +300,8 @@ class SequenceParallelRun:
             assert self.vision is not None
             self.vision.arm(local["images"]["input_ids"].shape[1], extra)
             return {**local["images"], "use_cache": False}
+        if self.vision is not None:
+            self.vision.disarm()
         return {
             "input_ids": local["input_ids"],
             "position_ids": local["position_ids"],
