@@ -32,6 +32,7 @@ __all__ = [
     "auto_class",
     "language_model",
     "text_config",
+    "vision_attention",
     "vision_batch",
 ]
 
