@@ -128,6 +128,9 @@ def test_a_vision_language_config_is_read_from_its_language_model():
     cfg = hf.load_config(mc.hf_config)
     assert (hf.heads(cfg), hf.ffn_width(cfg)) == ((4, 2), 128)
     assert auto_class(cfg).__name__ == "AutoModelForImageTextToText"
+    # a multimodal config AutoModelForCausalLM knows keeps its causal-LM class (the sweep's)
+    phi4 = hf.load_config({"model_type": "phi4_multimodal"})
+    assert auto_class(phi4).__name__ == "AutoModelForCausalLM"
     assert model_counts(mc) == (4, 2, 256)
     shape = model_shape(mc)
     assert (shape.vocab, shape.dim, shape.layers, shape.ffn) == (256, 64, 2, 128)

@@ -47,13 +47,16 @@ PER_TOKEN_KEYS = frozenset({"mm_token_type_ids"})
 
 def auto_class(config: Any) -> Any:
     """The transformers auto class that builds ``config``'s model with its LM head:
-    ``AutoModelForImageTextToText`` for a vision-language model, else
-    ``AutoModelForCausalLM``."""
+    ``AutoModelForCausalLM`` for every config it knows (multimodal ones such as Phi-4
+    multimodal and Mllama's included: their causal-LM class), else
+    ``AutoModelForImageTextToText`` for a vision-language model (Qwen-VL, InternVL)."""
     import transformers
 
-    if getattr(config, "vision_config", None) is not None:
-        return transformers.AutoModelForImageTextToText
-    return transformers.AutoModelForCausalLM
+    causal = transformers.AutoModelForCausalLM
+    vlm = transformers.AutoModelForImageTextToText
+    if type(config) in causal._model_mapping or getattr(config, "vision_config", None) is None:
+        return causal
+    return vlm if type(config) in vlm._model_mapping else causal
 
 
 def text_config(config: Any) -> Any:
