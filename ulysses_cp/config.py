@@ -23,7 +23,7 @@ from typing import Literal
 
 from .core.offload import check_offload, offloaded_layers
 from .core.options import CONFIG_KEYS, RunOptions
-from .core.tiles import check_tiles
+from .core.tiles import check_memory_budget, check_tiles
 from .schema import at_least, block_values, check_top_level_keys, from_block, resolve_paths
 
 __all__ = [
@@ -127,11 +127,7 @@ def check_memory_options(block: ModelConfig | HFModelConfig) -> None:
     """The ALST switches shared by the reference decoder and Hugging Face models."""
     for n in ("tiled_mlp", "tiled_loss"):
         check_tiles(getattr(block, n), f"model.{n}")
-    if (budget := block.memory_budget_gb) is not None and not budget > 0:
-        raise ValueError(
-            f"model.memory_budget_gb must be the GiB > 0 each rank may use (it sizes the "
-            f'"auto" tiles), got {budget!r}; for example "memory_budget_gb": 16'
-        )
+    check_memory_budget(block.memory_budget_gb)
     check_offload(block.offload_activations, block.activation_checkpointing)
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "AutoTiles",
     "TileKind",
     "TileSetting",
+    "check_memory_budget",
     "check_tiles",
     "gpu_budget_gb",
     "is_auto",
@@ -90,6 +91,16 @@ def with_budget(setting: TileSetting, budget_gb: float | None) -> TileSetting:
 
 GPU_MARGIN_GIB = 2.0  # left free of a GPU's free memory when the budget is derived
 GPU_MARGIN_SHARE = 0.1  # ... or this share of the GPU's memory, whichever is more
+
+
+def check_memory_budget(budget: float | None) -> None:
+    """``model.memory_budget_gb``: None or a positive number of GiB (train.py's model block
+    and the Trainer subclasses' alike)."""
+    if budget is not None and not budget > 0:
+        raise ValueError(
+            f"model.memory_budget_gb must be the GiB > 0 each rank may use (it sizes the "
+            f'"auto" tiles), got {budget!r}; for example "memory_budget_gb": 16'
+        )
 
 
 def gpu_budget_gb(free_bytes: int, total_bytes: int) -> float:

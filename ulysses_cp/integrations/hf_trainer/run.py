@@ -28,7 +28,7 @@ from ...core.batch import shard_batch
 from ...core.log import get_logger
 from ...core.process import set_cpu_threads
 from ...core.sharding import gather_sequence, pad_batch, sequence_multiple
-from ...core.tiles import gpu_budget_gb
+from ...core.tiles import check_memory_budget, gpu_budget_gb
 from ...core.topology import Topology, init_topology, validate_degrees
 from ...core.varlen import cu_seqlens_from_position_ids
 from ...models.hf import HFCausalLM, register_attention
@@ -42,6 +42,7 @@ from ...models.hf_vision import (
 )
 from ...models.lean_norm import lean_norms
 from ...models.loss import local_loss_term, sequence_parallel_loss_from_sums
+from ...schema import block_values
 
 __all__ = [
     "IGNORED_KEYS",
@@ -114,17 +115,11 @@ def model_block_options(deepspeed: Any) -> tuple[bool, float | None]:
             f"the Trainer does not (it trains the model it is given: use TrainingArguments' "
             f"own options, e.g. gradient_checkpointing): remove them"
         )
-    lean = block.get("lean_norms", True)
-    if not isinstance(lean, bool):
-        raise ValueError(f"model.lean_norms must be true or false, got {lean!r}")
-    budget = block.get("memory_budget_gb")
-    ok = budget is None or (isinstance(budget, int | float) and not isinstance(budget, bool))
-    if not ok or (budget is not None and not budget > 0):
-        raise ValueError(
-            f"model.memory_budget_gb must be the GiB > 0 each rank may use, got {budget!r}; "
-            f'for example "memory_budget_gb": 16'
-        )
-    return lean, None if budget is None else float(budget)
+    # the types as train.py's model block checks them, then the budget's value
+    values = block_values(block, {"lean_norms": bool, "memory_budget_gb": float | None}, "model")
+    budget = values.get("memory_budget_gb")
+    check_memory_budget(budget)
+    return values.get("lean_norms", True), None if budget is None else float(budget)
 
 
 def sequence_parallel_loss(
