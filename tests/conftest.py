@@ -74,6 +74,7 @@ _STARTS = [
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """The guard: while a unit test runs (its fixtures' setup and teardown included),
     starting a process raises :class:`ProcessStarted`."""
+    torch.set_num_threads(1)  # a test that set more (the Trainer's run) leaves none behind
     if item.get_closest_marker("unit") is None:
         return (yield)
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in _STARTS]

@@ -36,6 +36,9 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, env: dic
 
     os.environ.clear()
     os.environ.update(env)  # the test session's, not the fork server's
+    # one thread per rank, as torchrun's workers: the code under test (the Trainer's run,
+    # train.py) then leaves the count alone, as it does for a user's OMP_NUM_THREADS
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     os.environ.setdefault("WANDB_MODE", "disabled")
     dist.init_process_group(
@@ -51,6 +54,9 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, env: dic
             if task is None:
                 break
             fn, args, kwargs = task
+            # a task that set more threads must not slow the next ones: 4 ranks x 2
+            # threads on 2 cores made a later test 6x slower
+            torch.set_num_threads(1)
             try:
                 results.put((rank, True, fn(rank, *args, **kwargs)))
             except BaseException:

@@ -54,3 +54,21 @@ def test_set_cpu_threads_sets_torch_unless_omp_is_set(monkeypatch, torch_threads
     torch.set_num_threads(1)
     assert set_cpu_threads(log) is None
     assert torch.get_num_threads() == 1  # the user's choice stands
+
+
+def _more_threads(rank: int) -> None:
+    set_cpu_threads()  # what the Trainer's run does in a rank (left alone: OMP_NUM_THREADS)
+    torch.set_num_threads(2)  # and what any other code might do
+
+
+def _threads(rank: int) -> tuple[int, str]:
+    import os
+
+    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS", "")
+
+
+def test_pool_ranks_run_every_task_on_one_thread(pools):
+    """The test harness: a task that raised a rank's thread count leaves the next task on
+    one thread (4 ranks x 2 threads on 2 cores made the planner's tests 6x slower)."""
+    pools(2).run(_more_threads)
+    assert pools(2).run(_threads) == [(1, "1")] * 2
