@@ -1,7 +1,9 @@
 """examples/vlm_sft.py as docs/huggingface.md starts it: a tiny Qwen2.5-VL trained on four
 local images of different sizes (examples/make_tiny_assets.py --vlm) under the ``deepspeed``
-launcher (the Trainer subclass) and ``accelerate launch`` (the SFTTrainer subclass), 2 CPU
-ranks, Ulysses 2, ZeRO-2, against the same example in one process without DeepSpeed. SGD
+launcher with TRL's SFTTrainer subclass, 2 CPU ranks, Ulysses 2, ZeRO-2, against the same
+example in one process without DeepSpeed (the plain Trainer). ``accelerate launch`` and the
+Trainer subclass run the text example (test_examples_hf.py); the Trainer's image batches
+under SP are pinned in tests/test_hf_vlm_images.py. SGD
 with a constant learning rate and no clipping, so a wrong gradient (the vision tower's
 included) changes the losses of steps 2 and 3. Also: bad rows are refused naming the line
 and the fix."""
@@ -37,15 +39,15 @@ def example_args(assets: Path, out: Path, data: Path | None = None) -> list[str]
     return [*model, "--data", str(data), "--output_dir", str(out), *SETTINGS.split()]
 
 
-def test_vlm_example_under_both_launchers_equals_one_process(assets, tmp_path):
-    """The deepspeed launcher runs SequenceParallelTrainer, accelerate launch TRL's
-    SequenceParallelSFTTrainer; the one-process run is the plain Trainer."""
+def test_vlm_example_under_the_launcher_equals_one_process(assets, tmp_path):
+    """The deepspeed launcher runs TRL's SequenceParallelSFTTrainer; the one-process run is
+    the plain Trainer."""
 
     def args_of(out: Path) -> list[str]:
-        sft = ["--trainer", "sft"] if out.name == "accelerate" else []
+        sft = ["--trainer", "sft"] if out.name == "deepspeed" else []
         return [*example_args(assets, out), *sft]
 
-    outs, texts = three_ways(EXAMPLE, args_of, tmp_path)
+    outs, texts = three_ways(EXAMPLE, args_of, tmp_path, launchers=("deepspeed",))
     assert "training on 8 images" in texts[0]
     assert_same_losses(outs)
 
