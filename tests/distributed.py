@@ -20,7 +20,7 @@ import tempfile
 import traceback
 from datetime import timedelta
 
-from tests.zygote import context
+from tests.zygote import BASE_ENV, context
 
 COLLECTIVE_TIMEOUT_S = 60
 RESULT_TIMEOUT_S = 300
@@ -36,10 +36,10 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, env: dic
 
     os.environ.clear()
     os.environ.update(env)  # the test session's, not the fork server's
-    # one thread per rank, as torchrun's workers: the code under test (the Trainer's run,
-    # train.py) then leaves the count alone, as it does for a user's OMP_NUM_THREADS
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    # one thread per rank, as the zygote's ranks (torchrun's workers): the code under test
+    # (the Trainer's run, train.py) then leaves the count alone, as for a user's choice;
+    # each task starts on it (below)
+    os.environ["OMP_NUM_THREADS"] = BASE_ENV["OMP_NUM_THREADS"]
     os.environ.setdefault("WANDB_MODE", "disabled")
     dist.init_process_group(
         "gloo",
@@ -56,7 +56,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, env: dic
             fn, args, kwargs = task
             # a task that set more threads must not slow the next ones: 4 ranks x 2
             # threads on 2 cores made a later test 6x slower
-            torch.set_num_threads(1)
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
             try:
                 results.put((rank, True, fn(rank, *args, **kwargs)))
             except BaseException:

@@ -3,10 +3,9 @@ local images of different sizes (examples/make_tiny_assets.py --vlm) under the `
 launcher with TRL's SFTTrainer subclass, 2 CPU ranks, Ulysses 2, ZeRO-2, against the same
 example in one process without DeepSpeed (the plain Trainer). ``accelerate launch`` and the
 Trainer subclass run the text example (test_examples_hf.py); the Trainer's image batches
-under SP are pinned in tests/test_hf_vlm_images.py. SGD
-with a constant learning rate and no clipping, so a wrong gradient (the vision tower's
-included) changes the losses of steps 2 and 3. Also: bad rows are refused naming the line
-and the fix."""
+under SP are pinned in tests/test_hf_vlm_images.py. SGD with a constant learning rate and
+no clipping, so a wrong gradient (the vision tower's included) changes the losses of steps
+2 and 3. Also: bad rows are refused naming the line and the fix."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ user's OMP_NUM_THREADS winning over it."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -62,8 +63,6 @@ def _more_threads(rank: int) -> None:
 
 
 def _threads(rank: int) -> tuple[int, str]:
-    import os
-
     return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS", "")
 
 
