@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import tempfile
 from datetime import timedelta
@@ -116,11 +117,52 @@ def _entry(rank, body, world, args, init_file, result_file):
     exit_process()
 
 
+_GIVEN: set[int] = set()  # the ports free_port handed out in this process
+_LOWEST_PORT = 20000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's
+    ``ip_local_port_range``; the usual default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a launcher's master port)."""
+    """A TCP port free on 127.0.0.1 now, for a launcher's master port, never the same twice
+    in one process.
+
+    Drawn at random below the ephemeral range: the OS takes the local ports of outgoing
+    connections (gloo's, a TCP store client's) from that range, so a port found free there
+    (by binding port 0) can be taken by another run's connection before the launched rank
+    binds it, seconds later (``EADDRINUSE``). Where the range leaves no room below it, the
+    OS's pick."""
+    low, _ = ephemeral_ports()
+    draw = random.SystemRandom()  # not the seeded module generator: runs seed it alike
+    for _ in range(100 if low - _LOWEST_PORT >= 1000 else 0):
+        port = draw.randrange(_LOWEST_PORT, low)
+        if port not in _GIVEN and _bindable(port):
+            _GIVEN.add(port)
+            return port
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _start_method() -> str:

@@ -276,3 +276,15 @@ def test_live_bytes_counts_what_the_work_allocates():
     peak = peak_memory(lambda: (x * x).sum().backward(), scratch=False)
     assert 2 * 2**20 <= peak <= 3 * 2**20 + 64, peak
     assert x.grad is not None and peak_memory(lambda: None, scratch=False) == 0
+
+
+def test_free_port_is_below_the_ephemeral_range_and_never_handed_out_twice():
+    """A launcher's master port: not where the OS picks other runs' outgoing connections'
+    ports (a port found free there was taken before the rank bound it: EADDRINUSE in the
+    SFT example's test, three launches at once), bindable, and new on every call."""
+    low, high = benchlib.ephemeral_ports()
+    assert 1024 <= low < high
+    ports = [benchlib.free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(20000 <= port < low for port in ports), [p for p in ports if p >= low][:5]
+    assert all(benchlib._bindable(port) for port in ports[-5:])

@@ -224,8 +224,8 @@ def partitioned_initialize(release: Callable[[], None] = lambda: None) -> Iterat
         with torch.no_grad(), initialization.guard_torch_init_functions():
             _apply(self, self._initialize_weights, self.is_custom_code(), release)
 
-    PreTrainedModel.initialize_weights = initialize_weights  # type: ignore[method-assign]
+    PreTrainedModel.initialize_weights = initialize_weights
     try:
         yield
     finally:
-        PreTrainedModel.initialize_weights = original  # type: ignore[method-assign]
+        PreTrainedModel.initialize_weights = original
