@@ -19,6 +19,7 @@ import os
 import random
 import socket
 import tempfile
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -140,20 +141,24 @@ def free_port() -> int:
     (by binding port 0) can be taken by another run's connection before the launched rank
     binds it, seconds later (``EADDRINUSE``). Where the range leaves no room below it, the
     OS's pick."""
-    low, _ = ephemeral_ports()
-    draw = random.SystemRandom()  # not the seeded module generator: runs seed it alike
-    for _ in range(100 if low - _LOWEST_PORT >= 1000 else 0):
-        port = draw.randrange(_LOWEST_PORT, low)
+    for port in _candidate_ports(ephemeral_ports()[0]):
         if port not in _GIVEN and _bindable(port):
             _GIVEN.add(port)
             return port
+    raise AssertionError("unreachable: the OS's picks never run out")
+
+
+def _candidate_ports(low: int) -> Iterator[int]:
+    """Up to 100 random ports below ``low`` (where there are at least 1000), then the OS's."""
+    draw = random.SystemRandom()  # not the seeded module generator: runs seed it alike
+    if low - _LOWEST_PORT >= 1000:
+        for _ in range(100):
+            yield draw.randrange(_LOWEST_PORT, low)
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
+        yield port  # closed first: the caller binds it to check
 
 
 def _bindable(port: int) -> bool:
