@@ -9,7 +9,9 @@ sequence_parallel block), ``lora`` (peft LoRA on q/v: the reference is the adapt
 ``loss_type`` (a list, TRL's names), ``ref`` (``"path"``: TRL builds the reference from
 the policy's path, the default; ``"given"``: a second model passed as ``ref_model``),
 ``precompute`` (``precompute_ref_log_probs``), ``use_weighting``, ``ld_alpha``,
-``f_divergence`` (DPOConfig's ``f_divergence_type``), ``scale`` (multiplies the run's gradient
+``f_divergence`` (DPOConfig's ``f_divergence_type``), ``policy`` (``"path"``: the policy
+given as its folder, built by TRL), ``bare`` (the script does not start torch.distributed
+itself: the Trainer's Accelerate does), ``scale`` (multiplies the run's gradient
 scale: the seen-failing check), ``long`` (longer completions)."""
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
     sp = spec.get("sp")
-    if sp is not None:
+    if sp is not None and not spec.get("bare"):
         import ulysses_cp as ucp
 
         ucp.init_distributed()
@@ -54,6 +56,14 @@ def main(spec_path: str) -> None:
 
     from tests.hf_trainer_worker import lora_config, make_trainer, training_arguments
 
+    def policy():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            spec["model"], dtype=torch.float32, attn_implementation="sdpa"
+        )
+
+    # bare: nothing starts torch.distributed before the config (the Trainer's Accelerate
+    # does, on CPU without DeepSpeed's comm), so the script loads its policy first
+    model = policy() if spec.get("bare") and spec.get("policy") != "path" else None
     args = DPOConfig(
         **training_arguments({"lr": 1.0, **spec}),
         beta=0.5,
@@ -65,10 +75,10 @@ def main(spec_path: str) -> None:
         f_divergence_type=spec.get("f_divergence", "reverse_kl"),
     )
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(spec["tokenizer"])
-    # after the TrainingArguments: under ZeRO-3 the models are built partitioned
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        spec["model"], dtype=torch.float32, attn_implementation="sdpa"
-    )
+    if spec.get("policy") == "path":  # TRL builds it (partitioned under ZeRO-3)
+        model = spec["model"]
+    elif model is None:  # after the TrainingArguments: under ZeRO-3 built partitioned
+        model = policy()
     ref_model = None
     if spec.get("ref") == "given":
         ref_model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -7,12 +7,12 @@ rank trained on).
 
 Spec keys: those of tests/dpo_worker.py's runs (``model``, ``tokenizer``, ``out``,
 ``batch``, ``ga``, ``steps``, ``eval_steps``, ``lr``, ``n_train``, ``n_eval``, ``zero``,
-``sp``, ``lora``, ``scale``) and ``trainer`` (``"grpo"``, the default, or ``"rloo"``: TRL's
-``RLOOTrainer``), ``rollout`` (``"func"``: a deterministic ``rollout_func``,
-the default; ``"generate"``: the model's own sampling), ``grpo`` (GRPOConfig keywords:
-``loss_type``, ``beta``, ``num_iterations``, ...), ``skew`` (SP rank 1's ``rollout_func``
-returns other completions), ``no_broadcast`` (the SP ranks keep their own completions and
-rewards: the seen-failing check of the broadcast)."""
+``sp``, ``lora``, ``scale``, ``policy``, ``bare``) and ``trainer`` (``"grpo"``, the
+default, or ``"rloo"``: TRL's ``RLOOTrainer``), ``rollout`` (``"func"``: a deterministic
+``rollout_func``, the default; ``"generate"``: the model's own sampling), ``grpo``
+(GRPOConfig keywords: ``loss_type``, ``beta``, ``num_iterations``, ...), ``skew`` (SP rank
+1's ``rollout_func`` returns other completions), ``no_broadcast`` (the SP ranks keep their
+own completions and rewards: the seen-failing check of the broadcast)."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def main(spec_path: str) -> None:
     out = Path(spec["out"])
     sp = spec.get("sp")
     rank = int(os.environ.get("RANK", "0"))
-    if sp is not None:
+    if sp is not None and not spec.get("bare"):
         import ulysses_cp as ucp
 
         ucp.init_distributed()
@@ -116,11 +116,21 @@ def train(spec: dict, settings: dict, rank: int) -> list[dict]:
     }
     kind = spec.get("trainer", "grpo")  # "rloo": TRL's RLOOTrainer (the same arguments)
     config_class = trl.RLOOConfig if kind == "rloo" else trl.GRPOConfig
+
+    def policy():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            spec["model"], dtype=torch.float32, attn_implementation="sdpa"
+        )
+
+    # bare: the Trainer's Accelerate starts torch.distributed (on CPU without DeepSpeed's
+    # comm), so the script loads its policy before the config
+    model = policy() if spec.get("bare") and spec.get("policy") != "path" else None
     args = config_class(**training_arguments({"lr": 1.0, **spec}), **grpo)
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(spec["tokenizer"])
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        spec["model"], dtype=torch.float32, attn_implementation="sdpa"
-    )
+    if spec.get("policy") == "path":  # TRL builds it (partitioned under ZeRO-3)
+        model = spec["model"]
+    elif model is None:  # after the config: under ZeRO-3 built partitioned
+        model = policy()
     peft_config = lora_config(spec)
     train_rows = datasets.Dataset.from_list(prompt_rows(spec["n_train"], 1))
     evals = datasets.Dataset.from_list(prompt_rows(spec["n_eval"], 2))

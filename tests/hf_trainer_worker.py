@@ -4,7 +4,8 @@ file with the run's settings; writes ``<out>/result.json`` (training and eval lo
 
 Optional spec keys: ``zero`` (DeepSpeed stage), ``sp`` (the sequence_parallel block),
 ``lora`` (peft LoRA on q/v), ``save`` (save_model's folder: the adapter under LoRA),
-``model_block`` (the DeepSpeed config's ``"model"`` block), ``predict`` (``trainer.predict``
+``model_block`` (the DeepSpeed config's ``"model"`` block), ``ragged`` (Trainer rows of
+different lengths, padded on the right by the collator), ``predict`` (``trainer.predict``
 on the eval rows after training: the predictions' shape and values), ``batches`` (every rank
 writes ``<out>/batches_<rank>.json``: the row sums of its first epoch's training batches,
 to see which data each rank gets)."""
@@ -19,10 +20,13 @@ from pathlib import Path
 import torch
 
 
-def rows(n: int, length: int, vocab: int, seed: int) -> list[dict]:
+def rows(n: int, length: int, vocab: int, seed: int, ragged: bool = False) -> list[dict]:
+    """``n`` rows of ``length`` tokens; ``ragged``: of ``length / 2 .. length`` tokens
+    (a batch pads them on the right: an attention mask with zeros)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (n, length), generator=g)
-    return [{"input_ids": r.tolist(), "labels": r.tolist()} for r in ids]
+    cut = torch.randint(length // 2, length + 1, (n,), generator=g) if ragged else [length] * n
+    return [{"input_ids": r[:k].tolist(), "labels": r[:k].tolist()} for r, k in zip(ids, cut)]
 
 
 def documents(n: int, vocab: int, seed: int, multiple: int) -> list[dict]:
@@ -154,8 +158,9 @@ def main(spec_path: str) -> None:
         evals = datasets.Dataset.from_list(documents(spec["n_eval"], vocab, 2, multiple))
     else:
         args = transformers.TrainingArguments(**common)
-        train = datasets.Dataset.from_list(rows(spec["n_train"], spec["length"], vocab, 1))
-        evals = datasets.Dataset.from_list(rows(spec["n_eval"], spec["length"], vocab, 2))
+        ragged = bool(spec.get("ragged"))
+        train = datasets.Dataset.from_list(rows(spec["n_train"], spec["length"], vocab, 1, ragged))
+        evals = datasets.Dataset.from_list(rows(spec["n_eval"], spec["length"], vocab, 2, ragged))
     model = transformers.AutoModelForCausalLM.from_pretrained(
         spec["model"], dtype=torch.float32, attn_implementation="sdpa"
     )
@@ -176,6 +181,9 @@ def main(spec_path: str) -> None:
         )
     else:
         collator = transformers.default_data_collator
+        if spec.get("ragged"):  # right padding: labels -100, an attention mask
+            tok = transformers.PreTrainedTokenizerFast.from_pretrained(spec["tokenizer"])
+            collator = transformers.DataCollatorForSeq2Seq(tok, padding="longest")
         trainer = make_trainer(
             SequenceParallelTrainer, spec, model, args, train, evals, data_collator=collator
         )

@@ -1087,3 +1087,24 @@ def wake_zero_params_(model: torch.nn.Module, std: float = 0.02, seed: int = 0) 
             param.copy_(noise.to(param.dtype))
             woken.append(name)
     return woken
+
+
+def with_router_loss(cfg: PretrainedConfig, coef: float = 0.5) -> PretrainedConfig:
+    """``cfg`` with its MoE load-balancing loss on: ``output_router_logits`` and the
+    coefficient (``router_aux_loss_coef``, JetMoE's ``aux_loss_coef``, DBRX's
+    ``ffn_config.moe_loss_weight``) set on the text config, where the causal LM reads them."""
+    text = cfg.get_text_config()
+    text.output_router_logits = True
+    for name in ("router_aux_loss_coef", "aux_loss_coef"):
+        if hasattr(text, name):
+            setattr(text, name, coef)
+    ffn = getattr(text, "ffn_config", None)  # DBRX: ffn_config.moe_loss_weight
+    if hasattr(ffn, "moe_loss_weight"):
+        ffn.moe_loss_weight = coef
+    return cfg
+
+
+def has_router_loss(model_type: str) -> bool:
+    """The family's config has ``output_router_logits`` (its forward can add an MoE
+    load-balancing loss)."""
+    return hasattr(tiny_config(model_type).get_text_config(), "output_router_logits")

@@ -166,11 +166,14 @@ def test_dpo_precomputed_reference_u2_zero2(assets, tmp_path):
     assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=2))
 
 
-def test_dpo_u2_dp2_zero1_equals_one_process(assets, tmp_path):
-    """Ulysses 2 x data parallel 2 (4 ranks): each replica takes one pair per
-    micro-batch, the one-process run two."""
-    ref = spec(assets, tmp_path / "ref")
-    sp = spec(assets, tmp_path / "sp", zero=1, sp=U2, batch=1)
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_dpo_u2_dp2_equals_one_process(assets, tmp_path, zero):
+    """Ulysses 2 x data parallel 2 (4 ranks), ZeRO 1-3: each replica takes one pair per
+    micro-batch, the one-process run two. ZeRO-3 at half the rate: its reduce-scatter sums
+    in another order, and at lr 1.0 that float32 noise reaches 2e-5 by the evaluation."""
+    lr = 0.5 if zero == 3 else 1.0
+    ref = spec(assets, tmp_path / "ref", lr=lr)
+    sp = spec(assets, tmp_path / "sp", zero=zero, sp=U2, batch=1, lr=lr)
     assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=4))
 
 
@@ -189,3 +192,17 @@ def test_dpo_lora_u2_zero3_equals_one_process(assets, tmp_path):
     ref = spec(assets, tmp_path / "ref", lora=True)
     sp = spec(assets, tmp_path / "sp", zero=3, sp=U2, lora=True)
     assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=2))
+
+
+@pytest.mark.parametrize(("policy", "degrees"), [("loaded", "u2r2"), ("path", "u2")])
+def test_dpo_trl_reference_under_zero3_without_deepspeed_comm(assets, tmp_path, policy, degrees):
+    """The usual script: no ``ucp.init_distributed``, so the Trainer's Accelerate starts
+    torch.distributed (on CPU without DeepSpeed's comm); ``ref_model=None`` (TRL builds
+    the reference under ZeRO-3's ``zero.Init``), ``"auto"`` batch sizes, gradient
+    accumulation 1; the policy loaded before the config, or given as its folder (TRL
+    builds it too). DeepSpeed counted one process there and refused the "auto" batch
+    sizes (``8 != 2 * 1 * 1``) until the trainers bind its comm first."""
+    sp_block, nproc = (U2R2, 4) if degrees == "u2r2" else (U2, 2)
+    ref = spec(assets, tmp_path / "ref", ga=1, policy=policy)
+    sp = spec(assets, tmp_path / "sp", zero=3, sp=sp_block, ga=1, bare=True, policy=policy)
+    assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=nproc))

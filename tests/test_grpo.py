@@ -174,15 +174,28 @@ def test_grpo_lora_u2_zero0_equals_one_process(assets, tmp_path):
 
 
 @pytest.mark.launcher
-def test_grpo_u2_dp2_zero1_equals_one_process(assets, tmp_path):
-    """Ulysses 2 x data parallel 2 (4 ranks): each replica generates and scores half of the
-    prompt groups, the rewards are gathered over the replicas (not the 4 processes) and
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_grpo_u2_dp2_equals_one_process(assets, tmp_path, zero):
+    """Ulysses 2 x data parallel 2 (4 ranks), ZeRO 1-3: each replica generates and scores
+    half of the prompt groups, the rewards are gathered over the replicas (not the 4 processes) and
     each replica takes its own advantages; one micro-batch a step (the shuffle inside a
     generation batch is each process's own), whole evaluation batches (n_eval 8)."""
     kw = {"ga": 1, "n_eval": 8, "grpo": {"num_iterations": 2, "scale_rewards": "batch"}}
     ref = spec(assets, tmp_path / "ref", batch=8, **kw)
-    sp = spec(assets, tmp_path / "sp", zero=1, sp=U2, batch=4, **kw)
+    sp = spec(assets, tmp_path / "sp", zero=zero, sp=U2, batch=4, **kw)
     assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=4))
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize(("policy", "degrees"), [("loaded", "u2r2"), ("path", "u2")])
+def test_grpo_trl_reference_under_zero3_without_deepspeed_comm(assets, tmp_path, policy, degrees):
+    """As tests/test_dpo.py's: no ``ucp.init_distributed`` in the script, TRL's reference
+    (``beta=0.1``) built under ``zero.Init``, the policy loaded first or given as its
+    folder (TRL builds it), "auto" batch sizes."""
+    sp_block, nproc = (U2R2, 4) if degrees == "u2r2" else (U2, 2)
+    ref = spec(assets, tmp_path / "ref", policy=policy)
+    sp = spec(assets, tmp_path / "sp", zero=3, sp=sp_block, bare=True, policy=policy)
+    assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=nproc))
 
 
 @pytest.mark.launcher

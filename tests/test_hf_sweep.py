@@ -17,11 +17,18 @@ import torch.distributed as dist
 from tests.helpers import ROOT, topology
 
 transformers = pytest.importorskip("transformers")
-from tests.hf_zoo import FAMILIES, tiny_config, wake_zero_params_  # noqa: E402
+from tests.hf_zoo import (  # noqa: E402
+    FAMILIES,
+    has_router_loss,
+    tiny_config,
+    wake_zero_params_,
+    with_router_loss,
+)
 from ulysses_cp.models import hf  # noqa: E402
 
 pytestmark = pytest.mark.slow
 IDS = torch.randint(90, (2, 64), generator=torch.Generator().manual_seed(1))
+AUX_COEF = 0.5  # the MoE load-balancing loss's coefficient where the sweep turns it on
 
 
 def _reference(cfg, dtype, state):
@@ -37,11 +44,15 @@ def _reference(cfg, dtype, state):
     raise AssertionError("no reference implementation")
 
 
-def _sweep(rank, family, u, r):
+def _sweep(rank, family, u, r, aux=False):
+    """``aux``: the family's MoE load-balancing loss on (coefficient 0.5); the reference is
+    then transformers' own ``model(labels=...)`` loss, which adds it."""
     fam = FAMILIES[family]
     topo = topology(u, r)
     hf.register_attention(topo, backend="math")
     cfg = tiny_config(family)
+    if aux:
+        cfg = with_router_loss(cfg, AUX_COEF)
     torch.manual_seed(0)
     try:
         sp = hf.from_config(cfg, dtype=fam.dtype)
@@ -53,13 +64,19 @@ def _sweep(rank, family, u, r):
     if family in STOCHASTIC:  # compare the deterministic (eval) forward
         sp.eval()
     # the loss and the summed gradients are the same on every rank: rank 0 alone compares
-    ref = None
+    ref, own_error = None, 0.0
     if dist.get_rank() == 0:
         ref, impl = _reference(cfg, fam.dtype, sp.state_dict())
         if family in STOCHASTIC:
             ref.eval()
-        logits = ref(input_ids=IDS).logits.double()
+        out = ref(input_ids=IDS)
+        logits = out.logits.double()
         want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), IDS[:, 1:].flatten())
+        if aux and getattr(out, "aux_loss", None) is not None:  # the family's own term
+            want = want + AUX_COEF * out.aux_loss
+            with torch.no_grad():  # the family adds exactly AUX_COEF x its aux loss
+                own = ref(input_ids=IDS, labels=IDS).loss.item()
+            own_error = abs(own - want.item()) / abs(own)
         want.backward()
     local = hf.shard_batch({"input_ids": IDS, "labels": IDS}, topo)
     loss = model.loss(
@@ -73,7 +90,7 @@ def _sweep(rank, family, u, r):
         grads.append((name, grad))
     if ref is None:
         return "exact", None, {}
-    errors = {"loss": abs(loss.item() - want.item()) / abs(want.item())}
+    errors = {"loss": abs(loss.item() - want.item()) / abs(want.item()), "own loss": own_error}
     pairs = [
         (name, grad, torch.zeros_like(q) if q.grad is None else q.grad)
         for (name, grad), q in zip(grads, ref.parameters())
@@ -200,3 +217,41 @@ def test_the_family_table_in_the_docs_is_the_sweeps():
     assert set(rows) == set(FAMILIES)
     assert {f for f, verdict in rows.items() if verdict == "exact"} == EXACT
     assert set(NAMED) <= EXACT
+
+
+# the MoE families (a config with output_router_logits): with the load-balancing loss on,
+# the exact ones stay exact, its term included (docs/models.md, "MoE load-balancing loss")
+MOE = sorted(f for f in FAMILIES if has_router_loss(f))
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_moe_family_is_exact_with_its_router_loss_or_refused(pools, family):
+    verdict, detail = check(pools(4).run(_sweep, family, 2, 2, True), family)
+    print(f"MOE SWEEP {family}: {verdict}: {detail}")
+    assert verdict == ("exact" if family in EXACT else "refused"), detail
+
+
+def test_the_moe_table_in_the_docs_is_the_sweeps():
+    """docs/models.md's MoE table has one row per MoE family: exact with the loss computed
+    over the whole sequence exactly when the family is exact and its forward adds one,
+    refused exactly when the sweep refuses it."""
+    from ulysses_cp.models.hf_loss_terms import router_aux
+
+    VERDICTS = ("exact", "refused")
+    rows = {}
+    for line in (ROOT / "docs" / "models.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`") and cells[1].startswith(VERDICTS):
+            rows[cells[0].strip("`")] = cells[1]
+    assert set(rows) == set(MOE)
+    for family, status in rows.items():
+        model = transformers.AutoModelForCausalLM.from_config(with_router_loss(tiny_config(family)))
+        try:
+            adds = router_aux(model) is not None
+        except ValueError:
+            adds = None  # a loss term refused
+        if family not in EXACT:
+            assert status.startswith("refused"), (family, status)
+        else:
+            want = "exact, over the whole sequence" if adds else "exact: its forward adds none"
+            assert status == want, (family, status)

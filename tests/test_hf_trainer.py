@@ -31,15 +31,36 @@ def assets(tmp_path_factory) -> dict[str, str]:
 
 
 def trainer_assets(root: Path) -> dict[str, str]:
-    """A tiny Llama, a tiny Qwen3 (saved, so every run starts from the same weights) and
-    a word-level tokenizer of their 96 tokens, in ``root`` (also tests/test_dpo.py's)."""
+    """A tiny Llama, a tiny Qwen3, a tiny Qwen3-MoE and Mixtral (4 experts, top-2, their
+    load-balancing loss on at coefficient 0.5; ``qwen3_moe_rl`` with it off in the config;
+    saved, so every run starts from the same weights) and a word-level tokenizer of their
+    96 tokens, in ``root`` (also tests/test_dpo.py's)."""
     import tokenizers
     import transformers
 
+    moe = dict(output_router_logits=True, router_aux_loss_coef=0.5, num_experts_per_tok=2)
     out = {}
     for name, cfg in (
         ("llama", transformers.LlamaConfig(**HF_TINY)),
         ("qwen3", transformers.Qwen3Config(**HF_TINY, head_dim=8)),
+        (
+            "qwen3_moe",
+            transformers.Qwen3MoeConfig(
+                **HF_TINY, **moe, head_dim=8, num_experts=4, moe_intermediate_size=32
+            ),
+        ),
+        ("mixtral", transformers.MixtralConfig(**HF_TINY, **moe, num_local_experts=4)),
+        (  # its config without router logits: transformers' generate fails with them on;
+            # TRL's RL trainers ask for them per call
+            "qwen3_moe_rl",
+            transformers.Qwen3MoeConfig(
+                **HF_TINY,
+                **{**moe, "output_router_logits": False},
+                head_dim=8,
+                num_experts=4,
+                moe_intermediate_size=32,
+            ),
+        ),
     ):
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / name)
@@ -192,11 +213,12 @@ def assert_data_parallel_batches(out: Path, *, world: int, sp_size: int, rows: i
             assert flat[a] != flat[b], f"replicas {a} and {b} read the same rows"
 
 
-def test_trainer_qwen3_u2_dp2_zero1_equals_one_process(assets, tmp_path):
-    """Trainer, tiny Qwen3, Ulysses 2 x data parallel 2 (4 ranks), ZeRO-1: each replica
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_trainer_qwen3_u2_dp2_equals_one_process(assets, tmp_path, zero):
+    """Trainer, tiny Qwen3, Ulysses 2 x data parallel 2 (4 ranks), ZeRO 1-3: each replica
     takes one row per micro-batch, so the global batch is the one-process run's two rows
     x gradient accumulation 2; the replicas read distinct rows, the SP ranks the same."""
-    sp_only = dict(zero=1, batch=1, batches=True, sp=U2)
+    sp_only = dict(zero=zero, batch=1, batches=True, sp=U2)
     ref, sp = ref_and_sp("trainer", "qwen3", assets, tmp_path, sp_only, predict=True)
     ref_result, sp_result = side_by_side(tmp_path, ref, sp, nproc=4)
     assert_same_losses(ref_result, sp_result)

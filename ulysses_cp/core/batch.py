@@ -207,7 +207,9 @@ def shard_batch(
     Args:
         batch: Full ``(b, s)`` tensors: ``input_ids`` and either ``shift_labels`` or
             ``labels`` (shifted here, on the full sequence); ``position_ids`` default to
-            ``0..s-1``; ``cu_seqlens`` for a packed row.
+            ``0..s-1``; ``cu_seqlens`` for a packed row; ``token_mask`` (1: a real
+            token, 0: padding), sharded alongside when given (what an MoE model's
+            load-balancing loss counts).
         topo: The run's topology.
         layout: None takes the run's; one that disagrees raises.
 
@@ -229,6 +231,8 @@ def shard_batch(
     if pos is None:
         pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     full = {"input_ids": ids, "position_ids": pos, "shift_labels": targets}
+    if "token_mask" in batch:
+        full["token_mask"] = batch["token_mask"]
     P = topo.sp_world_size
     if P > 1 and topo.check_inputs and topo.sp_group is not None:
         check_same_on_every_rank(list(full.values()), topo, 1, "shard_batch")

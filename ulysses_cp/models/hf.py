@@ -11,11 +11,13 @@ is refused on every rank before its first step:
   with any other token mixing that would run on a shard (convolutions, SSMs, linear
   attention), naming the layer and module;
 - the logits are the model's own (:mod:`~ulysses_cp.models.hf_head`: logit scales,
-  multipliers and the final softcap), in the plain and the tiled loss.
+  multipliers and the final softcap), in the plain and the tiled loss;
+- so is the loss: an MoE router's load-balancing loss over the whole sequence, any other
+  term the family's forward adds refused (:mod:`~ulysses_cp.models.hf_loss_terms`).
 
 What the kernels cannot do is refused, never approximated: attention dropout, a padding
-mask, and a forward without ``position_ids`` (the model would number each shard's tokens
-from 0 and RoPE would be wrong on every rank but the first).
+mask, and a forward without ``position_ids`` (RoPE would be wrong on every rank but the
+first).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ..core.topology import Topology
 from .hf_attention import (
     KEY,
     called,
+    global_temperature,
     register_attention,
     registered_topology,
     temperature,
@@ -45,10 +48,11 @@ from .hf_attention import (
 )
 from .hf_guard import ProbeResult, decoder_layers, probe
 from .hf_head import HeadTransform, LMHead, head_module
+from .hf_loss_terms import RouterAux, router_aux
 from .hf_mixers import install_mixers
 from .hf_vision import auto_class, text_config
 from .lean_norm import lean_norms
-from .memory import LossPlan, checkpointed, lm_loss, tile_mlps
+from .memory import LossPlan, checkpointed_layer, lm_loss, tile_mlps
 
 # shard_batch's home is ulysses_cp.core.batch, register_attention's models/hf_attention.py;
 # they are named here too because the API has Hugging Face users import them from here
@@ -79,18 +83,6 @@ def _base(model: nn.Module) -> nn.Module:
     if isinstance(inner, nn.Module):
         return inner
     raise ValueError(f"{type(model).__name__}: no base model under the LM head")
-
-
-def _global_temperature(forward, module, *args, **kwargs):
-    """Llama 4 NoPE attention: transformers' own temperature (from the local arange) off
-    for the calls that carry the global positions; the adapter applies it from those."""
-    if kwargs.get("ucp_positions") is None:
-        return forward(*args, **kwargs)
-    module.attn_temperature_tuning = False
-    try:
-        return forward(*args, **kwargs)
-    finally:
-        module.attn_temperature_tuning = True
 
 
 class HFCausalLM(nn.Module):
@@ -127,11 +119,14 @@ class HFCausalLM(nn.Module):
         self.probed: ProbeResult | None = None
         self._probe, self._checked = probe, False
         self._transform = HeadTransform()
+        # an MoE model's load-balancing loss (hf_loss_terms); any other loss term: refused
+        self.router: RouterAux | None = router_aux(model)
+        self._router_logits: tuple | None = None
         self._positions = False  # pass the global positions to the attention calls
         for module in model.modules():
             if temperature(module) is not None:
                 module._ucp_temperature = temperature(module)
-                module.forward = partial(_global_temperature, module.forward, module)
+                module.forward = partial(global_temperature, module.forward, module)
                 self._positions = True
         # hybrid layers' SP forwards (or a refusal); a model of mixers alone calls no attention
         self._mixers = 0 if topo is None else install_mixers(model, topo, self.base)
@@ -139,7 +134,7 @@ class HFCausalLM(nn.Module):
             layers = self.decoder_layers()
             offloaded = offloaded_layers(offload_activations, len(layers))
             for i, layer in enumerate(layers):
-                layer.forward = partial(_checkpointed_layer, layer.forward, i < offloaded)
+                layer.forward = partial(checkpointed_layer, layer.forward, i < offloaded)
 
     def decoder_layers(self) -> list[nn.Module]:
         return list(decoder_layers(self.model)[1])
@@ -168,15 +163,22 @@ class HFCausalLM(nn.Module):
         kwargs: dict[str, Any] = {} if batch is None else {"ucp_batch": batch}
         return {**kwargs, "ucp_positions": position_ids} if self._positions else kwargs
 
-    def run_base(self, input_ids, position_ids, batch: BatchPlan | None) -> torch.Tensor:
-        """The decoder stack on these tokens: the final hidden states."""
-        out = self.base(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            **self.extra_kwargs(position_ids, batch),
-        )
+    def run_base(self, input_ids, position_ids, batch: BatchPlan | None, router=False):
+        """The decoder stack's final hidden states; ``router``: keep the router logits."""
+        kwargs = self.extra_kwargs(position_ids, batch)
+        if router:
+            kwargs["output_router_logits"] = True
+        out = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+        self._router_logits = out.router_logits if router else None
         return out[0] if isinstance(out, tuple) else out.last_hidden_state
+
+    def aux_loss(self, token_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The last forward's load-balancing loss over the whole sequence, without the
+        coefficient (None: no router logits kept); ``token_mask`` ``(b, s_l)``: 0 on padding."""
+        logits, self._router_logits = self._router_logits, None
+        if logits is None or self.router is None:
+            return None
+        return self.router.loss(logits, self.topo, token_mask)
 
     def _check_global_positions(self, position_ids: torch.Tensor) -> None:
         """Local positions 0..s_local-1 are right only on SP rank 0 of the contiguous
@@ -210,6 +212,7 @@ class HFCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         batch: BatchPlan | None = None,
         return_hidden: bool = False,
+        router_logits: bool | None = None,
     ) -> torch.Tensor:
         """The model on this rank's shard.
 
@@ -218,6 +221,8 @@ class HFCausalLM(nn.Module):
             position_ids: Their global positions; required.
             batch: The batch's plan from ``shard_batch``, for every attention and mixer.
             return_hidden: Return the final hidden states instead of the logits.
+            router_logits: Keep the router logits for :meth:`aux_loss` (None: when the
+                model's own forward adds its load-balancing loss).
 
         Returns:
             The model's own logits ``(b, s_local, V)``, or the final hidden states.
@@ -234,7 +239,9 @@ class HFCausalLM(nn.Module):
         if not self._checked and not packed:
             self._check_global_positions(position_ids)
         called(reset=True)
-        hidden = self.run_base(input_ids, position_ids, batch)
+        if router_logits is None:
+            router_logits = self.router is not None and self.router.enabled
+        hidden = self.run_base(input_ids, position_ids, batch, router_logits)
         if not self._checked:
             if not called() and not self._mixers:
                 raise ValueError(
@@ -268,9 +275,10 @@ class HFCausalLM(nn.Module):
             fused_loss: Compute the head's and the loss's gradients in the forward.
 
         Returns:
-            The full-sequence token-mean loss, the same on every SP rank.
+            The full-sequence token-mean loss, the same on every SP rank (plus an MoE
+            model's load-balancing loss times its coefficient, as its forward adds it).
         """
-        return lm_loss(
+        loss = lm_loss(
             self,
             self.head,
             input_ids,
@@ -280,12 +288,8 @@ class HFCausalLM(nn.Module):
             batch=batch,
             plan=LossPlan(with_budget(tiled_loss, self.memory_budget_gb), fused_loss),
         )
-
-
-def _checkpointed_layer(forward, offload, hidden_states, *args, **kwargs):
-    if not torch.is_grad_enabled():
-        return forward(hidden_states, *args, **kwargs)
-    return checkpointed(partial(forward, *args, **kwargs), hidden_states, offload=offload)
+        aux = self.aux_loss()
+        return loss if aux is None else loss + self.router.coef * aux  # type: ignore[union-attr]
 
 
 def load_config(spec: str | dict) -> Any:
@@ -318,13 +322,8 @@ def from_config(config: Any, *, dtype: torch.dtype = torch.float32, hf_weights=N
     auto = auto_class(config)
     try:
         if hf_weights:
-            model = auto.from_pretrained(
-                hf_weights,
-                config=config,
-                attn_implementation=KEY,
-                dtype=dtype,
-                local_files_only=True,
-            )
+            kwargs = dict(config=config, attn_implementation=KEY, dtype=dtype)
+            model = auto.from_pretrained(hf_weights, local_files_only=True, **kwargs)
         else:
             model = auto.from_config(config, attn_implementation=KEY, dtype=dtype)
     except (KeyError, TypeError, AttributeError) as exc:  # the family picks its own attention

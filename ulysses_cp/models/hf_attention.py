@@ -50,6 +50,7 @@ __all__ = [
     "KEY",
     "LAYER_TYPES",
     "Registered",
+    "global_temperature",
     "layer_type",
     "layer_type_name",
     "local_topology",
@@ -372,3 +373,15 @@ def register_attention(
 def registered_topology() -> Topology | None:
     """The topology of the last :func:`register_attention` (None before any)."""
     return _STATE["topo"]
+
+
+def global_temperature(forward, module, *args, **kwargs):
+    """Llama 4 NoPE attention: transformers' own temperature (from the local arange) off
+    for the calls that carry the global positions; the adapter applies it from those."""
+    if kwargs.get("ucp_positions") is None:
+        return forward(*args, **kwargs)
+    module.attn_temperature_tuning = False
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        module.attn_temperature_tuning = True

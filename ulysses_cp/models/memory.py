@@ -46,6 +46,7 @@ __all__ = [
     "LossPlan",
     "TiledMLP",
     "checkpointed",
+    "checkpointed_layer",
     "lm_loss",
     "loss_tiles",
     "tile_mlps",
@@ -270,3 +271,11 @@ def checkpointed(
     if offload:
         return _OffloadedCheckpoint.apply(run, x)
     return checkpoint(run, x, use_reentrant=False)
+
+
+def checkpointed_layer(forward, offload: bool, hidden_states, *args, **kwargs):
+    """A decoder layer's ``forward`` under :func:`checkpointed` (its other arguments bound;
+    ``offload``: the saved input on CPU); a plain call without gradients."""
+    if not torch.is_grad_enabled():
+        return forward(hidden_states, *args, **kwargs)
+    return checkpointed(partial(forward, *args, **kwargs), hidden_states, offload=offload)

@@ -57,8 +57,10 @@ def deepspeed_part(run: RunConfig) -> dict:
 def init_distributed(timeout_s: float | None = None) -> None:
     """Start ``torch.distributed`` through DeepSpeed: NCCL on CUDA machines, gloo elsewhere.
 
-    On CUDA each rank first binds to the GPU of its ``LOCAL_RANK``. Does nothing to the
-    process group when one is already initialised. Imports DeepSpeed.
+    On CUDA each rank first binds to the GPU of its ``LOCAL_RANK``. A process group that
+    is already initialised is kept, and DeepSpeed's comm is bound to it (Accelerate on a
+    CPU starts ``torch.distributed`` without it: ZeRO-3's ``zero.Init`` would then count
+    one process). Imports DeepSpeed.
 
     Args:
         timeout_s: The collective timeout in seconds; None keeps DeepSpeed's default.
@@ -78,6 +80,11 @@ def init_distributed(timeout_s: float | None = None) -> None:
     if not dist.is_initialized():
         kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         deepspeed.init_distributed(dist_backend="nccl" if not cpu else "gloo", **kwargs)
+    elif not deepspeed.comm.is_initialized():
+        # started by someone else (Accelerate on CPU starts torch.distributed alone):
+        # DeepSpeed's comm wraps the group, else zero.Init counts one process and fills
+        # "auto" batch sizes for a world of 1
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
 
 
 def _quiet_cpu_deepspeed() -> None:

@@ -122,6 +122,7 @@ class Trainer:
     by the launcher script."""
 
     tracker: Tracker | None = None
+    aux: torch.Tensor | None = None  # the last training loss's load-balancing term (MoE)
     # ZeRO's collective bytes this rank sends per step (``core.zero_comm.zero_wire_bytes``: the
     # planner's formula for the run's stage; DeepSpeed's comm is not counted live)
     zero_bytes_per_step: int = 0
@@ -160,11 +161,15 @@ class Trainer:
         )
         return {k: t.to(self.device) for k, t in shard_batch(full, self.topo).items()}
 
-    def loss(self, local: dict[str, Any]) -> torch.Tensor:
-        """SP cross-entropy of this rank's shard; LM head + loss tiled when asked."""
-        return lm_loss(
+    def loss(self, local: dict[str, Any], *, with_aux: bool = True) -> torch.Tensor:
+        """SP cross-entropy of this rank's shard; LM head + loss tiled when asked. In
+        training, an MoE model's load-balancing loss over the whole sequence is added with
+        its coefficient, as the model's own forward adds it (evaluations keep the
+        cross-entropy alone: ``eval_ppl`` is its exponential)."""
+        module = self.engine.module
+        loss = lm_loss(
             self.engine,
-            self.engine.module.head,
+            module.head,
             local["input_ids"],
             local["position_ids"],
             local["shift_labels"],
@@ -172,12 +177,17 @@ class Trainer:
             batch=local.get("batch"),
             plan=self.loss_plan,
         )
+        aux = module.aux_loss() if hasattr(module, "aux_loss") else None
+        if aux is None or not (module.training and with_aux):
+            return loss
+        self.aux = aux.detach()
+        return loss + module.router.coef * aux
 
     def ignored_loss(self, local: dict[str, Any]) -> torch.Tensor:
         """The loss of ``local`` with every label ignored (zero gradient), with the run's
         memory features: under ``tiled_loss`` the full logits are never materialised."""
         ignored = torch.full_like(local["shift_labels"], -100)
-        return self.loss({**local, "shift_labels": ignored})
+        return self.loss({**local, "shift_labels": ignored}, with_aux=False)
 
     def zero_loss(self) -> torch.Tensor:
         """A loss with zero gradient (one real batch, every label ignored): what
@@ -215,7 +225,7 @@ class Trainer:
         """Train steps ``start + 1 .. max_steps``; saves at ``save_interval``, on a signal
         (then returns early) and, unless stopped by a signal, at the end."""
         state = TrainState(step=start)
-        acc = torch.zeros((), device=self.device)
+        acc = torch.zeros(2, device=self.device)  # the loss and the MoE aux loss, summed
         comm_stats.reset()
         for step in range(start, self.tc.max_steps):
             n = step + 1  # the step being taken, as logged
@@ -269,7 +279,9 @@ class Trainer:
             else:
                 self.engine.step()
                 if bad is None:
-                    acc += loss.detach().float() / gas
+                    acc[0] += loss.detach().float() / gas
+                    if self.aux is not None:
+                        acc[1] += self.aux.float() / gas
         return bad is None
 
     def _nonfinite(self, what: str, step: int) -> None:
@@ -287,7 +299,7 @@ class Trainer:
         topo, engine, since = self.topo, self.engine, state.since
         dist.all_reduce(acc, group=topo.dp_group)  # mean over data-parallel replicas
         # None when every step since the last log was skipped
-        mean_loss = acc.item() / (topo.dp_degree * since) if since else None
+        mean_loss, mean_aux = (acc / (topo.dp_degree * since)).tolist() if since else (None, None)
         tokens_per_step = (
             engine.train_micro_batch_size_per_gpu()
             * engine.gradient_accumulation_steps()
@@ -308,6 +320,8 @@ class Trainer:
             "attention_comm_bytes_per_step": attention / max(since, 1),
             "skipped_steps": state.skipped,
         }
+        if self.aux is not None:  # an MoE model's load-balancing loss, without its coefficient
+            metrics["aux_loss"] = mean_aux
         if self.tracker is not None:
             self.tracker.log(state.step, metrics)
         shown = "skipped" if mean_loss is None else f"{mean_loss:.4f}"

@@ -14,15 +14,16 @@ that takes the same call on the FULL rows every SP rank of a replica holds and:
    :func:`ulysses_cp.models.log_probs.sequence_log_probs` (no ``(tokens, V)`` logits kept)
    and gathers them to full length on every SP rank.
 
-The trainer's own objective then runs unchanged on the gathered ``(b, s - 1)`` tensors,
-the same on every SP rank; each rank's gradient is its tokens' share times the run's
-``grad_scale`` (:mod:`ulysses_cp.models.log_probs`). A call without ``fused_lm_head``
-(the logits TRL recomputes for ``compute_metrics``) returns the full-length logits,
-gathered the same way. Rows padded on the left (RL prompts) are moved to the left edge
-first and their outputs moved back (:func:`_left_aligned`), so the shard sees end padding
-only; padding inside a row is refused. What cannot be sharded is refused by name on every
-rank.
-"""
+The trainer's own objective then runs unchanged on the gathered ``(b, s - 1)`` tensors, the
+same on every SP rank; each rank's gradient is its tokens' share times the run's
+``grad_scale`` (:mod:`ulysses_cp.models.log_probs`). With ``output_router_logits=True``
+(TRL asks when it adds an MoE model's load-balancing loss) the output's ``aux_loss`` is
+that loss over the whole sequence, padding excluded, with the same gradient rule. A call
+without ``fused_lm_head`` (the logits TRL recomputes for ``compute_metrics``) returns the
+full-length logits, gathered the same way. Rows padded on the left (RL prompts) are moved
+to the left edge first and their outputs moved back (:func:`_left_aligned`), so the shard
+sees end padding only; padding inside a row is refused. What cannot be sharded is refused
+by name on every rank."""
 
 from __future__ import annotations
 
@@ -58,12 +59,6 @@ def _batch(kwargs: dict[str, Any], args: tuple) -> dict[str, Any]:
     for key in ("input_ids", "attention_mask", "position_ids"):
         if kwargs.get(key) is not None:
             batch[key] = kwargs.pop(key)
-    if kwargs.pop("output_router_logits", None):
-        raise ValueError(
-            "under sequence parallelism the MoE load-balancing loss (router_aux_loss_coef, "
-            "output_router_logits) is not computed over the whole sequence; set the "
-            "trainer's router_aux_loss_coef=0.0"
-        )
     other = sorted(k for k, v in kwargs.items() if v is not None and k not in _NEUTRAL)
     if other:
         raise ValueError(
@@ -125,6 +120,19 @@ def _shard(run: SequenceParallelRun, batch: dict) -> tuple[dict, torch.Tensor | 
     return run.shard(batch), lead, s
 
 
+def _aux_loss(run: SequenceParallelRun, wrapper: HFCausalLM, local: dict) -> torch.Tensor:
+    """The load-balancing loss of the call's rows over the whole sequence, from the router
+    logits the wrapper kept (padding excluded, as the model's own forward excludes it
+    through the attention mask)."""
+    aux = wrapper.aux_loss(local["token_mask"])
+    if aux is None:
+        raise ValueError(
+            f"output_router_logits=True, and {type(wrapper.model).__name__}'s forward adds no "
+            f"load-balancing loss that ulysses_cp reads"
+        )
+    return aux
+
+
 def _fused(
     run: SequenceParallelRun,
     wrapper: HFCausalLM,
@@ -133,6 +141,7 @@ def _fused(
     labels,
     shift_labels,
     num_items_in_batch,
+    router_logits: bool = False,
 ) -> Any:
     from trl.trainer.utils import FusedCausalLMOutput
 
@@ -143,7 +152,14 @@ def _fused(
     else:
         raise ValueError("fused_lm_head=True needs labels (or shift_labels)")
     local, lead, s = _shard(run, batch)
-    hidden = wrapper(local["input_ids"], local["position_ids"], local["batch"], return_hidden=True)
+    hidden = wrapper(
+        local["input_ids"],
+        local["position_ids"],
+        local["batch"],
+        return_hidden=True,
+        router_logits=router_logits,
+    )
+    aux = _aux_loss(run, wrapper, local) if router_logits else None
     full = sequence_log_probs(
         hidden,
         wrapper.head,
@@ -165,18 +181,24 @@ def _fused(
         mean_logits=out["mean_logits"],
         is_top1=out["is_top1"],
         label_mask=mask,
-        aux_loss=None,
+        aux_loss=aux,
     )
 
 
-def _logits(run: SequenceParallelRun, wrapper: HFCausalLM, batch: dict) -> Any:
+def _logits(
+    run: SequenceParallelRun, wrapper: HFCausalLM, batch: dict, router_logits: bool = False
+) -> Any:
     """The full rows' logits on every SP rank (what the model's own forward returns)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
     batch["labels"] = batch["input_ids"]  # sharded alongside, unused
     local, lead, s = _shard(run, batch)
-    logits = wrapper(local["input_ids"], local["position_ids"], local["batch"])
-    return CausalLMOutputWithPast(logits=_restored(run.full_logits(logits, local), lead, s))
+    logits = wrapper(
+        local["input_ids"], local["position_ids"], local["batch"], router_logits=router_logits
+    )
+    full = _restored(run.full_logits(logits, local), lead, s)
+    aux = _aux_loss(run, wrapper, local) if router_logits else None
+    return MoeCausalLMOutputWithPast(logits=full, aux_loss=aux)
 
 
 def install(
@@ -194,19 +216,21 @@ def install(
         labels=None,
         shift_labels=None,
         num_items_in_batch=None,
+        output_router_logits=None,
         **kwargs,
     ):
         batch = _batch(kwargs, args)
+        router = bool(output_router_logits)  # TRL asks when it adds the MoE aux loss
         if fused_lm_head:
             return _fused(
-                run, wrapper, temperature, batch, labels, shift_labels, num_items_in_batch
+                run, wrapper, temperature, batch, labels, shift_labels, num_items_in_batch, router
             )
         if labels is not None or shift_labels is not None:
             raise ValueError(
                 "under sequence parallelism a model call with labels needs fused_lm_head=True "
                 "(the trainer's loss computes its own per-token log-probs)"
             )
-        return _logits(run, wrapper, batch)
+        return _logits(run, wrapper, batch, router)
 
     if not hasattr(model, "_ucp_forward_before"):
         # the forward it had (TRL's fused head: generation goes through it): plain_forward

@@ -13,6 +13,8 @@ Every override is the parent's own method when the DeepSpeed config has no
 - ``compute_loss``: shards the batch (global positions, labels shifted on the full
   sequence, packed rows document by document), runs the model on the shard and takes the
   loss over the whole SP group with the Trainer's token count (``num_items_in_batch``);
+  an MoE model's load-balancing loss is taken over the whole sequence too
+  (:mod:`ulysses_cp.models.router_loss`) and added as the parent adds it;
 - ``_get_num_items_in_batch`` / ``get_total_train_batch_size``: count each replica once;
 - ``gather_function`` (evaluation, ``predict``; set again by ``evaluation_loop``, since
   transformers resets it after each loop): one copy per replica, so ``eval_loss`` and
@@ -63,6 +65,11 @@ class SequenceParallelMixin:
     add_callback: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        given = _training_arguments(args, kwargs)
+        if sequence_parallel_block(getattr(given, "deepspeed", None)) is not None:
+            # before the parent builds models under ZeRO-3's zero.Init (TRL's reference, a
+            # policy given as a path): DeepSpeed's comm must know the world
+            _deepspeed_comm()
         super().__init__(*args, **kwargs)
         block = sequence_parallel_block(getattr(self.args, "deepspeed", None))
         self.sequence_parallel: SequenceParallelRun | None = None
@@ -140,7 +147,17 @@ class SequenceParallelMixin:
         if model.training:
             self._meter.count(inputs["input_ids"])
         local = sp.shard(inputs)
-        outputs = model(**sp.forward_kwargs(local))
+        kwargs = sp.forward_kwargs(local)
+        coef = self._router_aux_coef()
+        if coef is not None:
+            if sp.vision is not None:
+                raise ValueError(
+                    "under sequence parallelism the MoE load-balancing loss of a vision-"
+                    "language model is not computed yet: set output_router_logits=False in "
+                    "its text config (TRL: router_aux_loss_coef=0.0)"
+                )
+            kwargs["output_router_logits"] = True
+        outputs = model(**kwargs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         # the Trainer multiplies its loss by W when num_items_in_batch counts every process;
         # here each replica's P ranks hold the same value, so by the dp replicas
@@ -149,18 +166,39 @@ class SequenceParallelMixin:
             and self.args.average_tokens_across_devices
             and self.args.world_size > 1
         )
+        scale = sp.topo.dp_degree if averaged else 1
         loss = sequence_parallel_loss(
             logits,
             local["shift_labels"],
             sp.topo,
             num_items_in_batch=num_items_in_batch,
-            value_scale=sp.topo.dp_degree if averaged else 1,
+            value_scale=scale,
         )
+        if coef is not None:
+            assert sp.wrapper is not None and sp.wrapper.router is not None
+            aux = sp.wrapper.router.loss(outputs["router_logits"], sp.topo, local["token_mask"])
+            outputs["aux_loss"] = aux
+            loss = self._with_aux_loss(loss, aux, coef, scale, num_items_in_batch)
         if not return_outputs:
             return loss
         if not model.training and not self.args.prediction_loss_only:
             outputs["logits"] = sp.full_logits(logits, local)
         return loss, outputs
+
+    def _router_aux_coef(self) -> float | None:
+        """The coefficient of the MoE load-balancing loss this trainer adds, or None: the
+        model's own (its forward adds ``coef * aux_loss`` when its config has
+        ``output_router_logits``), as ``Trainer`` takes the model's loss."""
+        sp = self.sequence_parallel
+        router = None if sp is None or sp.wrapper is None else sp.wrapper.router
+        return router.coef if router is not None and router.enabled else None
+
+    def _with_aux_loss(
+        self, loss: torch.Tensor, aux: torch.Tensor, coef: float, scale: float, num_items: Any
+    ) -> torch.Tensor:
+        """``Trainer``'s loss with ``coef`` x the load-balancing loss ``aux``: the model's
+        loss holds that term, so the Trainer's scale by the replicas applies to it too."""
+        return loss + coef * aux * scale
 
     # ------------------------------------------------------------ metrics, wandb, resume
 
@@ -230,3 +268,24 @@ class SequenceParallelMixin:
     def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
         with self._plain_attention():
             super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
+
+
+def _training_arguments(args: tuple, kwargs: dict) -> Any:
+    """The ``TrainingArguments`` among a trainer's arguments (``args=``, or positional)."""
+    for value in (kwargs.get("args"), *args):
+        if hasattr(value, "deepspeed") and hasattr(value, "output_dir"):
+            return value
+    return None
+
+
+def _deepspeed_comm() -> None:
+    """DeepSpeed's comm bound to the process group a launcher or Accelerate started (on a
+    CPU Accelerate starts ``torch.distributed`` alone; ``zero.Init`` then counts one
+    process and fills the "auto" batch sizes for a world of 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        import deepspeed
+
+        if not deepspeed.comm.is_initialized():
+            deepspeed.init_distributed(dist_backend=dist.get_backend())

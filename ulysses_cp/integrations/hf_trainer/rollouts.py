@@ -43,15 +43,15 @@ class RolloutTrainerMixin(LogProbTrainerMixin):
     """Sequence parallelism for a TRL trainer that generates, scores and updates as
     ``GRPOTrainer`` does (module docstring). Refused under sequence parallelism, on every
     rank, naming the option: ``use_vllm`` (not run yet: generate with the model or a
-    ``rollout_func``), ``use_transformers_continuous_batching``, the MoE load-balancing
-    loss (``router_aux_loss_coef`` on a model with router logits: set it to 0.0), vision
-    batches (``pixel_values``), and a generation or evaluation batch that does not split
-    into whole prompt groups over the replicas."""
+    ``rollout_func``), ``use_transformers_continuous_batching``, vision batches
+    (``pixel_values``), and a generation or evaluation batch that does not split into
+    whole prompt groups over the replicas. An MoE model's load-balancing loss
+    (``router_aux_loss_coef``) is taken over the whole sequence and added as the parent
+    adds it."""
 
     # the parent's module, whose gather and gather_object span the replicas in its code
     parent_module: str
     temperature: float
-    router_aux_loss_coef: float
     _metrics: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -64,12 +64,6 @@ class RolloutTrainerMixin(LogProbTrainerMixin):
         if self.sequence_parallel is None:
             return
         self.head_temperature = self.temperature
-        if getattr(self, "aux_loss_enabled", False):
-            raise ValueError(
-                f"under sequence parallelism the MoE load-balancing loss is not computed over "
-                f"the whole sequence (router_aux_loss_coef={self.router_aux_loss_coef}); set "
-                f"router_aux_loss_coef=0.0 in the trainer's config"
-            )
 
     # ------------------------------------------------------------ collectives
 

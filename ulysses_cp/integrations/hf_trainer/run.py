@@ -252,7 +252,10 @@ class SequenceParallelRun:
         mask = inputs.get("attention_mask")
         if mask is not None:
             labels = _end_padding_only(mask, labels)
-        batch = {"input_ids": ids, key: labels}
+        # the real tokens (an MoE router's load-balancing loss counts them): the attention
+        # mask's, without the end padding added below (pad_batch fills with 0)
+        real = torch.ones_like(ids) if mask is None else mask.to(ids.dtype)
+        batch = {"input_ids": ids, key: labels, "token_mask": real}
         cu = _packed_bounds(pos)
         if pos is not None:
             batch["position_ids"] = pos
