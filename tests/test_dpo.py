@@ -194,7 +194,8 @@ def test_dpo_lora_u2_zero3_equals_one_process(assets, tmp_path):
     assert_same_logs(*side_by_side(tmp_path, ref, sp, nproc=2))
 
 
-@pytest.mark.parametrize(("policy", "degrees"), [("loaded", "u2r2"), ("path", "u2")])
+@pytest.mark.parametrize("degrees", ["u2", "u2r2"])
+@pytest.mark.parametrize("policy", ["loaded", "path"])
 def test_dpo_trl_reference_under_zero3_without_deepspeed_comm(assets, tmp_path, policy, degrees):
     """The usual script: no ``ucp.init_distributed``, so the Trainer's Accelerate starts
     torch.distributed (on CPU without DeepSpeed's comm); ``ref_model=None`` (TRL builds

@@ -187,7 +187,8 @@ def test_grpo_u2_dp2_equals_one_process(assets, tmp_path, zero):
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize(("policy", "degrees"), [("loaded", "u2r2"), ("path", "u2")])
+@pytest.mark.parametrize("degrees", ["u2", "u2r2"])
+@pytest.mark.parametrize("policy", ["loaded", "path"])
 def test_grpo_trl_reference_under_zero3_without_deepspeed_comm(assets, tmp_path, policy, degrees):
     """As tests/test_dpo.py's: no ``ucp.init_distributed`` in the script, TRL's reference
     (``beta=0.1``) built under ``zero.Init``, the policy loaded first or given as its

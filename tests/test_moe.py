@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses_cp as ucp
-from tests.helpers import topology
+from tests.helpers import shard_loss, topology
 
 transformers = pytest.importorskip("transformers")
 from tests.hf_zoo import tiny_config, wake_zero_params_, with_router_loss  # noqa: E402
@@ -161,15 +161,7 @@ def _memory_features(rank, family):
     )
     model = hf.wrap(sp, topo, mc)
     local = ucp.shard_batch({"input_ids": IDS, "labels": IDS}, topo)
-    loss = model.loss(
-        local["input_ids"],
-        local["position_ids"],
-        local["shift_labels"],
-        topo,
-        batch=local["batch"],
-        tiled_loss=2,
-        fused_loss=True,
-    )
+    loss = shard_loss(model, local, topo, tiled_loss=2, fused_loss=True)
     loss.backward()
     want = ce + COEF * out.aux_loss
     return abs(loss.item() - want.item()) / want.item(), _worst(
@@ -246,3 +238,47 @@ def _refused(rank):
 def test_an_uncomputed_loss_term_is_refused_on_every_rank(pools):
     messages = set(pools(2).run(_refused))
     assert len(messages) == 1 and "z_loss_coefficient" in messages.pop()
+
+
+def _padded(rank, family):
+    """Rows of 64 and 52 tokens, right-padded, and the packing multiple's padding: the aux
+    loss over the real tokens alone, its value and gradients (float64)."""
+    topo = topology(2, 2)
+    sp, ref = moe_pair(family, topo)
+    mask = torch.ones_like(IDS)
+    mask[1, 52:] = 0
+    out = ref(input_ids=IDS, attention_mask=mask)
+    out.aux_loss.backward()  # transformers excludes the padding through the mask
+    model = hf.HFCausalLM(sp)
+    labels = IDS.masked_fill(mask == 0, -100)
+    batch = {"input_ids": IDS, "labels": labels, "token_mask": mask}
+    local = ucp.shard_batch(batch, topo)
+    model(local["input_ids"], local["position_ids"], local["batch"])
+    aux = model.aux_loss(local["token_mask"])
+    aux.backward()
+    err = abs(aux.item() - out.aux_loss.item()) / out.aux_loss.item()
+    return err, _worst(_summed_grads(sp, topo.sp_group), ref)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_router_loss_with_padding_equals_one_process(pools, family):
+    for err, grad in pools(4).run(_padded, family):
+        assert err < 1e-6 and grad < 1e-5, (err, grad)
+
+
+def _per_shard(rank):
+    """The loss taken on each shard alone (the all-reduce skipped): not the one-process
+    loss. The check above would see it."""
+    from ulysses_cp.models import router_loss
+
+    saved = router_loss.group_size
+    router_loss.group_size = lambda group: 1
+    try:
+        return _family_exact(rank, "qwen3_moe", 2, 1, False)
+    finally:
+        router_loss.group_size = saved
+
+
+def test_moe_check_sees_a_per_shard_router_loss(pools):
+    for res in pools(2).run(_per_shard):
+        assert res["aux"] > 1e-4 and res["grad"] > 1e-3, res
