@@ -8,8 +8,9 @@ the forward, so its gradients can be taken right away: :class:`_FusedHeadLoss` w
 pieces once, and for each computes the logits ``z = h W^T + b``, the family's scale and
 softcap (:class:`~ulysses_cp.models.hf_head.HeadTransform`), the summed cross-entropy, and
 by hand its gradient ``dlogits = softmax - onehot`` (zero on ignored tokens) through the
-softcap (``1 - tanh^2``) and the scale, then ``dh = dz W`` and ``dW += dz^T h``,
-``db += sum dz`` in float32 (float64 models: float64). It saves ``dh``, ``dW`` and ``db``;
+softcap (``1 - tanh^2``) and the scale in float32 (float64 models: float64), then
+``dh = dz W`` and ``dW += dz^T h`` with the GEMMs in the model's dtype (:mod:`.head_grads`)
+and ``db += sum dz``. It saves ``dh``, ``dW`` and ``db``;
 its backward returns them times the incoming gradient. That incoming gradient carries the
 division by the GLOBAL token count of the SP group, the run's ``grad_scale`` and
 DeepSpeed's loss scaling and gradient-accumulation factor, as for any other loss: the
@@ -32,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.topology import Topology
+from .head_grads import add_weight_grad, hidden_grad, weight_grad_buffer
 from .hf_head import HeadTransform
 from .lean_norm import norm_backward, norm_input
 from .loss import sequence_parallel_loss_from_sums
@@ -61,14 +63,13 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, spec, x=None, norm_weight=None, norm=None):
         scale, softcap, chunks, ignore_index, grads = spec
-        work = _work_dtype(hidden, weight)
-        w = weight.to(work)  # no copy for float32/float64 weights
+        work = _work_dtype(hidden, weight)  # the softmax, the sums, the weight's accumulator
         folded = x is not None
         d_hidden = torch.empty_like(x if folded else hidden) if grads else None
         d_norm = None  # the norm weight's gradient, accumulated in float32 / float64
         if grads and folded:
             d_norm = torch.zeros(norm_weight.shape, dtype=work, device=norm_weight.device)
-        d_weight = torch.zeros_like(w) if grads else None  # (V, D) in float32 / float64
+        d_weight = weight_grad_buffer(weight, work, chunks) if grads else None
         d_bias = None
         if grads and bias is not None:
             d_bias = torch.zeros(bias.shape, dtype=work, device=bias.device)
@@ -88,7 +89,7 @@ class _FusedHeadLoss(torch.autograd.Function):
             target = torch.where(valid, y, 0)
             picked = z.gather(1, target[:, None]).squeeze(1)
             total += ((lse - picked) * valid).sum()
-            if d_hidden is None or d_weight is None:  # no backward will come: the value
+            if d_hidden is None:  # no backward will come: the value
                 continue
             # d(sum CE)/dz: softmax - onehot on counted tokens, zero on ignored ones
             g = z.sub_(lse[:, None]).exp_()  # (t, V), in place of the logits
@@ -98,7 +99,8 @@ class _FusedHeadLoss(torch.autograd.Function):
                 g.mul_(t.square_().neg_().add_(1))  # d(cap tanh(u / cap))/du = 1 - tanh^2
             if scale != 1.0:
                 g.mul_(scale)
-            dh = (g @ w).to(hidden.dtype)  # (t, D)
+            g_mm, dh = hidden_grad(g, weight)  # GEMMs in the model's dtype (head_grads)
+            dh = dh.to(hidden.dtype)  # (t, D)
             if folded:  # through the final norm now: d x of the piece
                 rows = slice(start, start + len(y))
                 xs = x[rows]
@@ -106,7 +108,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                 assert d_norm is not None and dn is not None
                 d_norm += dn.to(work)
             d_hidden[start : start + len(y)] = dh
-            d_weight.addmm_(g.t(), h.to(work))  # (V, D) += (V, t) @ (t, D)
+            d_weight = add_weight_grad(d_weight, g_mm, h, weight)
             if d_bias is not None:
                 d_bias += g.sum(0)
             start += len(y)

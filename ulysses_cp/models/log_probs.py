@@ -39,6 +39,7 @@ from ..core.sharding import gather_sequence
 from ..core.tiles import TileSetting, resolve_tiles
 from ..core.topology import Topology
 from .fused_loss import _head_parts, _inside_module_call
+from .head_grads import add_weight_grad, hidden_grad, weight_grad_buffer
 from .loss import local_loss_term, scale_gradient
 
 __all__ = [
@@ -139,13 +140,13 @@ class _TokenLogProbs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         valid = (labels != IGNORE).to(work)
         target = torch.where(labels != IGNORE, labels, 0)
-        w = weight.to(work)
-        d_hidden = torch.zeros(hidden.shape, dtype=work, device=hidden.device) if need_h else None
-        d_weight = torch.zeros_like(w) if need_w else None
+        slices = list(_tile_slices(hidden.shape[0], tiles))
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        d_weight = weight_grad_buffer(weight, work, len(slices)) if need_w else None
         d_bias = None
         if need_b and bias is not None:
             d_bias = torch.zeros(bias.shape, dtype=work, device=bias.device)
-        for sl in _tile_slices(hidden.shape[0], tiles):
+        for sl in slices:
             h = hidden[sl]
             z, t = _logits(h, weight, bias, transform, work)  # (t, V)
             logp = z - lse_all[sl, None]
@@ -165,10 +166,11 @@ class _TokenLogProbs(torch.autograd.Function):
                 g = g * (1 - t.square())  # d(cap tanh(u / cap))/du
             if scale != 1.0:
                 g = g * scale
+            g_mm, dh = hidden_grad(g, weight)  # GEMMs in the model's dtype (head_grads)
             if d_hidden is not None:
-                d_hidden[sl] = g @ w
-            if d_weight is not None:
-                d_weight.addmm_(g.t(), h.to(work))  # (V, D) += (V, t) @ (t, D)
+                d_hidden[sl] = dh
+            if need_w:
+                d_weight = add_weight_grad(d_weight, g_mm, h, weight)
             if d_bias is not None:
                 d_bias += g.sum(0)
         return (
