@@ -15,9 +15,11 @@ reported as skipped when they do not. Sections, each a list of rows with ``ok``:
 4. ``torch_native``: ``scripts/cp_example.py`` (PyTorch's ``context_parallel`` example
    through ``ulysses_cp.context_parallel``) under ``torch.distributed.run``, 2 ranks sharing
    the GPU over gloo, bf16, 8K tokens, Ulysses and then the ring; its errors vs SDPA.
-5. ``timing``: causal forward+backward of one attention layer at 8K and 32K tokens (bf16,
-   hq 32, hkv 8, d 128) per backend: median time, TFLOP/s (causal FLOPs: fwd 2*N^2*hq*d,
-   fwd+bwd 3.5x that) and the fraction of ``--peak-tflops``.
+5. ``attention``: causal forward+backward of one attention layer at 8K and 32K tokens
+   (bf16, hq 32, hkv 8, d 128), raw ``F.scaled_dot_product_attention`` and each backend,
+   interleaved: median time, TFLOP/s (causal FLOPs: fwd 2*N^2*hq*d, fwd+bwd 3.5x that, as
+   FlashAttention's benchmarks count), the fraction of ``--peak-tflops``, the speed
+   relative to SDPA and the CUDA kernel the ``torch`` backend chose.
 
 Writes ``OUT/gpu_check.json`` and prints a summary; exits 1 if any row failed.
 ``--dry-run`` runs the same code on the CPU with small sizes (float32 training, timing at
@@ -248,35 +250,49 @@ def torch_native_rows(dry: bool) -> list[dict]:
     return rows
 
 
-def timing_rows(device: torch.device, dry: bool, peak_tflops: float) -> list[dict]:
-    rows = []
+def _sdpa(q, k, v):
+    """Raw ``F.scaled_dot_product_attention`` as a user calls it: (b, h, s, d), GQA."""
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return sdpa(qh, kh, vh, is_causal=True, enable_gqa=True).transpose(1, 2)
+
+
+def attention_rows(device: torch.device, dry: bool, peak_tflops: float) -> list[dict]:
+    """Each local backend against raw SDPA: causal forward+backward, bf16, hq 32, hkv 8,
+    d 128, at 8K and 32K tokens; repeats interleaved (SDPA, then each backend, per round),
+    medians; ``vs_sdpa``: SDPA's time over the backend's (1.0: as fast). TFLOP/s count the
+    causal FLOPs as FlashAttention's benchmarks do: forward 4 N^2 hq d / 2, backward 2.5x
+    the forward."""
     hq, hkv, d = 32, 8, 128
     seqs, repeats = ([512], 1) if dry else ([8192, 32768], 5)
-    for backend in backends():
-        for N in seqs:
-            g = torch.Generator().manual_seed(0)
-            q, k, v, do = (t.to(device, torch.bfloat16) for t in inputs(N, hq, hkv, d, g))
-            times = []
-            for rep in range(2 + repeats):
+    from ulysses_cp.kernels import torch_backend
+
+    rows = []
+    for N in seqs:
+        g = torch.Generator().manual_seed(0)
+        q, k, v, do = (t.to(device, torch.bfloat16) for t in inputs(N, hq, hkv, d, g))
+        fns = {"sdpa": _sdpa}
+        for backend in backends():
+            fns[backend] = lambda a, b, c, name=backend: local_attention(a, b, c, backend=name)
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for rep in range(2 + repeats):  # interleaved rounds; the first two warm up
+            for name, fn in fns.items():
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
                 sync(device)
                 t0 = time.perf_counter()
-                local_attention(*leaves, backend=backend).backward(do)
+                fn(*leaves).backward(do)
                 sync(device)
                 if rep >= 2:
-                    times.append(time.perf_counter() - t0)
-            t = statistics.median(times)
-            tflops = 3.5 * 2 * N * N * hq * d / t / 1e12
-            rows.append(
-                dict(
-                    backend=backend,
-                    N=N,
-                    median_s=t,
-                    tflops=tflops,
-                    fraction_of_peak=tflops / peak_tflops,
-                    ok=True,
-                )
-            )
+                    times[name].append(time.perf_counter() - t0)
+        flops = 3.5 * 4 * N * N * hq * d / 2
+        sdpa = statistics.median(times["sdpa"])
+        for name, ts in times.items():
+            t = statistics.median(ts)
+            row = dict(backend=name, N=N, median_s=t, tflops=flops / t / 1e12, ok=True)
+            row.update(fraction_of_peak=row["tflops"] / peak_tflops, vs_sdpa=sdpa / t)
+            if name == "torch" and device.type == "cuda":
+                row["cuda_kernel"] = torch_backend._kernel(q)
+            rows.append(row)
     return rows
 
 
@@ -288,7 +304,7 @@ def main() -> None:
     p.add_argument(
         "--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)"
     )
-    sections_all = ["kernels", "modes", "training", "torch_native", "timing"]
+    sections_all = ["kernels", "modes", "training", "torch_native", "attention"]
     p.add_argument("--only", nargs="+", choices=sections_all)
     args = p.parse_args()
     dry = args.dry_run or not torch.cuda.is_available()
@@ -310,7 +326,7 @@ def main() -> None:
         "modes": lambda: run_ranks(_mode_body, args.world, {"dry": dry}),
         "training": lambda: training_rows(out, dry),
         "torch_native": lambda: torch_native_rows(dry),
-        "timing": lambda: timing_rows(device, dry, args.peak_tflops),
+        "attention": lambda: attention_rows(device, dry, args.peak_tflops),
     }
     failed = []
     for name, fn in sections.items():
@@ -331,10 +347,11 @@ def main() -> None:
             flush=True,
         )
         (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    for row in report["sections"].get("timing", []):
+    for row in report["sections"].get("attention", []):
         print(
-            f"timing: {row['backend']:10} N={row['N']:6} {row['median_s'] * 1e3:9.2f} ms "
-            f"{row['tflops']:7.1f} TFLOP/s ({row['fraction_of_peak']:.0%} of peak)"
+            f"attention: {row['backend']:10} N={row['N']:6} {row['median_s'] * 1e3:9.2f} ms "
+            f"{row['tflops']:7.1f} TFLOP/s ({row['fraction_of_peak']:.0%} of peak), "
+            f"{row['vs_sdpa']:.2f}x SDPA's speed {row.get('cuda_kernel', '')}"
         )
     for name, row in failed:
         print(f"FAILED {name}: {row}")

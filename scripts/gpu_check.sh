@@ -2,7 +2,7 @@
 # One command for a machine with one GPU, torch installed, no network, and perhaps no
 # flash-attn or deepspeed: local kernels vs float64, every mode on 4 processes sharing the
 # GPU, a few training steps (if deepspeed imports), PyTorch's context_parallel example
-# (scripts/cp_example.py, 2 ranks sharing the GPU), and timings at 8K/32K tokens.
+# (scripts/cp_example.py, 2 ranks sharing the GPU), and attention against raw SDPA at 8K/32K tokens.
 # Results: $OUT/gpu_check.json (OUT defaults to gpu_check_results). Exit 1 if a check failed.
 #   bash scripts/gpu_check.sh              # on the GPU machine (about 3-5 minutes)
 #   bash scripts/gpu_check.sh --dry-run    # on a CPU: the same code, small, GPU parts skipped

@@ -286,21 +286,46 @@ def test_auto_picks_flash_attn_only_for_inputs_it_runs():
 
 
 @pytest.mark.parametrize(
-    "dtype,hq,hkv,d",
-    [(torch.bfloat16, 8, 2, 72), (torch.float16, 4, 4, 64), (torch.float32, 8, 2, 60)],
+    "dtype,hq,hkv,d,kernel",
+    [
+        (torch.bfloat16, 8, 2, 72, "flash"),
+        (torch.float16, 4, 4, 64, "cudnn"),
+        (torch.bfloat16, 32, 8, 128, "cudnn"),
+        (torch.bfloat16, 8, 1, 192, "cudnn"),
+        (torch.float32, 8, 2, 60, "efficient"),
+    ],
 )
-def test_cuda_kernel_calls_bind_to_the_aten_schemas(dtype, hq, hkv, d):
-    """The CUDA branch of the torch backend on meta tensors: the aten ops' meta functions
-    check every argument and give the output shapes (fp16/bf16: torch's flash kernel, GQA
-    native; float32: the efficient kernel on expanded k/v; head dims padded to 8)."""
+def test_cuda_kernel_calls_bind_to_the_aten_schemas(dtype, hq, hkv, d, kernel):
+    """The CUDA branch of the torch backend on meta tensors (standing for a Hopper GPU with
+    cuDNN 9): the aten ops' meta functions check every argument and give the output shapes
+    (cuDNN's attention for head dims of 64-256 by 64, GQA and MQA native, its lse (b, h, s,
+    1) made (b, h, s); torch's flash kernel for other fp16/bf16 dims; float32: the efficient
+    kernel on expanded k/v; head dims padded to 8)."""
     b, s = 2, 100
     q, dout = (torch.empty(b, s, hq, d, device="meta", dtype=dtype) for _ in range(2))
     k, v = (torch.empty(b, s, hkv, d, device="meta", dtype=dtype) for _ in range(2))
+    assert torch_backend._kernel(q) == kernel
     out, lse = torch_backend.forward(q, k, v, Scores(True, 0.125))
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (b, hq, s) and lse.dtype == torch.float32
     dq, dk, dv = torch_backend.backward(dout, q, k, v, out, lse, Scores(True, 0.125))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_cuda_kernel_rule():
+    """cuDNN only where it was measured (sm90+, cuDNN 9, fp16/bf16, d 64..256 by 64), then
+    torch's flash (sm80+, d <= 256), then the efficient kernel: by rule, never by trying."""
+    rule = torch_backend.cuda_kernel
+    bf16, hopper, ampere = torch.bfloat16, (9, 0), (8, 0)
+    assert rule(bf16, 128, hopper, 91900) == "cudnn"
+    assert rule(torch.float16, 256, (10, 0), 90100) == "cudnn"
+    assert rule(bf16, 128, ampere, 91900) == "flash"  # measured on Hopper only
+    assert rule(bf16, 128, hopper, 8900) == "flash"  # cuDNN 8
+    assert rule(bf16, 128, hopper, None) == "flash"  # no cuDNN
+    assert rule(bf16, 80, hopper, 91900) == "flash"  # a head dim not measured
+    assert rule(bf16, 512, hopper, 91900) == "efficient"
+    assert rule(bf16, 64, (7, 5), None) == "efficient"
+    assert rule(torch.float32, 128, hopper, 91900) == "efficient"
 
 
 def test_float64_off_cpu_goes_to_math():

@@ -24,8 +24,10 @@ def test_gpu_check_dry_run_passes_every_section(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] and report["dry_run"] and report["flash_attn"] == "2.8.3"
     sections = report["sections"]
-    for name in ("kernels", "modes", "timing"):
+    for name in ("kernels", "modes"):
         assert {row["backend"] for row in sections[name]} == {"torch", "flash_attn"}, name
+    assert {row["backend"] for row in sections["attention"]} == {"sdpa", "torch", "flash_attn"}
+    assert all(row["vs_sdpa"] > 0 for row in sections["attention"])
     # 2 backends x 2 dtypes x 4 shapes (MLA's among them) x causal x packed, + float32 for torch
     assert len(sections["kernels"]) == 2 * 2 * 4 * 2 * 2 + 4 * 2 * 2
     assert {row["dv"] for row in sections["kernels"] if row["d"] == 192} == {128}
