@@ -282,3 +282,30 @@ def _per_shard(rank):
 def test_moe_check_sees_a_per_shard_router_loss(pools):
     for res in pools(2).run(_per_shard):
         assert res["aux"] > 1e-4 and res["grad"] > 1e-3, res
+
+
+@pytest.mark.unit
+def test_gpt_oss_mlp_runs_in_tiles():
+    """GPT-OSS's MLP returns its router scores beside the hidden states: in tiles (one row)
+    the loss and gradients equal the untiled model's; a batch of rows is refused (the
+    scores' rows would not join in token order)."""
+    from ulysses_cp.models.memory import tile_mlps
+
+    topo = ucp.init_topology(1, 1)
+    hf.register_attention(topo, backend="math")
+    torch.manual_seed(0)
+    plain = hf.from_config(moe_config("gpt_oss"), dtype=torch.float64)
+    tiled = hf.from_config(moe_config("gpt_oss"), dtype=torch.float64)
+    tiled.load_state_dict(plain.state_dict())
+    assert tile_mlps(tiled, 4) == 2
+    results = []
+    for model in (plain, tiled):
+        local = ucp.shard_batch({"input_ids": IDS[:1], "labels": IDS[:1]}, topo)
+        loss = shard_loss(hf.HFCausalLM(model), local, topo)
+        loss.backward()
+        results.append([loss.detach(), *(p.grad for p in model.parameters())])
+    for a, b in zip(*results, strict=True):  # its router runs in float32: ~1e-7
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * a.abs().max().item())
+    local = ucp.shard_batch({"input_ids": IDS, "labels": IDS}, topo)
+    with pytest.raises(ValueError, match="one row per micro batch"):
+        shard_loss(hf.HFCausalLM(tiled), local, topo)

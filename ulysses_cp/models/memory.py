@@ -92,8 +92,27 @@ class TiledMLP(nn.Module):
             # so the checkpoints keep h (which the norm's node keeps anyway while the output
             # lives) and the norm's output is never kept whole
             fn, source = partial(self._normed_piece, norm.module), norm.x
-        pieces = source.chunk(n, dim=1)
-        return torch.cat([checkpoint(fn, p, use_reentrant=False) for p in pieces], 1)
+        outs = [checkpoint(fn, p, use_reentrant=False) for p in source.chunk(n, dim=1)]
+        if not isinstance(outs[0], tuple):
+            return torch.cat(outs, 1)
+        return self._joined(outs)
+
+    def _joined(self, outs: list) -> tuple:
+        """An MLP that returns ``(hidden, per-token extras)`` (GPT-OSS: its router scores,
+        ``(b * t, E)`` rows): hidden joined along the sequence, the extras along their rows,
+        which is token order only for one row."""
+        hidden = torch.cat([o[0] for o in outs], 1)
+        if hidden.shape[0] != 1:
+            raise ValueError(
+                f"tiled_mlp: {type(self.mlp).__name__} returns per-token outputs beside its "
+                f"hidden states, which pieces of a batch of {hidden.shape[0]} rows cannot "
+                f"join in order: use one row per micro batch or tiled_mlp 0"
+            )
+        extras = [
+            torch.cat(parts, 0) if parts[0] is not None else None
+            for parts in zip(*(o[1:] for o in outs))
+        ]
+        return (hidden, *extras)
 
     def _normed_piece(self, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
         return self.mlp(norm(h))
