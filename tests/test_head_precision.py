@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ulysses_cp as ucp
-from tests.helpers import HF_TINY
+from tests.helpers import HF_TINY, shard_loss
 from ulysses_cp.models.fused_loss import fused_cross_entropy
 from ulysses_cp.models.log_probs import token_log_probs
 
@@ -154,16 +154,7 @@ def bf16_step_gemm_flops() -> dict[torch.dtype, int]:
     ids = torch.randint(4096, (1, 256), generator=torch.Generator().manual_seed(1))
     local = ucp.shard_batch({"input_ids": ids, "labels": ids}, topo)
     with GemmFlops() as count:
-        loss = wrapped.loss(
-            local["input_ids"],
-            local["position_ids"],
-            local["shift_labels"],
-            topo,
-            batch=local["batch"],
-            tiled_loss="auto",
-            fused_loss=True,
-        )
-        loss.backward()
+        shard_loss(wrapped, local, topo, tiled_loss="auto", fused_loss=True).backward()
     return count.flops
 
 
