@@ -79,7 +79,7 @@ class TiledMLP(nn.Module):
         )
         return min(n, x.shape[1])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple:
         n = self.pieces(x) if torch.is_grad_enabled() else 1
         if n <= 1:
             return self.mlp(x)
