@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.topology import Topology
-from .head_grads import add_weight_grad, hidden_grad, weight_grad_buffer
+from .head_grads import add_weight_grad, weight_grad_buffer
 from .hf_head import HeadTransform
 from .lean_norm import norm_backward, norm_input
 from .loss import sequence_parallel_loss_from_sums
@@ -99,8 +99,8 @@ class _FusedHeadLoss(torch.autograd.Function):
                 g.mul_(t.square_().neg_().add_(1))  # d(cap tanh(u / cap))/du = 1 - tanh^2
             if scale != 1.0:
                 g.mul_(scale)
-            g_mm, dh = hidden_grad(g, weight)  # GEMMs in the model's dtype (head_grads)
-            dh = dh.to(hidden.dtype)  # (t, D)
+            g_mm = g.to(weight.dtype)  # the GEMMs in the model's dtype (head_grads)
+            dh = (g_mm @ weight).to(hidden.dtype)  # (t, D)
             if folded:  # through the final norm now: d x of the piece
                 rows = slice(start, start + len(y))
                 xs = x[rows]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["add_weight_grad", "hidden_grad", "weight_grad_buffer"]
+__all__ = ["add_weight_grad", "weight_grad_buffer"]
 
 
 def weight_grad_buffer(weight: torch.Tensor, work: torch.dtype, pieces: int) -> torch.Tensor | None:
@@ -30,17 +30,12 @@ def weight_grad_buffer(weight: torch.Tensor, work: torch.dtype, pieces: int) -> 
     return torch.zeros(weight.shape, dtype=work, device=weight.device)
 
 
-def hidden_grad(g: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(g in the weight's dtype, d hidden = g W)``: ``(t, V)`` and ``(t, D)``."""
-    g_mm = g.to(weight.dtype)
-    return g_mm, g_mm @ weight
-
-
 def add_weight_grad(
     acc: torch.Tensor | None, g_mm: torch.Tensor, h: torch.Tensor, weight: torch.Tensor
 ) -> torch.Tensor:
-    """``acc += g^T h`` ``(V, D) += (V, t) @ (t, D)``, the GEMM in the weight's dtype;
-    ``acc`` None (one piece): the GEMM's result itself."""
+    """``acc += g^T h`` ``(V, D) += (V, t) @ (t, D)``, the GEMM in the weight's dtype
+    (``g_mm``: the logits' gradient already in it, as for ``d hidden = g_mm @ W``); ``acc``
+    None (one piece): the GEMM's result itself."""
     h_mm = h.to(weight.dtype)
     if acc is None:
         return g_mm.t() @ h_mm

@@ -39,7 +39,7 @@ from ..core.sharding import gather_sequence
 from ..core.tiles import TileSetting, resolve_tiles
 from ..core.topology import Topology
 from .fused_loss import _head_parts, _inside_module_call
-from .head_grads import add_weight_grad, hidden_grad, weight_grad_buffer
+from .head_grads import add_weight_grad, weight_grad_buffer
 from .loss import local_loss_term, scale_gradient
 
 __all__ = [
@@ -166,9 +166,9 @@ class _TokenLogProbs(torch.autograd.Function):
                 g = g * (1 - t.square())  # d(cap tanh(u / cap))/du
             if scale != 1.0:
                 g = g * scale
-            g_mm, dh = hidden_grad(g, weight)  # GEMMs in the model's dtype (head_grads)
+            g_mm = g.to(weight.dtype)  # the GEMMs in the model's dtype (head_grads)
             if d_hidden is not None:
-                d_hidden[sl] = dh
+                d_hidden[sl] = g_mm @ weight
             if need_w:
                 d_weight = add_weight_grad(d_weight, g_mm, h, weight)
             if d_bias is not None:

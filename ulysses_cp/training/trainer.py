@@ -177,8 +177,10 @@ class Trainer:
             batch=local.get("batch"),
             plan=self.loss_plan,
         )
-        aux = module.aux_loss() if hasattr(module, "aux_loss") else None
-        if aux is None or not (module.training and with_aux):
+        if not (module.training and with_aux and hasattr(module, "aux_loss")):
+            return loss  # a forward's router logits wait for the next forward to replace them
+        aux = module.aux_loss()
+        if aux is None:
             return loss
         self.aux = aux.detach()
         return loss + module.router.coef * aux

@@ -120,7 +120,7 @@ def _shard(run: SequenceParallelRun, batch: dict) -> tuple[dict, torch.Tensor | 
     return run.shard(batch), lead, s
 
 
-def _aux_loss(run: SequenceParallelRun, wrapper: HFCausalLM, local: dict) -> torch.Tensor:
+def _aux_loss(wrapper: HFCausalLM, local: dict) -> torch.Tensor:
     """The load-balancing loss of the call's rows over the whole sequence, from the router
     logits the wrapper kept (padding excluded, as the model's own forward excludes it
     through the attention mask)."""
@@ -159,7 +159,7 @@ def _fused(
         return_hidden=True,
         router_logits=router_logits,
     )
-    aux = _aux_loss(run, wrapper, local) if router_logits else None
+    aux = _aux_loss(wrapper, local) if router_logits else None
     full = sequence_log_probs(
         hidden,
         wrapper.head,
@@ -197,7 +197,7 @@ def _logits(
         local["input_ids"], local["position_ids"], local["batch"], router_logits=router_logits
     )
     full = _restored(run.full_logits(logits, local), lead, s)
-    aux = _aux_loss(run, wrapper, local) if router_logits else None
+    aux = _aux_loss(wrapper, local) if router_logits else None
     return MoeCausalLMOutputWithPast(logits=full, aux_loss=aux)
 
 

@@ -66,12 +66,14 @@ class SequenceParallelMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         given = _training_arguments(args, kwargs)
-        if sequence_parallel_block(getattr(given, "deepspeed", None)) is not None:
+        block = sequence_parallel_block(getattr(given, "deepspeed", None))
+        if block is not None:
             # before the parent builds models under ZeRO-3's zero.Init (TRL's reference, a
             # policy given as a path): DeepSpeed's comm must know the world
             _deepspeed_comm()
         super().__init__(*args, **kwargs)
-        block = sequence_parallel_block(getattr(self.args, "deepspeed", None))
+        if given is None:  # the parent made its own arguments
+            block = sequence_parallel_block(getattr(self.args, "deepspeed", None))
         self.sequence_parallel: SequenceParallelRun | None = None
         if block is None:
             return
