@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+from ..core.flops import model_flops
 from ..core.sharding import sequence_multiple
 from ..core.topology import validate_degrees
 from ..modes.ulysses import head_chunk_choices, kv_replication, resolve_head_chunks
@@ -103,7 +104,15 @@ def _shape(shape: ModelShape, run: Run) -> ModelShape:
 def _flops(shape: ModelShape, run: Run, seq_len: int, batch: int) -> float:
     t = batch * seq_len / run.sp
     dense = 6 * (shape.params - shape.vocab * shape.dim) * t
-    attn = 6 * batch * seq_len**2 * shape.hq * shape.width * shape.layers / run.sp
+    attn = model_flops(
+        matmul_params=0,
+        attention_layers=shape.n_attention,
+        hq=shape.hq,
+        head_dim=shape.width,
+        seq_len=seq_len,
+        batch=batch,
+        sp=run.sp,
+    )
     if run.layout == "contiguous" and run.ring > 1:
         attn *= 2 * run.ring / (run.ring + 1)
     total = dense + attn
