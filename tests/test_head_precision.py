@@ -6,6 +6,9 @@ at most 2% of its GEMM FLOPs in float32, counted by a ``TorchDispatchMode``."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ulysses_cp as ucp
 from tests.helpers import HF_TINY, shard_loss
 from ulysses_cp.models.fused_loss import fused_cross_entropy
+from ulysses_cp.models.head_grads import scaled_grad
 from ulysses_cp.models.log_probs import token_log_probs
 
 pytestmark = pytest.mark.unit
@@ -166,3 +170,18 @@ def test_a_bf16_step_runs_its_gemms_in_bf16():
     total = sum(flops.values())
     assert flops.get(torch.bfloat16, 0) > 0
     assert flops.get(torch.float32, 0) <= 0.02 * total, {str(k): v for k, v in flops.items()}
+
+
+def test_scaled_grad_rounds_once_without_a_float32_copy_of_the_weight():
+    """The fused loss's backward scales its float32 weight-gradient accumulator into the
+    weight's dtype piece by piece: the same values as ``(acc * grad).to(bf16)``, and a
+    peak of the result plus one piece, not a float32 temporary of the whole weight."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from profiling import LiveBytes
+
+    torch.manual_seed(0)
+    acc, grad = torch.randn(512, 64), torch.tensor(0.37)
+    with LiveBytes() as live:
+        got = scaled_grad(acc, grad, torch.bfloat16, rows=64)
+    assert torch.equal(got, (acc * grad).to(torch.bfloat16))
+    assert live.peak <= got.nbytes + 64 * 64 * 4

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.topology import Topology
-from .head_grads import add_weight_grad, weight_grad_buffer
+from .head_grads import add_weight_grad, scaled_grad, weight_grad_buffer
 from .hf_head import HeadTransform
 from .lean_norm import norm_backward, norm_input
 from .loss import sequence_parallel_loss_from_sums
@@ -122,7 +122,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         d_hidden, d_weight, d_bias, d_norm = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
         g_hidden = d_hidden * grad.to(d_hidden.dtype)
-        g_weight = (d_weight * grad).to(w_dtype)
+        g_weight = scaled_grad(d_weight, grad, w_dtype)
         g_bias = None if d_bias is None else (d_bias * grad).to(b_dtype)
         if ctx.folded is None:
             return g_hidden, g_weight, g_bias, None, None, None, None, None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["add_weight_grad", "weight_grad_buffer"]
+__all__ = ["add_weight_grad", "scaled_grad", "weight_grad_buffer"]
 
 
 def weight_grad_buffer(weight: torch.Tensor, work: torch.dtype, pieces: int) -> torch.Tensor | None:
@@ -42,3 +42,19 @@ def add_weight_grad(
     if acc.dtype == weight.dtype:  # float32 / float64 models: in place, no temporary
         return acc.addmm_(g_mm.t(), h_mm)
     return acc.add_(g_mm.t() @ h_mm)  # a bf16 GEMM, summed in float32
+
+
+def scaled_grad(
+    acc: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype, rows: int = 4096
+) -> torch.Tensor:
+    """``(acc * grad).to(dtype)``, the loss's gradient times a saved gradient, rounded once
+    to the parameter's dtype. A float32 accumulator is scaled ``rows`` rows at a time into
+    the result, so no float32 temporary of the whole weight is made (at Llama-3's
+    vocabulary that temporary was 2.1 GB on top of the accumulator)."""
+    if acc.dtype == dtype or acc.dim() == 0:
+        return (acc * grad).to(dtype)
+    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    for start in range(0, acc.shape[0], rows):
+        piece = slice(start, start + rows)
+        out[piece] = acc[piece] * grad
+    return out
