@@ -246,7 +246,7 @@ def activation_bytes(
     piece or the attention staging)."""
     P = ulysses * ring
     t = batch * (seq_len // P)
-    B, D, V, F = shape.dtype_bytes, shape.dim, shape.vocab, shape.ffn
+    B, D, F = shape.dtype_bytes, shape.dim, shape.ffn
     attn = attention_activation(
         shape,
         s_local=seq_len // P,
@@ -269,7 +269,7 @@ def activation_bytes(
     # after the final norm's backward: the gradient into the last layer (and the rotary
     # tables), what the layers' backward meets instead of ``top``
     after_top = t * D * B + rope_top
-    loss = 3 * V * FP32 * t // c_loss  # fp32 log-softmax, and two gradients of it
+    loss = _loss_transient(shape, t, c_loss)
     c_mlp = tiles["mlp"]
     mlp = (5 * F * B * t // c_mlp + 2 * D * B * t) if c_mlp > 1 else 0  # one piece again
     for m in shape.mixers:  # the send, receive and natural-order copies of a mixer's input
@@ -313,4 +313,25 @@ def activation_bytes(
         "transient": transient,
         "total": layers + top + transient,
         "transient_parts": parts,
+        "in_layers": in_layers,  # the layers' backward at its largest (the phases' model)
+        "after_top": after_top,
     }
+
+
+def _loss_transient(shape: ModelShape, t: int, tiles: int) -> int:
+    """The loss's largest working set over ``t`` tokens in ``tiles`` pieces. Autograd's
+    loss: the fp32 log-softmax of a piece and two gradients of it. The fused loss
+    (``models/fused_loss.py``): a piece's logits in the model's dtype and in fp32 (then
+    its gradient, in place, and that rounded to the model's dtype), the weight's gradient
+    (an fp32 accumulator over several pieces, and each piece's GEMM result in the
+    weight's dtype beside it), the hidden states' gradient, kept for the backward, and a
+    piece's share of it (through the lean final norm when that is folded in)."""
+    B, V, D = shape.dtype_bytes, shape.vocab, shape.dim
+    if not shape.fused_loss:
+        return 3 * V * FP32 * t // tiles
+    acc = V * D * FP32 if tiles > 1 else 0
+    gemm = V * D * B if tiles == 1 or B != FP32 else 0  # fp32 weights: added in place
+    # a piece's d hidden; with a lean final norm folded in, its backward in fp32 (two
+    # tensors of the piece) and d x in the model's dtype beside it
+    piece = (2 * FP32 + 2 * B if shape.lean_norms else B) * D * t // tiles
+    return (FP32 + B) * V * t // tiles + acc + gemm + t * D * B + piece

@@ -69,6 +69,8 @@ class ModelShape:
     lean_norms: bool = False  # RMSNorms keep no normalised copy (models/lean_norm.py)
     memory_budget_gb: float | None = None  # sizes "auto" tiles (core.tiles.with_budget)
     v_head_dim: int = 0  # MLA: the values' head dim where it is not q's and k's (0: the same)
+    fused_loss: bool = False  # the LM head's gradients made in the loss's forward
+    tied_head: bool = False  # the LM head is the input embedding (one weight, one gradient)
 
     def persistent(self, threshold: float) -> int:
         """Parameters ZeRO-3 keeps whole on every rank (tensors of at most ``threshold``
@@ -123,6 +125,7 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
         tiled_mlp=mc.tiled_mlp,
         tiled_loss=mc.tiled_loss,
         memory_budget_gb=mc.memory_budget_gb,
+        fused_loss=mc.fused_loss,
     )
     if isinstance(mc, ModelConfig):
         from ..models.decoder import Decoder
@@ -168,6 +171,7 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
         **_hybrid(cfg, model),
         lean_norms=bool(mc.lean_norms and lean_norms(model)),  # probed on the meta model
         v_head_dim=dv if dv != d else 0,
+        tied_head=bool(getattr(cfg, "tie_word_embeddings", False)),
     )
 
 
