@@ -68,8 +68,8 @@ def flop_shape(model: nn.Module) -> FlopShape:
     hq = heads(cfg)[0]
     d, dv = head_dims(cfg, hq)
     layers = decoder_layers(hf)[1]
-    matmul = _active_params(layers, cfg) + full_numel(head_module(hf).parameters())
-    return FlopShape(matmul, hq, (d + dv) / 2, **_attention(cfg, layers))
+    active = _active_params(layers, cfg) + full_numel(head_module(hf).parameters())
+    return FlopShape(active, hq, (d + dv) / 2, **_attention(cfg, layers))
 
 
 def _active_params(layers: nn.ModuleList, cfg: Any) -> float:
