@@ -164,7 +164,7 @@ def test_the_planner_reads_mla_widths():
     """The planner's shape of a DeepSeek-V3 config: q/k heads 128 + 64 wide, values 128
     (not the config's ``head_dim``, which is the RoPE part)."""
     transformers = pytest.importorskip("transformers")
-    from ulysses_cp.plan.shapes import head_dims
+    from ulysses_cp.models.flop_count import head_dims
 
     cfg = transformers.DeepseekV3Config(
         num_attention_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128

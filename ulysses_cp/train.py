@@ -60,12 +60,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="print the planner's memory/communication/step-time table for this run "
         "(python -m ulysses_cp.plan for more options) and exit without training",
     )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the GPU's dense peak TFLOP/s in the run's dtype, the MFU's denominator "
+        "(default: the datasheet figure of the GPU found, ulysses_cp.core.flops.PEAK_TFLOPS; "
+        "on a CPU, an unknown GPU or in float32 the log has no MFU without it)",
+    )
     p.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     args = parse_args(argv)
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ValueError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     configure_logging()  # the library adds no handler: rank 0's lines on stdout
     # DeepSpeed's ZeRO calls a torch collective that torch deprecates: once per rank, a
     # warning the user can do nothing about
@@ -138,6 +148,7 @@ def train(
     n_params = full_numel(model.parameters())  # every parameter once, at full size
     optimizer, ds_run = cpu_optimizer(run, model)
     engine = initialize(model=model, config=ds_run, topo=topo, optimizer=optimizer)
+    trainer_speed = speed_counts(model, engine, args.peak_tflops)
     info = topology_info(topo)
     evaluator = None
     if held_out is not None:
@@ -147,6 +158,7 @@ def train(
     trainer = Trainer(
         engine, topo, dataset, tc=tc, out=out, loss_plan=plan, hooks=hooks, evaluator=evaluator
     )
+    trainer.flop_shape, trainer.peak_tflops = trainer_speed
     trainer.zero_bytes_per_step = zero_wire_bytes(
         ds_run.raw,
         params=n_params,
@@ -193,6 +205,42 @@ def train(
     tracker.finish(summary)
     log.info(f"done: {summary}, metrics in {out / 'metrics.jsonl'}")
     dist.barrier()
+
+
+def speed_counts(model, engine, peak_tflops: float | None) -> tuple:
+    """``(FlopShape or None, peak TFLOP/s or None)`` for the trainer's model TFLOP/s and
+    MFU: the shape of the model built (``models.flop_count``), the peak as given, else the
+    table's for the GPU and the parameters' dtype (``core.flops.device_peak_tflops``); a
+    line says which, or why either is left out."""
+    import torch
+
+    from ulysses_cp.core.flops import device_peak_tflops
+    from ulysses_cp.models.flop_count import flop_shape
+
+    try:
+        shape = flop_shape(model)
+    except ValueError as exc:
+        log.warning(f"model TFLOP/s and MFU left out of the log: {exc}")
+        return None, None
+    dtype = str(next(engine.module.parameters()).dtype).removeprefix("torch.")
+    if peak_tflops is not None:
+        where = "--peak-tflops"
+    elif engine.device.type != "cuda":
+        where = f"no MFU on {engine.device.type} (no peak; --peak-tflops sets one)"
+    else:
+        name = torch.cuda.get_device_name(engine.device)
+        peak_tflops = device_peak_tflops(name, dtype)
+        where = (
+            f"the {name}'s dense {dtype} datasheet figure"
+            if peak_tflops
+            else f"no MFU: no {dtype} peak for the {name} in the table (--peak-tflops sets one)"
+        )
+    peak = f"{peak_tflops:g} TFLOP/s peak, " if peak_tflops else ""
+    log.info(
+        f"model FLOPs: {shape.matmul_params / 1e6:.2f}M matmul params per token, "
+        f"{shape.attention_layers} attention layers; {peak}{where}"
+    )
+    return shape, peak_tflops
 
 
 def run_main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:

@@ -113,6 +113,15 @@ class BatchPlan:
         return self.ulysses_degree * self.ring_degree
 
     @property
+    def spans(self) -> list[int]:
+        """The lengths of the batch's causal spans: a packed row's documents (their end
+        padding with them: the batch does not mark it), else ``batch_size`` rows of
+        ``seq_len`` (end padding included likewise). What ``core.flops.step_flops`` takes."""
+        if self.bounds is not None:
+            return [b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False)]
+        return [self.seq_len] * self.batch_size
+
+    @property
     def ring_rank(self) -> int:
         return self.sp_rank // self.ulysses_degree
 

@@ -41,7 +41,7 @@ class Hardware:
     gpu_mem_gb: float = 80.0  # GiB per GPU the run may use
     host_mem_gb: float = 2048.0  # GiB of host memory per node (a DGX H100 has 2 TiB)
     gpus_per_node: int = 8
-    peak_tflops: float = 989.0  # dense bf16 per GPU
+    peak_tflops: float = 989.0  # dense bf16 per GPU (H100/H200 SXM: core.flops.PEAK_TFLOPS)
     mfu: float = 0.45  # the fraction of peak the matmuls reach
     intra_gbs: float = 450.0  # NVLink, GB/s per GPU per direction
     inter_gbs: float = 50.0  # 400 Gb/s NIC per GPU

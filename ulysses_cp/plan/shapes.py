@@ -145,6 +145,7 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
             **_count(model, model.layers),
             **feats,
         )
+    from ..models.flop_count import head_dims
     from ..models.hf import ffn_width, heads, load_config
     from ..models.hf_vision import auto_class, text_config
     from ..models.lean_norm import lean_norms
@@ -173,18 +174,6 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
         v_head_dim=dv if dv != d else 0,
         tied_head=bool(getattr(cfg, "tie_word_embeddings", False)),
     )
-
-
-def head_dims(cfg: Any, hq: int) -> tuple[int, int]:
-    """``(q/k head dim, v head dim)`` of a Hugging Face config: MLA's (DeepSeek-V2/V3,
-    Kimi-K2, GLM-4.7-Flash, MiniCPM3) are ``qk_nope_head_dim + qk_rope_head_dim`` and
-    ``v_head_dim``; others have one ``head_dim`` (or ``hidden_size / heads``)."""
-    nope, rope = getattr(cfg, "qk_nope_head_dim", None), getattr(cfg, "qk_rope_head_dim", None)
-    if nope is not None and rope is not None:
-        d = nope + rope
-    else:
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-    return d, getattr(cfg, "v_head_dim", None) or d
 
 
 def _hybrid(cfg: Any, model: torch.nn.Module) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..config import TrainingConfig
 from ..core.batch import shard_batch
 from ..core.comm import stats as comm_stats
+from ..core.flops import FlopShape, step_flops
 from ..core.log import get_logger
 from ..core.metrics import attention_bytes_sent, largest_peak_memory_mb
 from ..core.protocols import Engine
@@ -109,6 +110,8 @@ class TrainState:
     stopped_by_signal: bool = False
     evals: list[dict] = field(default_factory=list)  # the evaluations' metrics, in order
     since: int = 0  # finite steps since the last log line
+    flops: float = 0.0  # this rank's model FLOPs since the last log line (every micro batch)
+    ran: int = 0  # steps since the last log line, skipped ones included
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -119,13 +122,16 @@ class Trainer:
     held-out loss after the steps it chooses
     (``evaluate.Evaluator``, given the trainer's loss). ``tracker`` (metrics.jsonl, wandb)
     is set once the run knows its first step (after a resume), and ``zero_bytes_per_step``
-    by the launcher script."""
+    by the launcher script; ``flop_shape`` (``models.flop_count``) and ``peak_tflops`` by it
+    too: the log's model TFLOP/s (none without a shape) and MFU (none without a peak)."""
 
     tracker: Tracker | None = None
     aux: torch.Tensor | None = None  # the last training loss's load-balancing term (MoE)
     # ZeRO's collective bytes this rank sends per step (``core.zero_comm.zero_wire_bytes``: the
     # planner's formula for the run's stage; DeepSpeed's comm is not counted live)
     zero_bytes_per_step: int = 0
+    flop_shape: FlopShape | None = None
+    peak_tflops: float | None = None  # the device's dense peak for the run's dtype
 
     def __init__(
         self,
@@ -233,7 +239,7 @@ class Trainer:
             n = step + 1  # the step being taken, as logged
             self.hooks.step_start(n)
             finite = self._step(step, acc, state)
-            state.step, state.since = n, state.since + finite
+            state.step, state.since, state.ran = n, state.since + finite, state.ran + 1
             if n % self.tc.log_interval == 0 or n == self.tc.max_steps:
                 self._log(state, acc)
             if self.evaluator is not None and self.evaluator.due(n, self.tc.max_steps):
@@ -260,6 +266,9 @@ class Trainer:
         n, gas, bad = step + 1, self.engine.gradient_accumulation_steps(), None
         for m in range(gas):
             local = self.batch(step, m)
+            if self.flop_shape is not None:  # the batch's own rows or documents
+                sp = self.topo.sp_world_size
+                state.flops += step_flops(self.flop_shape, local["batch"].spans, sp=sp)
             loss = self.hooks.loss(self.loss(local), n)
             if any_rank(not torch.isfinite(loss).item(), self.device):
                 bad = bad or f"non-finite loss at step {n} (micro step {m})"
@@ -309,7 +318,8 @@ class Trainer:
             * self.dataset.cfg.seq_len
         )
         attention = attention_bytes_sent()
-        tokens_per_s = tokens_per_step * max(since, 1) / (time.perf_counter() - state.started)
+        elapsed = time.perf_counter() - state.started
+        tokens_per_s = tokens_per_step * max(since, 1) / elapsed
         metrics = {
             "loss": mean_loss,
             "lr": engine.get_lr()[0],
@@ -322,18 +332,37 @@ class Trainer:
             "attention_comm_bytes_per_step": attention / max(since, 1),
             "skipped_steps": state.skipped,
         }
+        metrics.update(self._flop_metrics(state.flops, state.ran, elapsed))
         if self.aux is not None:  # an MoE model's load-balancing loss, without its coefficient
             metrics["aux_loss"] = mean_aux
         if self.tracker is not None:
             self.tracker.log(state.step, metrics)
         shown = "skipped" if mean_loss is None else f"{mean_loss:.4f}"
+        speed = f"  TFLOP/s {metrics['model_tflops']:.3g}" if "model_tflops" in metrics else ""
+        speed += f"  MFU {100 * metrics['mfu']:.1f}%" if "mfu" in metrics else ""
         log.info(
             f"step {state.step:5d}  loss {shown}  lr {metrics['lr']:.2e}  "
-            f"tok/s {metrics['tokens_per_s']:.0f}  peak {metrics['peak_mem_mb']:.0f}MB"
+            f"tok/s {metrics['tokens_per_s']:.0f}{speed}  peak {metrics['peak_mem_mb']:.0f}MB"
         )
         if mean_loss is not None:
             state.losses.append(mean_loss)
         acc.zero_()
-        state.since = 0
+        state.since, state.flops, state.ran = 0, 0.0, 0
         comm_stats.reset()
         state.started = time.perf_counter()
+
+    def _flop_metrics(self, flops: float, steps: int, elapsed: float) -> dict[str, float]:
+        """Per rank, over the ``steps`` since the last log line (``flops``: this rank's),
+        the mean over the data-parallel replicas (each counts its own batches):
+        ``model_flops_per_step``, ``model_tflops`` (model FLOPs per second) and ``mfu``
+        (that over ``peak_tflops``, when known). Empty without a FLOP shape."""
+        if self.flop_shape is None:
+            return {}
+        total = torch.tensor([flops], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.topo.dp_group)
+        mean = total.item() / self.topo.dp_degree
+        tflops = mean / elapsed / 1e12
+        out = {"model_flops_per_step": mean / max(steps, 1), "model_tflops": tflops}
+        if self.peak_tflops:
+            out["mfu"] = tflops / self.peak_tflops
+        return out
