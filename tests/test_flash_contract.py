@@ -205,7 +205,7 @@ def test_an_unknown_required_argument_is_refused(standin):
 @pytest.mark.parametrize("standin", [("2.7.4", "custom_op")], indirect=True)
 def test_a_nonzero_softcap_is_never_dropped(standin):
     fa = flash_backend.interface()
-    f = flash_backend._Fn("f", lambda **kw: kw, {"q": False, "causal": False})
+    f = flash_backend.Fn("f", lambda **kw: kw, {"q": False, "causal": False})
     with pytest.raises(ValueError, match=r"2\.7\.4: f does not take \['softcap', 'window"):
         flash_backend._call(f, fa.version, {"q": 1, "causal": True}, (-1, -1), 0.5)
 
