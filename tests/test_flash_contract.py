@@ -247,7 +247,10 @@ def test_missing_broken_and_flash3_installs_say_which(tmp_path, monkeypatch):
     (tmp_path / "flash_attn_interface.py").write_text("")  # flash-attn 3's module
     monkeypatch.syspath_prepend(str(tmp_path))
     flash_backend.reset()
-    with pytest.raises(ValueError, match="flash-attn 3 is not supported"):
+    with pytest.raises(
+        ValueError,
+        match="FlashAttention-3 `flash_attn_interface` module is installed: use backend='flash_attn3'",
+    ):
         local_attention(q, q, q, backend="flash_attn")
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text(

@@ -122,8 +122,8 @@ def _load() -> Interface:
         hint = ""
         if importlib.util.find_spec("flash_attn_interface") is not None:
             hint = (
-                " (a flash-attn 3 `flash_attn_interface` module is installed: flash-attn 3 "
-                f"is not supported; ulysses_cp supports flash-attn {SUPPORTED})"
+                " (a FlashAttention-3 `flash_attn_interface` module is installed: use "
+                "backend='flash_attn3' for it)"
             )
         raise ValueError(
             f"backend 'flash_attn' needs flash-attn, which is not installed{hint}; install "
