@@ -57,7 +57,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def backends() -> list[str]:
-    return ["torch"] + ([] if flash_backend.import_problem() else ["flash_attn"])
+    """The backends to check: torch, and each flash-attn (2, 3, 4) that imports here."""
+    from ulysses_cp.kernels import flash3_backend, flash4_backend
+
+    found = {
+        "flash_attn": flash_backend.import_problem,
+        "flash_attn3": flash3_backend.import_problem,
+        "flash_attn4": flash4_backend.import_problem,
+    }
+    return ["torch"] + [name for name, problem in found.items() if problem() is None]
 
 
 def rel_errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> list[float]:

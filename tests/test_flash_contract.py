@@ -205,7 +205,7 @@ def test_an_unknown_required_argument_is_refused(standin):
 @pytest.mark.parametrize("standin", [("2.7.4", "custom_op")], indirect=True)
 def test_a_nonzero_softcap_is_never_dropped(standin):
     fa = flash_backend.interface()
-    f = flash_backend._Fn("f", lambda **kw: kw, {"q": False, "causal": False})
+    f = flash_backend.Fn("f", lambda **kw: kw, {"q": False, "causal": False})
     with pytest.raises(ValueError, match=r"2\.7\.4: f does not take \['softcap', 'window"):
         flash_backend._call(f, fa.version, {"q": 1, "causal": True}, (-1, -1), 0.5)
 
@@ -247,7 +247,10 @@ def test_missing_broken_and_flash3_installs_say_which(tmp_path, monkeypatch):
     (tmp_path / "flash_attn_interface.py").write_text("")  # flash-attn 3's module
     monkeypatch.syspath_prepend(str(tmp_path))
     flash_backend.reset()
-    with pytest.raises(ValueError, match="flash-attn 3 is not supported"):
+    with pytest.raises(
+        ValueError,
+        match="FlashAttention-3 `flash_attn_interface` module is installed: use backend='flash_",
+    ):
         local_attention(q, q, q, backend="flash_attn")
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text(

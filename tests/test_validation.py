@@ -130,7 +130,8 @@ def test_bad_layout_and_backend_list_valid_values():
     with pytest.raises(ValueError, match=r"\['zigzag', 'contiguous'\]"):
         ucp.sequence_multiple(2, "striped")
     q = torch.zeros(1, 4, 2, 8)
-    with pytest.raises(ValueError, match=r"\['auto', 'flash_attn', 'torch', 'math'\]"):
+    valid = r"\['auto', 'flash_attn', 'flash_attn3', 'flash_attn4', 'torch', 'math'\]"
+    with pytest.raises(ValueError, match=valid):
         local_attention(q, q, q, backend="cudnn")
     with pytest.raises(ValueError, match="needs flash-attn, which is not installed"):
         local_attention(q, q, q, backend="flash_attn")

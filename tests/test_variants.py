@@ -186,7 +186,7 @@ def test_window_in_packed_rows_is_per_document(pools, u, r, layout, window, caus
 def test_flash_window_translation_sees_the_same_keys():
     """flash-attn's bottom-right aligned window, written here from its documented rule,
     against the band; bands it cannot express come back None (the math path takes them)."""
-    from ulysses_cp.kernels.flash_backend import flash_window
+    from ulysses_cp.kernels.flash_common import flash_window
     from ulysses_cp.kernels.math_backend import band_mask
 
     seen = {"expressed": 0, "refused": 0}

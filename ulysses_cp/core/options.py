@@ -46,7 +46,7 @@ Packing = Literal["document", "row"]
 PACKINGS: tuple[str, ...] = get_args(Packing)
 
 # The local attention kernels by name (implemented in ``ulysses_cp.kernels``).
-Backend = Literal["auto", "flash_attn", "torch", "math"]
+Backend = Literal["auto", "flash_attn", "flash_attn3", "flash_attn4", "torch", "math"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 
 

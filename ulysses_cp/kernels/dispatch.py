@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from . import flash_backend, widths
+from . import flash3_backend, flash4_backend, flash_backend, widths
+from .backends import NATIVE_WIDTHS as _NATIVE_WIDTHS
 from .backends import Kernel, backward_of, forward_of, resolve_backend
 from .blocks import block_scores, doc_groups, doc_scores, one_document, take, window_band, work
 from .math_backend import lse_dtype
@@ -110,9 +111,17 @@ def _dense_backward(dout, q, k, v, out, lse, call: KernelCall):
     return backward_of(call.backend)(dout, q, k, v, out, lse, how)
 
 
+# the backends with a packed-rows call of their own (module: varlen_forward/_backward)
+_VARLEN = {
+    "flash_attn": flash_backend,
+    "flash_attn3": flash3_backend,
+    "flash_attn4": flash4_backend,
+}
+
+
 def _flash_varlen(call: KernelCall, head_dim: int) -> Scores | None:
     """flash-attn's own varlen call, one window for every document (aligned blocks only)."""
-    if call.backend != "flash_attn" or call.chunk_offset != 0:
+    if not isinstance(call.backend, str) or call.backend not in _VARLEN or call.chunk_offset:
         return None
     base = call.scores(head_dim)
     band = window_band(call.spec.window, base.causal, 0)
@@ -128,7 +137,10 @@ def _varlen_forward(q, k, v, call: KernelCall):
     flash = _flash_varlen(call, q.shape[-1])
     if flash is not None:
         work.scores["forward"] += doc_scores(cu_q, cu_k, hq)
-        return widths.forward(flash_backend.varlen_forward, q, k, v, (cu_q, cu_k), flash)
+        fwd = _VARLEN[call.backend].varlen_forward  # type: ignore[index]
+        if call.backend in _NATIVE_WIDTHS:
+            return fwd(q, k, v, (cu_q, cu_k), flash)
+        return widths.forward(fwd, q, k, v, (cu_q, cu_k), flash)
     out, lse = _empty(q, v)  # rows in no document stay (0, -inf)
     base = call.scores(q.shape[-1])
     for qi, ki, n, lq, lk in doc_groups(cu_q, cu_k):
@@ -157,7 +169,8 @@ def _varlen_backward(dout, q, k, v, out, lse, call: KernelCall):
     if flash is not None:
         work.scores["backward"] += doc_scores(cu_q, cu_k, hq)
         args = (dout, q, k, v, out, lse, (cu_q, cu_k), flash)
-        return widths.backward(flash_backend.varlen_backward, *args)
+        bwd = _VARLEN[call.backend].varlen_backward  # type: ignore[index]
+        return bwd(*args) if call.backend in _NATIVE_WIDTHS else widths.backward(bwd, *args)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     base = call.scores(q.shape[-1])
     for qi, ki, n, lq, lk in doc_groups(cu_q, cu_k):
@@ -263,7 +276,8 @@ def local_attention(
         k: Keys ``(b, s, hkv, d)``.
         v: Values ``(b, s, hkv, dv)``; ``dv`` may differ from ``d`` (MLA).
         spec: Causal (the default), scale, softcap and window; None is causal attention.
-        backend: ``"auto"``, ``"torch"``, ``"math"``, ``"flash_attn"`` or a ``Kernel``.
+        backend: ``"auto"``, ``"torch"``, ``"math"``, ``"flash_attn"``, ``"flash_attn3"``,
+            ``"flash_attn4"`` or a ``Kernel``.
         cu_seqlens: Int32 document boundaries of a packed row (batch 1); attention stays
             inside each document.
         sinks: ``(hq,)`` attention-sink logits (GPT-OSS), differentiable.
@@ -272,5 +286,5 @@ def local_attention(
         The output ``(b, s, hq, dv)`` in q's dtype.
     """
     spec = replace(spec or AttentionSpec(), sinks=sinks is not None)
-    call = KernelCall(spec, resolve_backend(backend, q), cu_q=cu_seqlens, cu_k=cu_seqlens)
+    call = KernelCall(spec, resolve_backend(backend, q, v), cu_q=cu_seqlens, cu_k=cu_seqlens)
     return attend_local(q, k, v, call, sinks)

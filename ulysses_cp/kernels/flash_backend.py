@@ -36,26 +36,30 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..core.derived import once
 from . import math_backend
-from .spec import Band, Scores
+from .flash_common import (
+    Cu,
+    Fn,
+    call_by_name,
+    cu_args,
+    flash_window,
+    forward_results,
+    pad8,
+    parameters,
+)
+from .spec import Scores
 
 __all__ = [
     "SUPPORTED",
     "Interface",
     "backward",
-    "flash_window",
     "forward",
     "import_problem",
     "interface",
-    "parameters",
     "reset",
     "varlen_backward",
     "varlen_forward",
@@ -78,41 +82,12 @@ _NEUTRAL = {
 
 
 @dataclass(frozen=True)
-class _Fn:
-    """One internal flash-attn function and its parameters (name -> has a default)."""
-
-    name: str
-    fn: Callable
-    params: dict[str, bool]
-
-
-@dataclass(frozen=True)
 class Interface:
     version: str
-    forward: _Fn
-    backward: _Fn
-    varlen_forward: _Fn
-    varlen_backward: _Fn
-
-
-def parameters(fn: Callable) -> dict[str, bool] | None:
-    """Parameter names (in order) -> whether each has a default. A ``torch.library``
-    custom op (``CustomOpDef``) or an ``OpOverload(Packet)`` is read from its schema, since
-    its Python signature is ``(*args, **kwargs)``; None when neither says anything."""
-    overload = getattr(fn, "_opoverload", None)  # CustomOpDef
-    if overload is None and hasattr(fn, "default"):  # OpOverloadPacket
-        overload = fn.default
-    schema = getattr(overload if overload is not None else fn, "_schema", None)
-    if schema is not None:
-        return {a.name: a.has_default_value() for a in schema.arguments}
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    kinds = {p.kind for p in sig.parameters.values()}
-    if kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
-        return None
-    return {n: p.default is not inspect.Parameter.empty for n, p in sig.parameters.items()}
+    forward: Fn
+    backward: Fn
+    varlen_forward: Fn
+    varlen_backward: Fn
 
 
 def import_problem() -> str | None:
@@ -147,8 +122,8 @@ def _load() -> Interface:
         hint = ""
         if importlib.util.find_spec("flash_attn_interface") is not None:
             hint = (
-                " (a flash-attn 3 `flash_attn_interface` module is installed: flash-attn 3 "
-                f"is not supported; ulysses_cp supports flash-attn {SUPPORTED})"
+                " (a FlashAttention-3 `flash_attn_interface` module is installed: use "
+                "backend='flash_attn3' for it)"
             )
         raise ValueError(
             f"backend 'flash_attn' needs flash-attn, which is not installed{hint}; install "
@@ -186,76 +161,18 @@ def _load() -> Interface:
                 f"flash-attn {version}: flash_attn_interface.{name} is missing or its "
                 f"parameters cannot be read; ulysses_cp supports flash-attn {SUPPORTED}"
             )
-        fns[key] = _Fn(name, fn, params)
+        fns[key] = Fn(name, fn, params)
     return Interface(version, **fns)
 
 
-def _call(f: _Fn, version: str, values: dict, window: tuple[int, int], softcap: float):
-    """Call ``f`` with keywords for exactly the parameters it takes."""
-    values = dict(values, softcap=softcap)
-    if "window_size" in f.params:
-        values["window_size"] = window
-    else:
-        values["window_size_left"], values["window_size_right"] = window
-    required = [n for n in values if n != "softcap" or softcap != 0.0]
-    dropped = [n for n in required if n not in f.params]
-    if dropped:
-        raise ValueError(
-            f"flash-attn {version}: {f.name} does not take {sorted(set(dropped))}, which "
-            f"ulysses_cp must pass for a right result; supported: flash-attn {SUPPORTED}"
-        )
-    kwargs = {}
-    for name, has_default in f.params.items():
-        if name in values:
-            kwargs[name] = values[name]
-        elif name in _NEUTRAL:
-            kwargs[name] = _NEUTRAL[name]
-        elif not has_default:
-            raise ValueError(
-                f"flash-attn {version}: {f.name} requires argument {name!r}, which "
-                f"ulysses_cp does not know; supported: flash-attn {SUPPORTED}"
-            )
-    return f.fn(**kwargs)
+def _call(f: Fn, version: str, values: dict, window: tuple[int, int], softcap: float):
+    hint = f"; supported: flash-attn {SUPPORTED}"
+    return call_by_name(f, f"flash-attn {version}", values, window, softcap, _NEUTRAL, hint)
 
 
-def _lse_from(res, version: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The lse from a forward's return tuple, by release convention, shape-checked."""
-    if not isinstance(res, (tuple, list)) or len(res) not in (4, 8):
-        n = len(res) if isinstance(res, (tuple, list)) else type(res).__name__
-        raise ValueError(
-            f"flash-attn {version}: {name} returned {n} values; ulysses_cp knows the "
-            f"8-tuple of 2.6 and the 4-tuple of 2.7/2.8"
-        )
-    lse = res[5] if len(res) == 8 else res[1]
-    if tuple(lse.shape) != shape or lse.dtype != torch.float32:
-        raise ValueError(
-            f"flash-attn {version}: {name} returned an lse of shape {tuple(lse.shape)} "
-            f"{lse.dtype}, expected {shape} float32; this release's convention is unknown"
-        )
-    return lse
-
-
-def _pad8(x: torch.Tensor) -> torch.Tensor:
-    pad = -x.shape[-1] % 8
-    return (F.pad(x, (0, pad)) if pad else x).contiguous()
-
-
-_FULL = (-1, -1)  # flash-attn's "no window"
-
-
-def flash_window(band: Band | None, sq: int, sk: int):
-    """flash-attn's ``(window_left, window_right)`` for a band of visible diagonals
-    (``lo <= j - i <= hi``; see ``math_backend.Band``), or None when flash-attn cannot
-    express it. flash-attn aligns its window to the bottom-right corner: key j is visible
-    to query i when ``i + sk - sq - left <= j <= i + sk - sq + right``, -1 unbounded."""
-    if band is None:
-        return _FULL
-    lo, hi = band
-    left = -1 if lo is None else (sk - sq) - lo
-    right = -1 if hi is None else hi - (sk - sq)
-    if (lo is not None and left < 0) or (hi is not None and right < 0):
-        return None
-    return left, right
+def _forward_results(res, version: str, name: str, shape: tuple[int, ...]):
+    """2.6 returns an 8-tuple (lse 6th), 2.7/2.8 a 4-tuple (lse 2nd)."""
+    return forward_results(res, f"flash-attn {version}", name, {8: 5, 4: 1}, shape)
 
 
 def forward(
@@ -266,10 +183,10 @@ def forward(
         return math_backend.forward(q, k, v, how)
     fa = interface()
     b, s, h, d = q.shape
-    values = dict(q=_pad8(q), k=_pad8(k), v=_pad8(v), softmax_scale=how.scale, causal=how.causal)
+    values = dict(q=pad8(q), k=pad8(k), v=pad8(v), softmax_scale=how.scale, causal=how.causal)
     res = _call(fa.forward, fa.version, values, window, how.softcap)
-    lse = _lse_from(res, fa.version, fa.forward.name, (b, h, s))
-    return res[0][..., :d], lse
+    out, lse = _forward_results(res, fa.version, fa.forward.name, (b, h, s))
+    return out[..., :d], lse
 
 
 def backward(
@@ -286,14 +203,14 @@ def backward(
         return math_backend.backward(dout, q, k, v, out, lse, how)
     fa = interface()
     d = q.shape[-1]
-    qp, kp, vp = _pad8(q), _pad8(k), _pad8(v)
+    qp, kp, vp = pad8(q), pad8(k), pad8(v)
     dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
     values = dict(
-        dout=_pad8(dout.to(q.dtype)),
+        dout=pad8(dout.to(q.dtype)),
         q=qp,
         k=kp,
         v=vp,
-        out=_pad8(out.to(q.dtype)),
+        out=pad8(out.to(q.dtype)),
         softmax_lse=lse.float().contiguous(),  # read by raw layout: must be dense
         dq=dq,
         dk=dk,
@@ -306,23 +223,7 @@ def backward(
 
 
 # ---------------------------------------------------------------- packed rows (varlen)
-# q (1, tq, hq, d) -> flash-attn's (tq, hq, d); lse (hq, tq) -> (1, hq, tq); cu = (cu_q, cu_k)
-Cu = tuple[torch.Tensor, torch.Tensor]
-
-
-def _cu_args(cu: Cu, device: torch.device) -> dict:
-    """Once per batch (``derived.once``): the longest documents are a host sync."""
-    return once(cu, ("flash cu", str(device)), lambda: _cu_values(*cu, device))
-
-
-def _cu_values(cu_q, cu_k, device: torch.device) -> dict:
-    lens_q, lens_k = (c.diff().max().item() for c in (cu_q, cu_k))
-    return dict(
-        cu_seqlens_q=cu_q.to(device=device, dtype=torch.int32).contiguous(),
-        cu_seqlens_k=cu_k.to(device=device, dtype=torch.int32).contiguous(),
-        max_seqlen_q=int(lens_q),
-        max_seqlen_k=int(lens_k),
-    )
+# q (1, tq, hq, d) -> flash-attn's (tq, hq, d); lse (hq, tq) -> (1, hq, tq)
 
 
 def varlen_forward(
@@ -333,16 +234,16 @@ def varlen_forward(
     fa = interface()
     tq, h, d = q.shape[1:]
     values = dict(
-        q=_pad8(q[0]),
-        k=_pad8(k[0]),
-        v=_pad8(v[0]),
+        q=pad8(q[0]),
+        k=pad8(k[0]),
+        v=pad8(v[0]),
         softmax_scale=how.scale,
         causal=how.causal,
-        **_cu_args(cu, q.device),
+        **cu_args(cu, q.device),
     )
     res = _call(fa.varlen_forward, fa.version, values, window, how.softcap)
-    lse = _lse_from(res, fa.version, fa.varlen_forward.name, (h, tq))
-    return res[0][None, ..., :d], lse[None]
+    out, lse = _forward_results(res, fa.version, fa.varlen_forward.name, (h, tq))
+    return out[None, ..., :d], lse[None]
 
 
 def varlen_backward(
@@ -359,21 +260,21 @@ def varlen_backward(
     assert window is not None, f"band {how.band} needs the diagonal visible in packed rows"
     fa = interface()
     d = q.shape[-1]
-    qp, kp, vp = _pad8(q[0]), _pad8(k[0]), _pad8(v[0])
+    qp, kp, vp = pad8(q[0]), pad8(k[0]), pad8(v[0])
     dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
     values = dict(
-        dout=_pad8(dout[0].to(q.dtype)),
+        dout=pad8(dout[0].to(q.dtype)),
         q=qp,
         k=kp,
         v=vp,
-        out=_pad8(out[0].to(q.dtype)),
+        out=pad8(out[0].to(q.dtype)),
         softmax_lse=lse[0].float().contiguous(),
         dq=dq,
         dk=dk,
         dv=dv,
         softmax_scale=how.scale,
         causal=how.causal,
-        **_cu_args(cu, q.device),
+        **cu_args(cu, q.device),
     )
     _call(fa.varlen_backward, fa.version, values, window, how.softcap)
     return dq[None, ..., :d], dk[None, ..., :d], dv[None, ..., :d]

@@ -76,7 +76,8 @@ def attention(
         causal: Causal masking over global token positions.
         layout: ``"zigzag"`` or ``"contiguous"``; None takes the run's (``topo.layout``).
         softmax_scale: The score scale; None is ``1 / sqrt(d)``.
-        backend: The local kernel (``"auto"``, ``"torch"``, ``"math"``, ``"flash_attn"``);
+        backend: The local kernel (``"auto"``, ``"torch"``, ``"math"``, ``"flash_attn"``,
+            ``"flash_attn3"``, ``"flash_attn4"``);
             None takes the run's.
         cu_seqlens: A packed row (batch 1): int32 global document boundaries, the same on
             every rank. Attention stays inside each document.
@@ -156,7 +157,7 @@ def attend(
     head_bytes = q.shape[0] * q.shape[1] * u * q.shape[3] * q.element_size()
     hq, hkv = q.shape[2], k.shape[2]
     chunks = 1 if u == 1 else resolve_head_chunks(choice.head_chunks, hq, hkv, u, r > 1, head_bytes)
-    call = KernelCall(spec, resolve_backend(choice.backend, q))
+    call = KernelCall(spec, resolve_backend(choice.backend, q, v))
     perm, docs = None, None
     if cu is not None:  # once per batch, not per layer
         plan = plan or _plan_of(cu, q, topo, choice.layout, choice.packing)
