@@ -58,9 +58,12 @@ LLAMA3_8B = dict(
     vocab_size=128256,
 )
 TINY = dict(
-    hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+    hidden_size=64,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
     vocab_size=512,
-)  # fmt: skip
+)
 # part -> ((layers, lengths) on a GPU, (layers, lengths) in the dry run)
 PARTS = {
     "shallow": ((4, (8192, 32768, 262144)), (2, (256, 512, 1024))),
@@ -147,7 +150,10 @@ def _alst_loss(self, x, y):
 
 class Alst:
     def __init__(self, cfg, device, dtype, state):
-        import deepspeed.runtime.sequence_parallel.ulysses_sp  # noqa: F401  (else: skipped)
+        try:  # else the rows say skipped, and why
+            import deepspeed.runtime.sequence_parallel.ulysses_sp  # noqa: F401
+        except Exception as exc:  # a broken install raises more than ImportError
+            raise ImportError(f"deepspeed: {type(exc).__name__}: {exc}") from exc
 
         self.model = _transformers_model(cfg, device, dtype, "sdpa")
         self.model.load_state_dict(state)
