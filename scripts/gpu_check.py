@@ -20,6 +20,10 @@ reported as skipped when they do not. Sections, each a list of rows with ``ok``:
    interleaved: median time, TFLOP/s (causal FLOPs: fwd 2*N^2*hq*d, fwd+bwd 3.5x that, as
    FlashAttention's benchmarks count), the fraction of ``--peak-tflops``, the speed
    relative to SDPA and the CUDA kernel the ``torch`` backend chose.
+6. ``model``: transformers, ALST and ulysses_cp training one Llama side by side
+   (``scripts/gpu_model.py``: Llama-3-8B's layer sizes, 4 and 32 layers, bf16): step
+   time, model TFLOP/s, peak, bytes per token, the planner's peak; ``ok`` rows: the
+   losses agree; ``goals`` (reported, never failing the run).
 
 Writes ``OUT/gpu_check.json`` and prints a summary; exits 1 if any row failed.
 ``--dry-run`` runs the same code on the CPU with small sizes (float32 training, timing at
@@ -43,6 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_model  # noqa: E402
 from benchlib import run_ranks, sync  # noqa: E402
 
 import ulysses_cp as ucp  # noqa: E402
@@ -312,8 +317,10 @@ def main() -> None:
     p.add_argument(
         "--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)"
     )
-    sections_all = ["kernels", "modes", "training", "torch_native", "attention"]
+    sections_all = ["kernels", "modes", "training", "torch_native", "attention", "model"]
     p.add_argument("--only", nargs="+", choices=sections_all)
+    parts = list(gpu_model.PARTS)
+    p.add_argument("--model-parts", nargs="+", choices=parts, default=parts, help="model section")
     args = p.parse_args()
     dry = args.dry_run or not torch.cuda.is_available()
     if not args.dry_run and dry:
@@ -335,6 +342,7 @@ def main() -> None:
         "training": lambda: training_rows(out, dry),
         "torch_native": lambda: torch_native_rows(dry),
         "attention": lambda: attention_rows(device, dry, args.peak_tflops),
+        "model": lambda: gpu_model.model_rows(device, dry, args.peak_tflops, args.model_parts),
     }
     failed = []
     for name, fn in sections.items():
@@ -361,8 +369,11 @@ def main() -> None:
             f"{row['tflops']:7.1f} TFLOP/s ({row['fraction_of_peak']:.0%} of peak), "
             f"{row['vs_sdpa']:.2f}x SDPA's speed {row.get('cuda_kernel', '')}"
         )
+    for line in gpu_model.table(report["sections"].get("model", [])):
+        print(line)
     for name, row in failed:
         print(f"FAILED {name}: {row}")
+    report["goals"] = [r for r in report["sections"].get("model", []) if r.get("kind") == "goal"]
     report["ok"] = not failed
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     print(
