@@ -11,8 +11,8 @@ one device, side by side (P = 1, the same weights, the same tokens).
 - ``ours``: ulysses_cp at its documented defaults, as a user wraps a transformers model
   (``models.hf.wrap`` of an ``HFModelConfig``): ``tiled_mlp``/``tiled_loss`` ``"auto"``,
   activation checkpointing, ``fused_loss``, lean norms, attention backend ``"auto"``, no
-  ``memory_budget_gb``; beside it the planner's peak (``plan.memory.activation_bytes`` plus
-  the gradients).
+  ``memory_budget_gb``; beside it the planner's peak (``plan.phases.step_phases``: the
+  step's largest moment, gradients included).
 
 Two parts (``--model-parts``): ``shallow``, Llama-3-8B's layer sizes (hidden 4096, 32/8
 heads, head dim 128, MLP 14336, vocabulary 128256) with 4 layers at 8K, 32K and 256K
@@ -216,11 +216,14 @@ class Ours:
         return loss
 
     def predicted(self, N: int) -> int:
-        """The planner's peak above the weights: activations plus the gradients."""
+        """The planner's peak above the weights: the step's phases with the gradients
+        (``plan.phases.step_phases``: the loss, the layers' backward, the end of it)."""
         from ulysses_cp.plan.memory import activation_bytes
+        from ulysses_cp.plan.phases import step_phases
 
-        act = activation_bytes(self.shape, seq_len=N, batch=1, ulysses=1, ring=1)["total"]
-        return act + self.shape.params * self.shape.dtype_bytes
+        act = activation_bytes(self.shape, seq_len=N, batch=1, ulysses=1, ring=1)
+        grads = self.shape.params * self.shape.dtype_bytes
+        return step_phases(self.shape, act, tokens=N, grads=grads)["peak"]
 
 
 def repeats(N: int, dry: bool) -> int:

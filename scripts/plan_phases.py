@@ -32,8 +32,8 @@ from profiling import LiveBytes
 import ulysses_cp as ucp
 from ulysses_cp.config import HFModelConfig
 from ulysses_cp.models import hf
-from ulysses_cp.plan.memory import activation_bytes
-from ulysses_cp.plan.phases import step_phases
+from ulysses_cp.plan.memory import activation_bytes, static_bytes
+from ulysses_cp.plan.phases import deepspeed_peak, step_phases
 from ulysses_cp.plan.shapes import model_shape
 
 MiB = 2**20
@@ -99,15 +99,16 @@ def measure_plain(layers: int, n: int, budget: float | None) -> int:
     return live.peak
 
 
-def measure_zero1(layers: int, n: int, budget: float | None) -> int:
-    """Peak live bytes of DeepSpeed ZeRO-1's second step above what was live before it
-    (one rank; needs ``torch.distributed`` started, world size 1)."""
+def measure_zero(stage: int, layers: int, n: int, budget: float | None) -> int:
+    """Peak live bytes of DeepSpeed's second step (forward, backward, optimizer step)
+    above what was live before it, ZeRO ``stage``, torch's AdamW (one rank; needs
+    ``torch.distributed`` started, world size 1)."""
     run = ucp.RunConfig.load(
         {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True},
-            "zero_optimization": {"stage": 1, "reduce_bucket_size": REDUCE_BUCKET},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": REDUCE_BUCKET},
             "sequence_parallel": {"ulysses_degree": 1, "attention_backend": "torch"},
         }
     )
@@ -127,9 +128,20 @@ def measure_zero1(layers: int, n: int, budget: float | None) -> int:
 
 
 def predicted(layers: int, n: int, budget: float | None) -> dict:
+    """The plain step's phases (``step_phases``: the model's own gradients)."""
     shape = model_shape(block(layers, budget))
     act = activation_bytes(shape, seq_len=n, batch=1, ulysses=1, ring=1)
     return step_phases(shape, act, tokens=n, grads=shape.params * shape.dtype_bytes)
+
+
+def predicted_zero(stage: int, layers: int, n: int, budget: float | None) -> int:
+    """DeepSpeed's step above its persistent bytes (``deepspeed_peak``, torch's Adam)."""
+    shape = model_shape(block(layers, budget))
+    act = activation_bytes(shape, seq_len=n, batch=1, ulysses=1, ring=1)
+    static = static_bytes(shape, zero_stage=stage, world=1)
+    zero = {"stage": stage, "world": 1, "micro_steps": 1, "offload_optimizer": 0}
+    pred = deepspeed_peak(shape, act, static, zero=zero, tokens=n, optimizer_temp_bytes=8)
+    return pred["peak"] - pred["persistent"]
 
 
 def rows(shapes, zero1: bool) -> list[dict]:
@@ -139,7 +151,9 @@ def rows(shapes, zero1: bool) -> list[dict]:
         row = {"layers": layers, "N": n, "budget_gb": budget, "phase": pred["phase"]}
         row |= {"predicted": pred["peak"], "plain": measure_plain(layers, n, budget)}
         if zero1:
-            row["zero1"] = measure_zero1(layers, n, budget)
+            for stage in (1, 2):
+                row[f"zero{stage}"] = measure_zero(stage, layers, n, budget)
+                row[f"zero{stage}_predicted"] = predicted_zero(stage, layers, n, budget)
         out.append(row)
     return out
 
@@ -160,11 +174,10 @@ def main() -> None:
         "  measured (MiB, pred/meas)"
     )
     for r in table:
-        got = "  ".join(
-            f"{k} {r[k] / MiB:.1f} ({r['predicted'] / r[k]:.3f})"
-            for k in ("plain", "zero1")
-            if k in r
-        )
+        got = f"plain {r['plain'] / MiB:.1f} ({r['predicted'] / r['plain']:.3f})"
+        for k in ("zero1", "zero2"):
+            if k in r:
+                got += f"  {k} {r[k] / MiB:.1f} ({r[k + '_predicted'] / r[k]:.3f})"
         print(
             f"{r['layers']:>6} {r['N']:>6} {r['budget_gb'] or '-':>6} {r['phase']:>13}"
             f" {r['predicted'] / MiB:>9.1f}  {got}"

@@ -250,7 +250,7 @@ def test_cli_json_and_table(tmp_path):
     assert got["goal"] == "longest"  # both goals: tests/test_plan_goal.py
     assert got["chosen"]["max_seq_len"] == max(c["max_seq_len"] for c in fit)
     for c in got["candidates"]:
-        assert c["fits"] == (c["peak_bytes_per_rank"] <= 0.02 * 2**30)
+        assert c["fits"] == (c["peak_bytes_per_rank"] <= 0.9 * 0.02 * 2**30)  # 10% free
         assert c["max_seq_len"] >= 512 if c["fits"] else c["max_seq_len"] < 512
 
 

@@ -23,11 +23,11 @@ from pathlib import Path
 from ..config import ModelConfig, RunConfig
 from ..core.log import configure_logging
 from ..core.sharding import sequence_multiple
-from ..core.tiles import gpu_budget_gb
 from ..core.topology import validate_degrees
 from ..modes.ulysses import kv_replication, resolve_head_chunks
+from .phases import PHASE_NAMES
 from .ranking import GOALS, changes, rank, versus
-from .search import GiB, Hardware, Run, ZeroKnobs, candidates, filled, longest, predict
+from .search import GiB, Hardware, Run, ZeroKnobs, candidates, filled, longest, predict, usable
 from .shapes import model_shape
 from .write import write_config
 
@@ -114,10 +114,10 @@ def plan(
     batch = int(raw.get("train_micro_batch_size_per_gpu", 1))
     gas = int(raw.get("gradient_accumulation_steps", 1))
     knobs = ZeroKnobs.of(raw.get("zero_optimization") or {})
-    budget = hw.gpu_mem_gb * GiB
+    budget = usable(hw.gpu_mem_gb * GiB)  # the headroom the run keeps
     shape = replace(shape, weights_file_bytes=_largest_weights_file(run_config.model))
     if shape.memory_budget_gb is None:  # "auto" tiles as the run on such a GPU sizes them
-        shape = replace(shape, memory_budget_gb=gpu_budget_gb(int(budget), int(budget)))
+        shape = replace(shape, memory_budget_gb=budget / GiB)
 
     def at(r: Run, n: int) -> dict:
         return predict(
@@ -286,6 +286,10 @@ def breakdown(p: dict) -> list[str]:
         + ", ".join(f"{k} {g(v)}" for k, v in tp.items()),
         f"  ({t} tokens per rank: {act['total'] / max(t, 1) / 1024:.1f} KiB of activation "
         "per token)",
+        f"  the peak falls in {PHASE_NAMES[p['peak_phase']]} (GiB above the "
+        f"{g(p['phases']['persistent'])} allocated throughout: "
+        + ", ".join(f"{k} {g(v)}" for k, v in p["phases"]["phases"].items())
+        + f", optimizer_step {g(p['phases']['optimizer_step'])})",
         f"  host memory per rank {g(p['host_bytes_per_rank'])} GiB: the larger of loading "
         f"{g(host['load'])} and training {g(host['training'])} (offloaded optimizer "
         f"{g(host['optimizer'])}, offloaded activations {g(host['activations'])})",

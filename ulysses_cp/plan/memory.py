@@ -297,6 +297,8 @@ def activation_bytes(
         if c_mlp > 1:  # a tiled MLP's piece recomputed and its backward, inside the
             # recomputed layer (its saved tensors all alive; measured: the peak at P = 1)
             in_layers = max(in_layers, layer + mlp)
+        else:  # the MLP's backward: the gradients of its two intermediates beside them
+            in_layers = max(in_layers, layer + 2 * F * B * t)
     else:
         layers = shape.layers * layer
         parts = {"loss": loss, "mlp_tile": mlp, "attention_staging": attn["staging"]}

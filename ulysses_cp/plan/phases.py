@@ -18,20 +18,35 @@ allocated the whole time):
 
 Between them the bytes move linearly (a layer's kept tensors go, its gradients come), so
 the peak is the largest of the three. ``grads``: the gradient bytes made and released
-inside the step, the model's own ``.grad`` tensors of one step (set to None before it),
-as a plain PyTorch step or the GPU comparison (``scripts/gpu_model.py``) runs it; checked
-against the live bytes of bf16 steps on CPU by ``scripts/plan_phases.py`` (docs/planner.md).
-Under DeepSpeed the planner keeps the gradients with the static bytes (alive at every
-moment): ZeRO-3's partition and reduce buffer are, and for ZeRO 0-2 the optimizer step
-adds working memory of its own beside them (``plan_phases.py``'s ``zero1`` column), which
-this model does not count.
+inside the step: the model's own ``.grad`` tensors of one step (set to None before it),
+as a plain PyTorch step or the GPU comparison (``scripts/gpu_model.py``) runs it.
+
+Under DeepSpeed (:func:`deepspeed_peak`), ZeRO 0-2 without gradient accumulation: the
+parameters, the fp32 master copy and Adam's moments stay allocated; the bf16 gradients
+come in the backward with ZeRO's copy of them for the reduction (ZeRO 0/1 a flat one of
+all of them, ZeRO-2 its partition), and are released by the optimizer step, which then
+makes its fp32 gradient partition (plus the optimizer's own temporaries: none for
+DeepSpeed's FusedAdam on a GPU, two fp32 tensors the partition's size for torch's Adam).
+ZeRO-3 keeps its gradient partition and reduce buffer, and gradients accumulated over
+micro steps stay from one micro step to the next: then the gradients are alive at every
+moment, with the static bytes. All measured on CPU against the live bytes of bf16 steps
+(``scripts/plan_phases.py``, docs/planner.md).
 """
 
 from __future__ import annotations
 
 from .shapes import ModelShape
 
-__all__ = ["step_phases"]
+__all__ = ["PHASE_NAMES", "deepspeed_peak", "step_phases"]
+
+FP32 = 4
+# the moments of a step, as the planner says where its peak falls
+PHASE_NAMES = {
+    "loss": "the loss (the end of the forward)",
+    "backward": "the layers' backward",
+    "backward_end": "the end of the backward (every gradient made)",
+    "optimizer_step": "the optimizer step",
+}
 
 
 def step_phases(shape: ModelShape, act: dict, *, tokens: int, grads: int) -> dict:
@@ -56,3 +71,35 @@ def step_phases(shape: ModelShape, act: dict, *, tokens: int, grads: int) -> dic
     }
     phase = max(phases, key=lambda k: phases[k])
     return {**phases, "peak": phases[phase], "phase": phase}
+
+
+def deepspeed_peak(
+    shape: ModelShape,
+    act: dict,
+    static: dict[str, int],
+    *,
+    zero: dict[str, int],
+    tokens: int,
+    optimizer_temp_bytes: int = 0,
+) -> dict:
+    """The step's peak per rank under DeepSpeed: ``persistent`` (allocated the whole
+    step), the backward's :func:`step_phases`, ``optimizer_step`` and ``peak``/``phase``.
+    ``static``: :func:`~.memory.static_bytes`; ``zero``: ``stage``, ``world``,
+    ``micro_steps``, ``offload_optimizer`` (0/1); ``optimizer_temp_bytes``: the
+    optimizer's temporaries per element of the rank's partition (module docstring)."""
+    stage, world = zero["stage"], max(1, zero["world"])
+    grads = static["grads"]
+    transient = stage < 3 and zero["micro_steps"] == 1
+    persistent = sum(static.values()) - (grads if transient else 0)
+    copy = (grads if stage < 2 else -(-grads // world)) if transient else 0
+    phases = step_phases(shape, act, tokens=tokens, grads=grads + copy if transient else 0)
+    part = shape.params if stage == 0 else -(-shape.params // world)
+    step = 0 if zero["offload_optimizer"] else part * (FP32 + optimizer_temp_bytes)
+    phase = "optimizer_step" if step > phases["peak"] else phases["phase"]
+    return {
+        "persistent": persistent,
+        "phases": {**{k: phases[k] for k in ("loss", "backward", "backward_end")}},
+        "optimizer_step": step,
+        "phase": phase,
+        "peak": persistent + max(step, phases["peak"]),
+    }

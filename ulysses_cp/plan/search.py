@@ -21,11 +21,13 @@ from dataclasses import dataclass, field, replace
 
 from ..core.flops import model_flops
 from ..core.sharding import sequence_multiple
+from ..core.tiles import gpu_budget_gb
 from ..core.topology import validate_degrees
 from ..modes.ulysses import head_chunk_choices, kv_replication, resolve_head_chunks
 from .comm import attention_bytes, split_nodes, zero_bytes
 from .host import host_bytes
 from .memory import activation_bytes, static_bytes, tile_counts
+from .phases import deepspeed_peak
 from .shapes import ModelShape
 
 __all__ = ["Hardware", "Run", "ZeroKnobs", "candidates", "longest", "predict"]
@@ -57,6 +59,7 @@ class ZeroKnobs:
     max_live_parameters: float = 1e9
     reduce_bucket_size: float = 5e8
     persistence_threshold: float = 1e5
+    optimizer_temp_bytes: int = 0  # per partition element: FusedAdam 0, torch's Adam 8
 
     @classmethod
     def of(cls, zero: dict) -> ZeroKnobs:
@@ -208,8 +211,24 @@ def predict(
         + host / (hw.pcie_gbs * 1e9)
     )
     s_bytes, a_bytes = sum(static.values()), act["total"]
+    zero_run = dict(
+        stage=run.zero_stage,
+        world=world,
+        micro_steps=micro_steps,
+        offload_optimizer=int(run.offload_optimizer),
+    )
+    phases = deepspeed_peak(
+        sh,
+        act,
+        static,
+        zero=zero_run,
+        tokens=t,
+        optimizer_temp_bytes=zero_knobs.optimizer_temp_bytes,
+    )
     return {
-        "peak_bytes_per_rank": s_bytes + a_bytes,
+        "peak_bytes_per_rank": phases["peak"],
+        "peak_phase": phases["phase"],
+        "phases": phases,
         "static_bytes_per_rank": s_bytes,
         "activation_bytes_per_rank": a_bytes,
         "host_bytes_per_rank": host_mem["peak"],
@@ -228,11 +247,21 @@ def predict(
     }
 
 
+def usable(total_bytes: float) -> float:
+    """The bytes of ``total_bytes`` a plan may fill: the run's own headroom, as it sizes its
+    tile budget on a GPU (``core.tiles.gpu_budget_gb``: the larger of 2 GiB and 10% left
+    free), for the GPU and for the host memory of a rank alike. Under 4 GiB (the sizes
+    tests plan for on CPU) 10% is left free."""
+    if total_bytes < 4 * GiB:
+        return 0.9 * total_bytes
+    return gpu_budget_gb(int(total_bytes), int(total_bytes)) * GiB
+
+
 def filled(pred: dict, hw: Hardware) -> float:
-    """What a prediction fills of ``hw.gpu_mem_gb``: the GPU peak, or the host bytes
-    scaled to the GPU budget when those fill more of the node's host memory per rank."""
-    host_budget = hw.host_mem_gb * GiB / hw.gpus_per_node
-    gpu_budget = hw.gpu_mem_gb * GiB
+    """What a prediction fills of :func:`usable` GPU memory: the GPU peak, or the host
+    bytes scaled to it when those fill more of the host memory a rank may use."""
+    host_budget = usable(hw.host_mem_gb * GiB / hw.gpus_per_node)
+    gpu_budget = usable(hw.gpu_mem_gb * GiB)
     return max(pred["peak_bytes_per_rank"], pred["host_bytes_per_rank"] * gpu_budget / host_budget)
 
 
