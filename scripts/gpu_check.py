@@ -248,7 +248,10 @@ def torch_native_rows(dry: bool) -> list[dict]:
             *extra,
         ]
         t = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        # the tree importable in the ranks where the package is not installed
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
         lines = [x for x in proc.stdout.splitlines() if "max |error|" in x or " ranks on " in x]
         rows.append(
             dict(

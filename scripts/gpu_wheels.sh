@@ -14,6 +14,6 @@ PIP=${PIP:-.venv/bin/pip}
 mkdir -p "$OUT"
 $PIP download -q --only-binary=:all: --python-version "$PYVER" \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-  -d "$OUT" pydantic hjson einops
+  -d "$OUT" pydantic hjson einops psutil py-cpuinfo tqdm packaging msgpack
 DS_BUILD_OPS=0 $PIP wheel -q --no-deps -w "$OUT" deepspeed==0.19.8
 ls -1 "$OUT"
