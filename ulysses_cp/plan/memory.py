@@ -305,6 +305,7 @@ def activation_bytes(
         in_layers = max(mlp, attn["staging"])
     # the peak is in the loss (the final norm's tensors alive) or in the layers' backward
     # (they are gone by then): ``top`` is the final norm's share at whichever is larger
+    at_loss = top + loss  # the loss's phase (the final norm's tensors alive)
     if top + loss >= after_top + in_layers:
         transient = loss
     else:
@@ -317,6 +318,7 @@ def activation_bytes(
         "transient_parts": parts,
         "in_layers": in_layers,  # the layers' backward at its largest (the phases' model)
         "after_top": after_top,
+        "at_loss": at_loss,
     }
 
 

@@ -6,8 +6,7 @@ activations shrink. Three moments of one micro step (bytes per rank, above what 
 allocated the whole time):
 
 - ``loss``: the end of the forward, every layer's kept tensors (or checkpointed inputs),
-  the final norm's and the loss's working set (activation_bytes' total when the loss
-  holds it);
+  the final norm's and the loss's working set;
 - ``backward``: a layer's backward with every layer's kept tensors still alive (the last
   layer is the first to run), the gradient into it, the LM head's weight gradient made
   by then, and the layer's backward at its largest (its recomputed forward, its own
@@ -62,7 +61,7 @@ def step_phases(shape: ModelShape, act: dict, *, tokens: int, grads: int) -> dic
     # it, the embedding's backward makes that gradient (tied: a new tensor, then added)
     later = 0 if shape.tied_head else head
     phases = {
-        "loss": act["total"],
+        "loss": act["layers"] + act["at_loss"],
         "backward": act["layers"] + act["after_top"] + head + act["in_layers"],
         "backward_end": max(
             grads - later + into + act["in_layers"],
