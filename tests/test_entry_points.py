@@ -13,13 +13,43 @@ from pathlib import Path
 import pytest
 
 from tests import zygote
-from tests.helpers import ROOT, TRAIN, deepspeed_cmd, finish, free_port, metrics, run, start
+from tests.helpers import (
+    LAUNCH,
+    ROOT,
+    TRAIN,
+    deepspeed_cmd,
+    finish,
+    free_port,
+    metrics,
+    run,
+    run_config,
+    start,
+    write_config,
+)
 from ulysses_cp.core.process import cpu_threads
 
 pytestmark = pytest.mark.launcher
 
 CONFIG = ROOT / "configs" / "tiny_cpu_zero3_u2r1.json"
 BIN = Path(sys.executable).parent
+
+# what a launcher leaves in its ranks' environment, and a user's hand-made rendezvous:
+# none of it in the one-process runs below
+LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+)
+ENTRY_POINTS = pytest.mark.parametrize(
+    "command",
+    [[str(BIN / "ulysses-cp-train")], [sys.executable, "-m", "ulysses_cp.train"]],
+    ids=["console-script", "python-m"],
+)
 
 
 def test_deepspeed_module_launch_trains_as_the_shim(tmp_path):
@@ -62,11 +92,7 @@ def typo_config(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    "command",
-    [[str(BIN / "ulysses-cp-train")], [sys.executable, "-m", "ulysses_cp.train"]],
-    ids=["console-script", "python-m"],
-)
+@ENTRY_POINTS
 def test_train_entry_points_report_a_config_typo(tmp_path, command):
     """A misspelt top-level key: one line naming the key and the right spelling, exit 2."""
     config = str(typo_config(tmp_path))
@@ -74,6 +100,44 @@ def test_train_entry_points_report_a_config_typo(tmp_path, command):
     out = run(cmd, ok=False)
     assert "unknown top-level key(s)" in out and "did you mean 'training'" in out, out[-2000:]
     assert "Traceback" not in out
+
+
+@ENTRY_POINTS
+def test_one_process_trains_without_a_launcher(tmp_path, monkeypatch, command):
+    """``python -m ulysses_cp.train`` and ``ulysses-cp-train`` with a 1 x 1 config and no
+    launcher in the environment: the process makes itself a world of one and trains (it
+    stopped on DeepSpeed's MPI search, ``No module named 'mpi4py'``)."""
+    for key in LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    training = {"max_steps": 5, "log_interval": 1}
+    config = write_config(tmp_path, run_config(1, 1, **LAUNCH, training=training))
+    out = tmp_path / "out"
+    cmd = [*command, "--deepspeed_config", str(config), "--output_dir", str(out)]
+    text = run([*cmd, "--max_steps", "2"])
+    assert "world_size': 1" in text, text[-3000:]
+    steps = [m["step"] for m in metrics(out) if "loss" in m]
+    assert steps == [1, 2], text[-3000:]
+
+
+@ENTRY_POINTS
+def test_one_process_asks_for_a_launcher(tmp_path, monkeypatch, command):
+    """A u2 x r2 config in one process without a launcher: one line naming the 4 ranks it
+    needs, the world of 1 and the launch commands, exit code 2, no traceback (a DeepSpeed
+    traceback hid the sizes)."""
+    for key in LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    config = ROOT / "configs" / "tiny_cpu_zero2_u2r2.json"
+    cmd = [*command, "--deepspeed_config", str(config), "--output_dir", str(tmp_path / "out")]
+    code, text = finish([start(cmd)], timeout=600)[0]
+    assert code == 2, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, text[-3000:]
+    assert lines[0].startswith("error: ulysses_degree(2) x ring_degree(2) = 4 ranks")
+    assert "WORLD_SIZE(1)" in lines[0]
+    assert "deepspeed --num_gpus 4 --module ulysses_cp.train" in lines[0]
+    assert "torchrun --nproc-per-node 4 -m ulysses_cp.train" in lines[0]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """The process a run lives in (ulysses_cp.core.process): each CPU rank's thread count, the
-user's OMP_NUM_THREADS winning over it."""
+user's OMP_NUM_THREADS winning over it; a process no launcher started is a world of one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ulysses_cp.core import process
-from ulysses_cp.core.process import cpu_threads, set_cpu_threads
+from ulysses_cp.core.process import cpu_threads, one_process_rendezvous, set_cpu_threads
 
 
 @pytest.mark.parametrize(
@@ -71,3 +71,26 @@ def test_pool_ranks_run_every_task_on_one_thread(pools):
     one thread (4 ranks x 2 threads on 2 cores made the planner's tests 6x slower)."""
     pools(2).run(_more_threads)
     assert pools(2).run(_threads) == [(1, "1")] * 2
+
+
+def test_a_process_without_a_launcher_is_a_world_of_one():
+    env: dict[str, str] = {}
+    assert one_process_rendezvous(env) is True
+    port = int(env.pop("MASTER_PORT"))
+    assert 0 < port < 65536
+    assert env == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    # the user's own address and port are kept
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29600"}
+    assert one_process_rendezvous(env) is True
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["WORLD_SIZE"]) == ("10.0.0.1", "29600", "1")
+
+
+@pytest.mark.parametrize(
+    "key", ["RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SM_TRAINING_ENV"]
+)
+def test_a_launchers_environment_is_left_alone(key):
+    """torchrun's and DeepSpeed's ranks, MPI's (DeepSpeed's mpi4py search) and the
+    clouds' (DeepSpeed reads them) are not made a world of one."""
+    env = {key: "4"}
+    assert one_process_rendezvous(env) is False
+    assert env == {key: "4"}

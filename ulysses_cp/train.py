@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 # is reported in the time Python takes to start, on every rank, before any heavy import
 from ulysses_cp.config import RunConfig, TrainingConfig
 from ulysses_cp.core.log import configure_logging, get_logger
-from ulysses_cp.core.process import set_cpu_threads
+from ulysses_cp.core.process import launched, set_cpu_threads
 
 if TYPE_CHECKING:
     from ulysses_cp.training.trainer import Hooks
@@ -93,7 +93,26 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(plan_for_launch(run, dict(os.environ)), flush=True)
         return
+    check_launcher(run, args.deepspeed_config)
     train(args, run, tc, hooks)
+
+
+def check_launcher(run: RunConfig, config: str) -> None:
+    """Without a launcher this is one process (``train`` makes it a world of one): a
+    config whose degrees need more is refused here, before torch is imported, with the
+    commands that start enough ranks."""
+    sp = run.sequence_parallel
+    need = sp.ulysses_degree * sp.ring_degree
+    if need == 1 or launched():
+        return
+    rest = f"-m ulysses_cp.train --deepspeed_config {config} ..."
+    raise ValueError(
+        f"ulysses_degree({sp.ulysses_degree}) x ring_degree({sp.ring_degree}) = {need} "
+        f"ranks, but this is WORLD_SIZE(1): one process started without a launcher; start "
+        f"{need} (or a multiple of {need}) with `deepspeed --num_gpus {need} --module "
+        f"ulysses_cp.train --deepspeed_config {config} ...` or `torchrun --nproc-per-node "
+        f"{need} {rest}`"
+    )
 
 
 def train(

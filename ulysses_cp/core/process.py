@@ -1,4 +1,4 @@
-"""The process a run lives in: its CPU threads and its exit.
+"""The process a run lives in: its launcher (or none), its CPU threads and its exit.
 
 Nothing here imports torch at module level (the training entry point imports this module
 before it has checked the config): torch is imported inside the functions that need it.
@@ -8,18 +8,71 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from collections.abc import Mapping
 
 __all__ = [
     "cpu_threads",
     "exit_process",
+    "launched",
+    "one_process_rendezvous",
     "set_cpu_threads",
 ]
+
+# what a launcher leaves in its ranks' environment: torchrun's and DeepSpeed's launcher's
+# RANK / WORLD_SIZE; Open MPI's, MPICH's (and Slurm's PMI) and MVAPICH's ranks, which
+# DeepSpeed finds through mpi4py; Azure ML's and SageMaker's, which DeepSpeed reads itself
+_LAUNCHER_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "MV2_COMM_WORLD_SIZE",
+    "AZUREML_EXPERIMENT_ID",
+    "SM_TRAINING_ENV",
+)
 
 # the launchers' count of ranks on this machine: torchrun and accelerate's
 # LOCAL_WORLD_SIZE, DeepSpeed's launcher's LOCAL_SIZE
 _LOCAL_RANKS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+
+
+def launched(env: Mapping[str, str] | None = None) -> bool:
+    """Whether a launcher started this process: torchrun or DeepSpeed's (``RANK``,
+    ``WORLD_SIZE``), MPI, Azure ML or SageMaker, whose environments DeepSpeed reads.
+
+    Args:
+        env: the environment (default ``os.environ``).
+    """
+    env = os.environ if env is None else env
+    return any(k in env for k in _LAUNCHER_KEYS)
+
+
+def one_process_rendezvous(env: dict[str, str] | os._Environ[str] | None = None) -> bool:
+    """Make a process that no launcher started a world of one: ``RANK=0``,
+    ``WORLD_SIZE=1``, ``LOCAL_RANK=0``, ``MASTER_ADDR=127.0.0.1`` and a free
+    ``MASTER_PORT`` (those the user set are kept). Without them DeepSpeed looks for an MPI
+    world and fails on a missing ``mpi4py``. Call it before ``torch.distributed`` starts.
+
+    Args:
+        env: the environment to complete (default ``os.environ``).
+
+    Returns:
+        True when it set the world of one, False under a launcher (nothing changed).
+    """
+    env = os.environ if env is None else env
+    if launched(env):
+        return False
+    env.update(RANK="0", WORLD_SIZE="1")
+    env.setdefault("LOCAL_RANK", "0")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    if not env.get("MASTER_PORT", "").strip():
+        # this process binds it again at once, as the TCP store's only member
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            env["MASTER_PORT"] = str(s.getsockname()[1])
+    return True
 
 
 def _cores() -> int:

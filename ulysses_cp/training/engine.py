@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..config import OUR_BLOCKS, RunConfig
 from ..core.log import get_logger
 from ..core.options import RunOptions
+from ..core.process import one_process_rendezvous
 from ..core.protocols import Engine, Group
 from ..core.topology import Topology, init_topology, validate_degrees
 
@@ -57,14 +58,18 @@ def deepspeed_part(run: RunConfig) -> dict:
 def init_distributed(timeout_s: float | None = None) -> None:
     """Start ``torch.distributed`` through DeepSpeed: NCCL on CUDA machines, gloo elsewhere.
 
-    On CUDA each rank first binds to the GPU of its ``LOCAL_RANK``. A process group that
-    is already initialised is kept, and DeepSpeed's comm is bound to it (Accelerate on a
-    CPU starts ``torch.distributed`` without it: ZeRO-3's ``zero.Init`` would then count
-    one process). Imports DeepSpeed.
+    A process that no launcher started is a world of one
+    (:func:`~ulysses_cp.core.process.one_process_rendezvous`): ``python script.py`` runs
+    without ``torchrun``. On CUDA each rank first binds to the GPU of its ``LOCAL_RANK``.
+    A process group that is already initialised is kept, and DeepSpeed's comm is bound to
+    it (Accelerate on a CPU starts ``torch.distributed`` without it: ZeRO-3's
+    ``zero.Init`` would then count one process). Imports DeepSpeed.
 
     Args:
         timeout_s: The collective timeout in seconds; None keeps DeepSpeed's default.
     """
+    if not dist.is_initialized():
+        one_process_rendezvous()  # no launcher: rank 0 of 1, not DeepSpeed's MPI search
     cpu = not torch.cuda.is_available()
     if cpu:
         # DeepSpeed's own switch, set unless the user set it: without it every rank warns
