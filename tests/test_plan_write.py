@@ -6,6 +6,8 @@ nothing is written and the error says why."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from ulysses_cp.config import RunConfig
 from ulysses_cp.plan.cli import main, plan
 from ulysses_cp.plan.search import Hardware
 from ulysses_cp.plan.write import MODEL, SEQUENCE_PARALLEL
+from ulysses_cp.schema import PATH_FIELDS
 
 CFG = str(ROOT / "configs" / "tiny_cpu_zero2_u2r2.json")
 # 20 MiB per GPU: the config as written is not the longest plan (test_plan_goal.py)
@@ -61,3 +64,56 @@ def test_train_py_trains_with_the_written_config(tmp_path, capsys):
     launch(tmp_path / "planned.json", tmp_path / "run", "--max_steps", "2", num_gpus=4)
     steps = [m["step"] for m in metrics(tmp_path / "run") if "loss" in m]
     assert steps and steps[-1] == 2, steps
+
+
+@pytest.mark.parametrize(
+    ("name", "out"),
+    [
+        ("tiny_cpu_hf_llama_u2r2.json", "configs/planned.json"),  # beside the original
+        ("tiny_cpu_hf_llama_u2r2.json", "runs/a/b/planned.json"),  # a new nested folder
+        ("tiny_cpu_hf_dataset_u2r2.json", "runs/a/b/planned.json"),  # data, eval, tokenizer
+    ],
+)
+def test_the_written_config_names_the_same_files(tmp_path, monkeypatch, capsys, name, out):
+    """``ulysses-cp-plan --deepspeed_config configs/X.json --write-config OUT`` from the
+    repository's folder: the written file loads from any folder and names the files the
+    original names (``hf_config``, data and eval files, tokenizer), written relative to
+    its own folder as the loader reads them (it wrote them relative to the current
+    folder: ``configs/configs/hf/tiny_llama.json`` not found)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "configs", repo / "configs")
+    monkeypatch.chdir(repo)
+    source = Path("configs") / name
+    main(["--deepspeed_config", str(source), "--world", "4", "--write-config", out])
+    assert f"config: {out}: the chosen plan" in capsys.readouterr().out
+    original = RunConfig.load(repo / source).raw
+    monkeypatch.chdir(tmp_path)  # elsewhere: the paths are the file's, not the folder's
+    loaded = RunConfig.load(repo / out).raw
+    as_written = json.loads((repo / out).read_text())
+    compared = 0
+    for block, key in PATH_FIELDS:
+        want = original.get(block, {}).get(key)
+        if not isinstance(want, (str, list)):
+            continue
+        got, text = loaded[block][key], as_written[block][key]
+        want, got, text = ([v] if isinstance(v, str) else v for v in (want, got, text))
+        assert [Path(v).resolve() for v in got] == [Path(v).resolve() for v in want], key
+        assert not any(Path(v).is_absolute() for v in text), (key, text)  # still relative
+        compared += 1
+    named = json.loads((repo / source).read_text())
+    paths = [named.get(block, {}).get(key) for block, key in PATH_FIELDS]
+    assert compared == sum(isinstance(p, (str, list)) for p in paths) > 0
+
+
+def test_absolute_paths_stay_absolute(tmp_path, capsys):
+    cfg = json.loads((ROOT / "configs" / "tiny_cpu_hf_llama_u2r2.json").read_text())
+    hf = str(ROOT / "configs" / "hf" / "tiny_llama.json")
+    cfg["model"]["hf_config"] = hf
+    (tmp_path / "src").mkdir()
+    source = tmp_path / "src" / "abs.json"
+    source.write_text(json.dumps(cfg))
+    out = tmp_path / "elsewhere" / "planned.json"
+    main(["--deepspeed_config", str(source), "--world", "4", "--write-config", str(out)])
+    capsys.readouterr()
+    assert json.loads(out.read_text())["model"]["hf_config"] == hf
+    assert RunConfig.load(out).raw["model"]["hf_config"] == hf

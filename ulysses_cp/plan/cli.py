@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
             seq_step=args.seq_step,
             goal=args.goal,
         )
-        written = write_config(result, run.raw, args.write_config) if args.write_config else ""
+        written = write_config(result, run, args.write_config) if args.write_config else ""
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,15 +1,20 @@
 """``python -m ulysses_cp.plan ... --write-config OUT.json``: the config as written, with
 the settings of the plan the planner chose (degrees, layout, head chunks, KV exchange,
 checkpointing, offload, tiles, ZeRO stage and optimizer offload), ready for ``train.py``
-and the Trainer subclasses as it is."""
+and the Trainer subclasses as it is. The files the config names (``schema.PATH_FIELDS``)
+are written relative to the written file's folder, as the loader reads them."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
-__all__ = ["planned_config", "write_config"]
+from ..config import RunConfig
+from ..schema import PATH_FIELDS
+
+__all__ = ["planned_config", "relocate_paths", "write_config"]
 
 SEQUENCE_PARALLEL = ("ulysses_degree", "ring_degree", "layout", "kv_exchange", "redo_all_to_all")
 MODEL = ("activation_checkpointing", "offload_activations", "tiled_mlp", "tiled_loss")
@@ -39,9 +44,37 @@ def planned_config(raw: dict, chosen: dict, *, world: int) -> dict:
     return cfg
 
 
-def write_config(result: dict, raw: dict, out: str | Path) -> str:
-    """Write :func:`planned_config` of ``result``'s chosen plan to ``out``; the line that
-    says what was written. ``ValueError`` when no plan fits (nothing is written)."""
+def relocate_paths(cfg: dict, folder: str | Path, source: str | Path | None = None) -> dict:
+    """``cfg`` (a loaded config's ``raw``: its relative paths joined to its own folder, so
+    relative to the current folder) with those paths made relative to ``folder``, where it
+    will be written; absolute where no relative path leads there (another drive). Paths
+    outside ``source``'s folder that were absolute stay absolute."""
+    cfg = copy.deepcopy(cfg)
+    home = None if source is None else Path(source).parent
+
+    def moved(value: str) -> str:
+        path = Path(value)
+        if path.is_absolute() and (home is None or not path.is_relative_to(home)):
+            return value  # the user's absolute path
+        try:
+            return os.path.relpath(path.resolve(), Path(folder).resolve())
+        except ValueError:  # another drive (Windows): no relative path
+            return str(path.resolve())
+
+    for block, key in PATH_FIELDS:
+        value = cfg.get(block, {}).get(key) if isinstance(cfg.get(block), dict) else None
+        if isinstance(value, str) and value:
+            cfg[block][key] = moved(value)
+        elif isinstance(value, list):
+            cfg[block][key] = [moved(v) if isinstance(v, str) and v else v for v in value]
+    return cfg
+
+
+def write_config(result: dict, run: RunConfig, out: str | Path) -> str:
+    """Write :func:`planned_config` of ``result``'s chosen plan for ``run`` to ``out`` (its
+    folder made if missing), the paths made relative to ``out``'s folder
+    (:func:`relocate_paths`); the line that says what was written. ``ValueError`` when no
+    plan fits (nothing is written)."""
     chosen = result["chosen"]
     if chosen is None:
         raise ValueError(
@@ -49,8 +82,11 @@ def write_config(result: dict, raw: dict, out: str | Path) -> str:
             f"GPU at seq_len {result['inputs']['seq_len']}; nothing written (try a shorter "
             f"--seq-len or more --gpu-mem-gb)"
         )
-    cfg = planned_config(raw, chosen, world=result["inputs"]["world"])
-    Path(out).write_text(json.dumps(cfg, indent=2) + "\n")
+    out = Path(out)
+    cfg = planned_config(run.raw, chosen, world=result["inputs"]["world"])
+    cfg = relocate_paths(cfg, out.parent, run.path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(cfg, indent=2) + "\n")
     return (
         f"config: {out}: the chosen plan (u{chosen['ulysses_degree']} x "
         f"r{chosen['ring_degree']}, ZeRO-{chosen['zero_stage']}), fits up to "
