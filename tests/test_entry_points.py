@@ -142,10 +142,24 @@ def test_one_process_asks_for_a_launcher(tmp_path, monkeypatch, command):
 
 @pytest.mark.parametrize(
     ("script", "usage"),
-    [("ulysses-cp-plan", "--deepspeed_config"), ("ulysses-cp-check", "--world")],
+    [
+        ("ulysses-cp-plan", "--deepspeed_config"),
+        ("ulysses-cp-check", "--world"),
+        ("ulysses-cp-train", "--deepspeed_config"),
+    ],
 )
 def test_console_scripts_are_installed(script, usage):
-    assert usage in run([str(BIN / script), "--help"])
+    """Each script's help names it as typed (the planner's said ``python -m
+    ulysses_cp.plan``)."""
+    text = run([str(BIN / script), "--help"])
+    assert text.startswith(f"usage: {script} ") and usage in text, text[:300]
+
+
+def test_python_m_help_names_the_module():
+    """``python -m ulysses_cp.train --help`` (argparse alone would say ``train.py``; the
+    unit tier checks every entry point's name, tests/test_commands.py)."""
+    text = run([sys.executable, "-m", "ulysses_cp.train", "--help"])
+    assert text.startswith("usage: python -m ulysses_cp.train "), text[:300]
 
 
 def test_a_config_typo_under_the_launcher_stops_every_rank(tmp_path):

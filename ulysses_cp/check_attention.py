@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .core.comm import stats as comm_stats
+from .core.commands import DefaultsHelp, program_name
 from .core.log import configure_logging, get_logger
 from .core.options import BACKENDS, Layout
 from .core.sharding import gather_sequence, sequence_multiple, shard_sequence
@@ -134,18 +135,22 @@ def worker(rank: int, args, init_file: str) -> None:
         dist.destroy_process_group()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=4, help="number of CPU ranks (default 4)")
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog=program_name("ulysses_cp.check_attention"),
+        description=__doc__.split("\n\n")[0],
+        formatter_class=DefaultsHelp,
+    )
+    p.add_argument("--world", type=int, default=4, help="number of CPU ranks")
     p.add_argument("--seq", type=int, default=1024, help="full sequence length")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--backend", choices=list(BACKENDS), default="auto")
+    p.add_argument("--batch", type=int, default=2, help="sequences per batch")
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    p.add_argument("--head-dim", type=int, default=64, help="dimension per head")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="inputs' dtype")
+    p.add_argument("--backend", choices=list(BACKENDS), default="auto", help="local kernel")
     p.add_argument("--json", help="write the results to this JSON file")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     m = sequence_multiple(args.world, "zigzag")
     if args.seq % m:
         p.error(f"--seq {args.seq} must be a multiple of {m} (2 x --world) for zigzag")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 # only light modules above the config check (no torch, no DeepSpeed): a typo in the JSON
 # is reported in the time Python takes to start, on every rank, before any heavy import
 from ulysses_cp.config import RunConfig, TrainingConfig
+from ulysses_cp.core.commands import DefaultsHelp, program_name
 from ulysses_cp.core.log import configure_logging, get_logger
 from ulysses_cp.core.process import launched, set_cpu_threads
 
@@ -37,17 +38,25 @@ log_all = get_logger("train.ranks", all_ranks=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="ulysses_cp long-sequence training")
+    p = argparse.ArgumentParser(
+        prog=program_name("ulysses_cp.train"),
+        description="Long-sequence training with sequence parallelism (Ulysses, ring, hybrid) "
+        "under DeepSpeed; one process without a launcher, N ranks under deepspeed or torchrun.",
+        formatter_class=DefaultsHelp,
+    )
     p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with our blocks")
-    p.add_argument("--output_dir", help="metrics and checkpoints (default runs/<config name>)")
-    p.add_argument("--max_steps", type=int, default=None, help="overrides training.max_steps")
+    p.add_argument("--output_dir", help="metrics and checkpoints (default: runs/<config name>)")
+    p.add_argument(
+        "--max_steps", type=int, default=None, help="default: the config's training.max_steps"
+    )
     p.add_argument(
         "--resume",
         nargs="?",
         const="yes",
         choices=["yes", "auto"],
         help="continue from the latest checkpoint in the output folder (an error if there is "
-        "none); '--resume auto': resume when there is one, else start at step 0",
+        "none); '--resume auto': resume when there is one, else start at step 0 (default: "
+        "start at step 0 in a new folder)",
     )
     p.add_argument(
         "--overwrite",

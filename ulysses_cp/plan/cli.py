@@ -1,9 +1,5 @@
-"""``python -m ulysses_cp.plan``: predict a run's memory, communication and step time
-before launch, for the config as written and for every valid alternative.
-
-    python -m ulysses_cp.plan --deepspeed_config CFG --world N [--gpus-per-node G]
-        [--gpu-mem-gb M] [--seq-len S] [--goal longest|fastest] [--json FILE]
-        [--write-config OUT.json]
+"""``python -m ulysses_cp.plan`` and ``ulysses-cp-plan``: the planner's command line (``--help``
+lists the options).
 
 Prints a table (the config as written, then the candidates that fit, ranked as ``--goal``
 asks: by the longest sequence that fits, the default, or by the predicted step time) and
@@ -21,6 +17,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from ..config import ModelConfig, RunConfig
+from ..core.commands import DefaultsHelp, program_name
 from ..core.log import configure_logging
 from ..core.sharding import sequence_multiple
 from ..core.topology import validate_degrees
@@ -32,6 +29,9 @@ from .shapes import model_shape
 from .write import write_config
 
 __all__ = ["base_run", "breakdown", "main", "parse_args", "plan", "plan_for_launch", "table"]
+
+DESCRIPTION = """Predict a run's memory, communication and step time before launch, for the
+config as written and for every valid alternative; --write-config writes the chosen one."""
 
 KEYS = (
     "peak_bytes_per_rank",
@@ -299,7 +299,7 @@ def breakdown(p: dict) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     hw = Hardware()
     p = argparse.ArgumentParser(
-        prog="python -m ulysses_cp.plan", description=__doc__.splitlines()[0]
+        prog=program_name("ulysses_cp.plan"), description=DESCRIPTION, formatter_class=DefaultsHelp
     )
     p.add_argument("--deepspeed_config", required=True, help="the run's config JSON")
     p.add_argument("--world", type=int, required=True, help="total ranks (GPUs)")
@@ -320,8 +320,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rank the candidates that fit by the longest sequence that fits (default) or by "
         "the predicted step time at --seq-len (fastest)",
     )
-    p.add_argument("--peak-tflops", type=float, default=hw.peak_tflops)
-    p.add_argument("--mfu", type=float, default=hw.mfu)
+    p.add_argument("--peak-tflops", type=float, default=hw.peak_tflops, help="GPU's peak TFLOP/s")
+    p.add_argument("--mfu", type=float, default=hw.mfu, help="the fraction of it a step reaches")
     p.add_argument("--intra-gbs", type=float, default=hw.intra_gbs, help="GB/s inside a node")
     p.add_argument("--inter-gbs", type=float, default=hw.inter_gbs, help="GB/s across nodes")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
