@@ -1,13 +1,15 @@
 """Write a small synthetic corpus and a BPE tokenizer trained on it, for
 ``configs/tiny_cpu_hf_dataset_u2r2.json`` (the shape of a real corpus + tokenizer, on CPU).
 
-    python scripts/make_tiny_corpus.py [--out runs/tiny_corpus] [--docs 3000]
+    .venv/bin/python scripts/make_tiny_corpus.py [--out runs/tiny_corpus] [--docs 3000]
 
 Writes ``OUT/train.jsonl`` and ``OUT/eval.jsonl`` (``{"text": ...}`` per line) and
 ``OUT/tokenizer/`` (``tokenizer.json`` + ``tokenizer_config.json``, a 512-token BPE with
 ``<bos>``/``<eos>``). Each document introduces a character (name, animal, colour, home,
 food) and later sentences refer back to those facts, so a model can lower its loss by
-attending to the start of the document. Deterministic for a given ``--seed``.
+attending to the start of the document. Deterministic for a given ``--seed``. The corpus and
+the tokenizer are made in memory first: a missing package or a bad option stops it before
+anything is written.
 """
 
 from __future__ import annotations
@@ -49,10 +51,23 @@ def document(rng: random.Random) -> str:
     return " ".join(out)
 
 
-def train_tokenizer(texts: list[str], folder: Path, vocab_size: int) -> None:
-    import tokenizers
-    import transformers
+def import_tokenizers():
+    """``tokenizers`` and ``transformers``, or an error that names the fix."""
+    try:
+        import tokenizers
+        import transformers
+    except ImportError as exc:
+        raise SystemExit(
+            f"make_tiny_corpus.py needs tokenizers and transformers ({exc}); nothing was "
+            "written. Run it with the venv's Python (.venv/bin/python, after bash "
+            "scripts/setup.sh) or install them: .venv/bin/pip install -e .[data]"
+        ) from None
+    return tokenizers, transformers
 
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A BPE tokenizer trained on ``texts``, in memory (``save_pretrained`` writes it)."""
+    tokenizers, transformers = import_tokenizers()
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     trainer = tokenizers.trainers.BpeTrainer(
@@ -62,31 +77,35 @@ def train_tokenizer(texts: list[str], folder: Path, vocab_size: int) -> None:
     tok.post_processor = tokenizers.processors.TemplateProcessing(
         single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
     )
-    transformers.PreTrainedTokenizerFast(
+    return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<bos>",
         eos_token="<eos>",
         unk_token="<unk>",
         pad_token="<pad>",
-    ).save_pretrained(folder)
+    )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/tiny_corpus")
     p.add_argument("--docs", type=int, default=3000, help="training documents")
     p.add_argument("--eval_docs", type=int, default=200)
     p.add_argument("--vocab_size", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.docs < 1 or args.eval_docs < 1:
+        p.error(f"--docs ({args.docs}) and --eval_docs ({args.eval_docs}) must be at least 1")
+    import_tokenizers()  # before the documents are made: a missing package writes nothing
     rng = random.Random(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     train = [document(rng) for _ in range(args.docs)]
     held = [document(rng) for _ in range(args.eval_docs)]
+    tokenizer = train_tokenizer(train, args.vocab_size)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for name, docs in (("train.jsonl", train), ("eval.jsonl", held)):
         (out / name).write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    train_tokenizer(train, out / "tokenizer", args.vocab_size)
+    tokenizer.save_pretrained(out / "tokenizer")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(
         f"wrote {len(train)} + {len(held)} documents and a tokenizer to {out} ({size / 1e6:.1f} MB)"
