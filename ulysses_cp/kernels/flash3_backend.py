@@ -28,13 +28,21 @@ by name; one that changes the result and is not taken is refused naming the rele
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 
 import torch
 
-from .flash_common import Cu, Fn, Library, dist_version, lib_backward, lib_forward, parameters
+from .flash_common import (
+    Cu,
+    Fn,
+    Found,
+    Library,
+    dist_version,
+    lib_backward,
+    lib_forward,
+    parameters,
+)
 from .spec import Scores
 
 __all__ = [
@@ -92,28 +100,17 @@ _NEUTRAL = {  # 3.0.0b1's parameters have no defaults: every one we do not use, 
 
 def import_problem() -> str | None:
     """Why FlashAttention-3 cannot be used here, or None when it imports."""
-    return _probe()[1]
+    return _FOUND.problem()
 
 
 def library() -> Library:
     """The installed FlashAttention-3's two internal functions; ``ValueError`` if unusable."""
-    found, problem = _probe()
-    if problem is not None or found is None:
-        raise ValueError(problem)
-    return found
+    return _FOUND.get()
 
 
 def reset() -> None:
     """Forget what was found (after installing or swapping FlashAttention-3)."""
-    _probe.cache_clear()
-
-
-@functools.cache
-def _probe() -> tuple[Library | None, str | None]:
-    try:
-        return _load(), None
-    except ValueError as exc:
-        return None, str(exc)
+    _FOUND.reset()
 
 
 def _load() -> Library:
@@ -148,6 +145,9 @@ def _load() -> Library:
         fns[key] = Fn(name, fn, params)
     hint = "; backend 'flash_attn3' knows FlashAttention-3 3.0.0b1 and 3.0.0"
     return Library(label, fns["forward"], fns["backward"], {4: 1}, -1, {}, _NEUTRAL, hint)
+
+
+_FOUND: Found[Library] = Found(_load)
 
 
 def forward(

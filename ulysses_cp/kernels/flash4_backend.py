@@ -23,13 +23,21 @@ stand-ins that copy beta18's and beta27's interfaces:
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 
 import torch
 
-from .flash_common import Cu, Fn, Library, dist_version, lib_backward, lib_forward, parameters
+from .flash_common import (
+    Cu,
+    Fn,
+    Found,
+    Library,
+    dist_version,
+    lib_backward,
+    lib_forward,
+    parameters,
+)
 from .spec import Scores
 
 __all__ = [
@@ -48,28 +56,17 @@ _INSTALL = "FlashAttention-4 (`pip install flash-attn-4`; CUDA 13: `flash-attn-4
 
 def import_problem() -> str | None:
     """Why FlashAttention-4 cannot be used here, or None when it imports."""
-    return _probe()[1]
+    return _FOUND.problem()
 
 
 def library() -> Library:
     """The installed FlashAttention-4's two internal functions; ``ValueError`` if unusable."""
-    found, problem = _probe()
-    if problem is not None or found is None:
-        raise ValueError(problem)
-    return found
+    return _FOUND.get()
 
 
 def reset() -> None:
     """Forget what was found (after installing or swapping FlashAttention-4)."""
-    _probe.cache_clear()
-
-
-@functools.cache
-def _probe() -> tuple[Library | None, str | None]:
-    try:
-        return _load(), None
-    except ValueError as exc:
-        return None, str(exc)
+    _FOUND.reset()
 
 
 def _find() -> bool:
@@ -113,6 +110,9 @@ def _load() -> Library:
     lse_at = {2: 1, 4: 1}  # (out, lse) to beta18; (out, lse, p, row_max) from beta19
     extra = {"return_lse": True}  # else no lse without autograd
     return Library(label, fns["forward"], fns["backward"], lse_at, None, extra, {}, hint)
+
+
+_FOUND: Found[Library] = Found(_load)
 
 
 def forward(

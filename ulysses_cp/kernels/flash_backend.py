@@ -34,7 +34,6 @@ they are: flash-attn itself rejects what it cannot run (CPU tensors, float32).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ from . import math_backend
 from .flash_common import (
     Cu,
     Fn,
+    Found,
     call_by_name,
     cu_args,
     flash_window,
@@ -92,29 +92,17 @@ class Interface:
 
 def import_problem() -> str | None:
     """Why flash-attn 2 cannot be used here, or None when it imports."""
-    return _probe()[1]
+    return _FOUND.problem()
 
 
 def interface() -> Interface:
     """The installed flash-attn's four internal functions; ``ValueError`` if unusable."""
-    found, problem = _probe()
-    if problem is not None or found is None:
-        raise ValueError(problem)
-    return found
+    return _FOUND.get()
 
 
 def reset() -> None:
-    """Forget what was found (after installing or swapping flash-attn in this process)."""
-    _probe.cache_clear()
-
-
-@functools.cache
-def _probe() -> tuple[Interface | None, str | None]:
-    """Look once per process (a failed import is not retried on every attention call)."""
-    try:
-        return _load(), None
-    except ValueError as exc:
-        return None, str(exc)
+    """Forget what was found (after installing or swapping flash-attn)."""
+    _FOUND.reset()
 
 
 def _load() -> Interface:
@@ -163,6 +151,9 @@ def _load() -> Interface:
             )
         fns[key] = Fn(name, fn, params)
     return Interface(version, **fns)
+
+
+_FOUND: Found[Interface] = Found(_load)
 
 
 def _call(f: Fn, version: str, values: dict, window: tuple[int, int], softcap: float):

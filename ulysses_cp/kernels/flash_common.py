@@ -14,6 +14,7 @@ import importlib.metadata
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from .spec import Band, Scores
 __all__ = [
     "Cu",
     "Fn",
+    "Found",
     "Library",
     "call_by_name",
     "cu_args",
@@ -39,6 +41,41 @@ __all__ = [
 
 # q (1, tq, hq, d) -> the libraries' (tq, hq, d); lse (hq, tq) -> (1, hq, tq)
 Cu = tuple[torch.Tensor, torch.Tensor]  # (cu_seqlens_q, cu_seqlens_k)
+
+T = TypeVar("T")
+
+
+class Found(Generic[T]):
+    """A library looked for once, on first use: ``load()`` returns it or raises
+    ``ValueError`` saying why it cannot be used; :meth:`reset` looks again (after
+    installing or swapping it)."""
+
+    def __init__(self, load: Callable[[], T]) -> None:
+        self._load = load
+        self._result: tuple[T | None, str | None] | None = None
+
+    def _probe(self) -> tuple[T | None, str | None]:
+        if self._result is None:
+            try:
+                self._result = (self._load(), None)
+            except ValueError as exc:
+                self._result = (None, str(exc))
+        return self._result
+
+    def problem(self) -> str | None:
+        """Why it cannot be used here, or None when it can."""
+        return self._probe()[1]
+
+    def get(self) -> T:
+        """The library; ``ValueError`` naming the problem when it cannot be used."""
+        found, problem = self._probe()
+        if problem is not None or found is None:
+            raise ValueError(problem)
+        return found
+
+    def reset(self) -> None:
+        self._result = None
+
 
 # one meaning, another name: FA3's backward says ``is_causal``, FA4's backward ``lse``
 _ALIASES = {"causal": "is_causal", "softmax_lse": "lse"}
