@@ -40,3 +40,17 @@ def test_readme_main_job_first_screen(tmp_path):
     first = next(i for i, x in enumerate(lines) if re.search(r"\] step +\d+ +loss", x))
     assert first <= FIRST_SCREEN, "\n".join(lines[: first + 1])
     assert [x for x in lines if any(g in x for g in GONE)] == []
+
+
+def test_training_imports_leave_torch_dynamo_out():
+    """What train.py imports before its first line (the package's training modules, torch
+    and DeepSpeed) does not import torch._dynamo (2.4 s of every rank's start on a CPU;
+    a torch optimizer imports it later, when it is built)."""
+    code = (
+        "import sys, deepspeed, ulysses_cp.train\n"
+        "from ulysses_cp.training import build, data, engine, evaluate, trainer\n"
+        "from ulysses_cp.modes import attention\n"
+        "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo')\n"
+    )
+    out = run([sys.executable, "-c", code], env={"DS_ACCELERATOR": "cpu"}, timeout=300)
+    assert out.strip().splitlines()[-1] == "no dynamo", out[-2000:]
