@@ -33,7 +33,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ulysses_cp.core.log import configure_logging
+from ulysses_cp.core.log import configure_logging, quiet_third_party
 from ulysses_cp.core.process import exit_process
 
 
@@ -236,8 +236,10 @@ def run_example(train: Callable[[argparse.Namespace], object], args: argparse.Na
     rank 0; bad input as one line naming the script, exit status 1; a finished run leaves
     by :func:`ulysses_cp.core.process.exit_process`, without the interpreter's teardown,
     where gloo's threads once aborted a finished rank ("terminate called without an active
-    exception")."""
+    exception"); the third-party warnings a user can do nothing about are hidden
+    (:func:`ulysses_cp.core.log.quiet_third_party`)."""
     configure_logging()
+    quiet_third_party()
     try:
         train(args)
     except InputError as exc:

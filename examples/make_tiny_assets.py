@@ -90,6 +90,9 @@ def save_vlm(folder: Path, seed: int) -> None:
     text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     text.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     text.update(rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, pad_token_id=0)
+    # the tokenizer's ids (no bos, <eos> = 1): Qwen2.5-VL's defaults (151643, 151645) lie
+    # outside the 96-word vocabulary, and transformers warns about them on every load
+    text.update(bos_token_id=None, eos_token_id=1)
     vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
     vision.update(patch_size=2, temporal_patch_size=2, spatial_merge_size=2, window_size=8)
     cfg = transformers.Qwen2_5_VLConfig(
@@ -141,7 +144,12 @@ def chats(n: int, seed: int) -> list[dict]:
 
 
 def pairs(n: int, seed: int) -> list[dict]:
-    """``n`` preference pairs: a prompt of 2-10 words, two answers of 1-16 words each."""
+    """``n`` preference pairs: a prompt of 2-10 words, two answers of 1-16 words each.
+
+    Each answer starts with a space, as in TRL's standard format: TRL tokenizes the prompt
+    alone and the prompt + answer as one string, and the prompt's tokens must be a prefix
+    of the latter's (with no space, the prompt's last word and the answer's first merge
+    into one unknown word, and TRL warns that it drops the prompt's end)."""
     rng = random.Random(seed + 1)
     vocab = words()
 
@@ -149,7 +157,8 @@ def pairs(n: int, seed: int) -> list[dict]:
         return " ".join(rng.choices(vocab, k=rng.randint(lo, hi)))
 
     return [
-        {"prompt": text(2, 10), "chosen": text(1, 16), "rejected": text(1, 16)} for _ in range(n)
+        {"prompt": text(2, 10), "chosen": " " + text(1, 16), "rejected": " " + text(1, 16)}
+        for _ in range(n)
     ]
 
 

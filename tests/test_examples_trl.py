@@ -65,12 +65,27 @@ def example(name: str, assets: Path):
 LAUNCHED_BY = {"dpo": "deepspeed", "grpo": "accelerate"}
 
 
+# what the quick start once printed: TRL's warning for our tiny assets' pairs (the prompt's
+# last word merged with the answer's first), and the third-party notices that
+# ulysses_cp.core.log.quiet_third_party hides
+NOISE = (
+    "is not a prefix",
+    "all_gather_into_tensor",
+    "gradient_checkpointing",
+    "OMP_NUM_THREADS/MKL_NUM_THREADS",
+    "untested optimizer",
+)
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_under_a_launcher_equals_one_process(assets, tmp_path, name):
+    """Also: no run prints a line of :data:`NOISE`."""
     path, args_of = example(name, assets)
     outs, texts = three_ways(path, args_of, tmp_path, launchers=(LAUNCHED_BY[name],))
     assert EXAMPLES[name][2] in texts[0]
     assert_same_losses(outs)
+    noisy = [line for text in texts for line in text.splitlines() if any(n in line for n in NOISE)]
+    assert noisy == [], noisy[:4]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import warnings
 
 import pytest
 
@@ -59,3 +60,69 @@ def test_configure_logging_prints_rank_zero_and_all_ranks_loggers(printed, monke
     get_logger("train.ranks", all_ranks=True).error("failed there")
     lines = printed.getvalue().splitlines()
     assert lines == ["[rank 0] step 1", "[rank 0] failed here", "[rank 1] failed there"]
+
+
+# the third-party notices as their packages word them (torch 2.13, transformers 5.24,
+# accelerate, DeepSpeed 0.19.8), each hidden by quiet_third_party
+HIDDEN_WARNINGS = [
+    (
+        FutureWarning,
+        "`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+        "`torch.distributed.all_gather_single` instead.",
+    ),
+    (
+        FutureWarning,
+        "`gradient_checkpointing` is deprecated and will be removed in v6. Use "
+        "`activation_checkpointing` instead.",
+    ),
+    (
+        FutureWarning,
+        "`is_gradient_checkpointing` is deprecated and will be removed in v6. Use "
+        "`is_activation_checkpointing` instead.",
+    ),
+    (
+        UserWarning,
+        "OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at 1 to improve oob performance.",
+    ),
+]
+
+
+@pytest.fixture
+def deepspeed_logger():
+    """DeepSpeed's logger (by name, as DeepSpeed makes it) into a buffer; its filters
+    restored after the test."""
+    logger = logging.getLogger("DeepSpeed")
+    filters, propagate = list(logger.filters), logger.propagate
+    buffer = io.StringIO()
+    handler = logging.StreamHandler(buffer)
+    logger.addHandler(handler)
+    logger.propagate = False
+    yield logger, buffer
+    logger.removeHandler(handler)
+    logger.filters[:] = filters
+    logger.propagate = propagate
+
+
+def test_quiet_third_party_hides_only_the_listed_notices(deepspeed_logger):
+    """Each listed warning and DeepSpeed's "untested optimizer" line is hidden; a warning
+    or a DeepSpeed line that is not listed still prints (the same category, the same
+    words around it)."""
+    logger, buffer = deepspeed_logger
+    kept = [
+        (FutureWarning, "`torch.distributed.all_gather` is deprecated"),
+        (UserWarning, "OMP_NUM_THREADS is unset"),
+        (FutureWarning, "`use_cache` is deprecated and will be removed in v6."),
+    ]
+    with warnings.catch_warnings(record=True) as caught:  # the filters are restored after
+        warnings.simplefilter("always")
+        ucp_log.quiet_third_party()
+        ucp_log.quiet_third_party()  # idempotent: one filter on the logger
+        for category, message in HIDDEN_WARNINGS + kept:
+            warnings.warn(message, category, stacklevel=1)
+    assert [str(w.message) for w in caught] == [message for _, message in kept]
+    logger.warning("**** You are using ZeRO with an untested optimizer, proceed with caution ****")
+    logger.warning("Unable to find hostfile, will proceed with training with local resources")
+    assert buffer.getvalue().splitlines() == [
+        "Unable to find hostfile, will proceed with training with local resources"
+    ]
+    assert sum(isinstance(f, ucp_log._DropLines) for f in logger.filters) == 1

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING
 # is reported in the time Python takes to start, on every rank, before any heavy import
 from ulysses_cp.config import RunConfig, TrainingConfig
 from ulysses_cp.core.commands import DefaultsHelp, program_name
-from ulysses_cp.core.log import configure_logging, get_logger
+from ulysses_cp.core.log import configure_logging, get_logger, quiet_third_party
 from ulysses_cp.core.process import launched, set_cpu_threads
 
 if TYPE_CHECKING:
@@ -86,11 +85,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise ValueError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     configure_logging()  # the library adds no handler: rank 0's lines on stdout
-    # DeepSpeed's ZeRO calls a torch collective that torch deprecates: once per rank, a
-    # warning the user can do nothing about
-    warnings.filterwarnings(
-        "ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning
-    )
+    quiet_third_party()  # e.g. DeepSpeed's use of a collective torch deprecates
     # every config error is raised here, identically on every rank, before any collective
     run = RunConfig.load(args.deepspeed_config)
     tc = run.training

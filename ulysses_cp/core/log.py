@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from typing import TextIO
 
 __all__ = [
     "configure_logging",
     "get_logger",
+    "quiet_third_party",
 ]
 
 ROOT = "ulysses_cp"
@@ -90,3 +92,44 @@ def configure_logging(level: int = logging.INFO, stream: TextIO | None = None) -
         logger.addHandler(handler)
     logger.propagate = False  # the entry point owns the process: one line per message
     return logger
+
+
+# Third-party notices a user can do nothing about, as (warning category, message regex
+# matched at the message's start): torch deprecates a collective that DeepSpeed's ZeRO
+# calls; transformers renames ``gradient_checkpointing`` and TRL and the Trainer still use
+# the old names; accelerate says it set OMP_NUM_THREADS (our own "CPU threads" line says
+# what the rank runs)
+THIRD_PARTY_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
+    (FutureWarning, r".*`torch\.distributed\.all_gather_into_tensor` is deprecated"),
+    (FutureWarning, r"`\w*gradient_checkpointing\w*` is deprecated and will be removed"),
+    (UserWarning, r"OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at 1"),
+)
+# DeepSpeed's logger (named "DeepSpeed"): its notice for an optimizer outside its ZeRO list,
+# e.g. torch's SGD, that it runs all the same
+THIRD_PARTY_LOG_LINES = {"DeepSpeed": ("You are using ZeRO with an untested optimizer",)}
+
+
+class _DropLines(logging.Filter):
+    """On a third-party logger: drops the records whose message contains one of ``parts``."""
+
+    def __init__(self, parts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(part in message for part in self.parts)
+
+
+def quiet_third_party() -> None:
+    """Hides the third-party warnings and log lines a user can do nothing about
+    (:data:`THIRD_PARTY_WARNINGS`, :data:`THIRD_PARTY_LOG_LINES`), in this process; every
+    other warning still prints. The one place they are listed: ``ulysses_cp.train``, the
+    examples and the ``Trainer`` subclasses call it. Imports nothing heavy (a logger's
+    filter stays when the package that logs is imported later). Idempotent."""
+    for category, message in THIRD_PARTY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name, parts in THIRD_PARTY_LOG_LINES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLines) for f in logger.filters):
+            logger.addFilter(_DropLines(parts))

@@ -211,11 +211,14 @@ def _plan_of(
     return once((cu,), key, make)
 
 
-# ring attention run eagerly from a compiled layer (its graph breaks before and after)
-_ring_outside_graph = torch.compiler.disable(ring_attention)
+# Both are torch.compiler.disable's, made at the first call (torch._disable_dynamo, as
+# DeepSpeed's lazy_disable does): torch.compiler.disable imports torch._dynamo at once,
+# 2.4 s of every rank's start on a CPU, for a run that compiles nothing.
+# Ring attention run eagerly from a compiled layer (its graph breaks before and after):
+_ring_outside_graph = torch._disable_dynamo(ring_attention)
 # the hybrid's all-to-alls around a ring (and redo_all_to_all's): eager as a whole, one
 # autograd function whose collectives dynamo does not trace; they keep their overlap
-_eager_in_graph = torch.compiler.disable(chunked_attention)
+_eager_in_graph = torch._disable_dynamo(chunked_attention)
 
 
 def _inner(

@@ -2,7 +2,9 @@
 before the parent (``class SequenceParallelTrainer(SequenceParallelMixin, Trainer)``).
 
 Every override is the parent's own method when the DeepSpeed config has no
-``"sequence_parallel"`` block. With one:
+``"sequence_parallel"`` block, except that ``__init__`` always hides the third-party
+warnings a user can do nothing about (:func:`ulysses_cp.core.log.quiet_third_party`).
+With one:
 
 - ``__init__``: builds the topology (:class:`.run.SequenceParallelRun`), switches the
   model's attention to ``"ulysses_cp"`` and gives its RMSNorms the lean forward (unless
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from ...core.comm import stats as comm_stats
+from ...core.log import quiet_third_party
 from .metrics import (
     SequenceParallelCallback,
     StepMeter,
@@ -65,6 +68,7 @@ class SequenceParallelMixin:
     add_callback: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        quiet_third_party()  # deprecations of DeepSpeed's and TRL's own calls, every rank
         given = _training_arguments(args, kwargs)
         block = sequence_parallel_block(getattr(given, "deepspeed", None))
         if block is not None:
