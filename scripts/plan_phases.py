@@ -99,7 +99,9 @@ def measure_plain(layers: int, n: int, budget: float | None) -> int:
     return live.peak
 
 
-def measure_zero(stage: int, layers: int, n: int, budget: float | None) -> int:
+def measure_zero(
+    stage: int, layers: int, n: int, budget: float | None, bucket: int = REDUCE_BUCKET
+) -> int:
     """Peak live bytes of DeepSpeed's second step (forward, backward, optimizer step)
     above what was live before it, ZeRO ``stage``, torch's AdamW (one rank; needs
     ``torch.distributed`` started, world size 1)."""
@@ -108,7 +110,7 @@ def measure_zero(stage: int, layers: int, n: int, budget: float | None) -> int:
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": REDUCE_BUCKET},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
             "sequence_parallel": {"ulysses_degree": 1, "attention_backend": "torch"},
         }
     )
@@ -134,17 +136,20 @@ def predicted(layers: int, n: int, budget: float | None) -> dict:
     return step_phases(shape, act, tokens=n, grads=shape.params * shape.dtype_bytes)
 
 
-def predicted_zero(stage: int, layers: int, n: int, budget: float | None) -> int:
+def predicted_zero(
+    stage: int, layers: int, n: int, budget: float | None, bucket: int = REDUCE_BUCKET
+) -> int:
     """DeepSpeed's step above its persistent bytes (``deepspeed_peak``, torch's Adam)."""
     shape = model_shape(block(layers, budget))
     act = activation_bytes(shape, seq_len=n, batch=1, ulysses=1, ring=1)
-    static = static_bytes(shape, zero_stage=stage, world=1)
+    static = static_bytes(shape, zero_stage=stage, world=1, reduce_bucket_size=bucket)
     zero = {"stage": stage, "world": 1, "micro_steps": 1, "offload_optimizer": 0}
+    zero["bucket"] = bucket * shape.dtype_bytes
     pred = deepspeed_peak(shape, act, static, zero=zero, tokens=n, optimizer_temp_bytes=8)
     return pred["peak"] - pred["persistent"]
 
 
-def rows(shapes, zero1: bool) -> list[dict]:
+def rows(shapes, zero1: bool, bucket: int = REDUCE_BUCKET) -> list[dict]:
     out = []
     for layers, n, budget in shapes:
         pred = predicted(layers, n, budget)
@@ -152,8 +157,8 @@ def rows(shapes, zero1: bool) -> list[dict]:
         row |= {"predicted": pred["peak"], "plain": measure_plain(layers, n, budget)}
         if zero1:
             for stage in (1, 2):
-                row[f"zero{stage}"] = measure_zero(stage, layers, n, budget)
-                row[f"zero{stage}_predicted"] = predicted_zero(stage, layers, n, budget)
+                row[f"zero{stage}"] = measure_zero(stage, layers, n, budget, bucket)
+                row[f"zero{stage}_predicted"] = predicted_zero(stage, layers, n, budget, bucket)
         out.append(row)
     return out
 
@@ -162,13 +167,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="two shapes, no DeepSpeed")
     p.add_argument("--out", default="bench_results", help="folder for plan_phases.json")
+    p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes")
+    p.add_argument(
+        "--bucket",
+        type=int,
+        default=REDUCE_BUCKET,
+        help="DeepSpeed's reduce_bucket_size in elements (its own default: 500000000)",
+    )
     args = p.parse_args()
     zero1 = not args.quick
     if zero1:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29541")
         torch.distributed.init_process_group("gloo")
-    table = rows(SHAPES[::2] if args.quick else SHAPES, zero1)
+    table = rows(SHAPES[::2] if args.quick else SHAPES[: args.shapes], zero1, args.bucket)
     print(
         f"{'layers':>6} {'N':>6} {'budget':>6} {'phase':>13} {'predicted':>9}"
         "  measured (MiB, pred/meas)"

@@ -231,6 +231,18 @@ def offloaded_inputs(out: torch.Tensor) -> list[torch.Tensor]:
     return kept
 
 
+def small_bucket_config(src: str | Path, folder: Path, bucket: int = 100_000) -> str:
+    """``src`` with ZeRO's ``reduce_bucket_size`` at ``bucket`` elements, written into
+    ``folder``: the planner counts ZeRO-1/2's reduce bucket (5e8 elements by default, more
+    than the tiny GPUs planning tests ask for)."""
+    raw = json.loads(Path(src).read_text())
+    raw.setdefault("zero_optimization", {})["reduce_bucket_size"] = bucket
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    out = Path(folder) / Path(src).name
+    out.write_text(json.dumps(raw))
+    return str(out)
+
+
 def topology(u: int, r: int, layout: str = "zigzag", **options):
     """One set of process groups per degrees per process (group creation is collective and
     slow), with the run's ``layout`` and other ``options`` (``RunOptions`` fields)."""

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, small_bucket_config
 from ulysses_cp.config import RunConfig
 from ulysses_cp.plan.cli import main, plan
 from ulysses_cp.plan.ranking import SETTINGS, rank, versus
@@ -48,9 +48,10 @@ def test_the_two_goals_choose_different_candidates(tmp_path, capsys):
     the JSON says which goal ranked, the table says it and puts the chosen against the
     config as written in numbers."""
     got, printed = {}, {}
+    cfg = small_bucket_config(CFG, tmp_path)
     for goal in ("longest", "fastest"):
         out = tmp_path / f"{goal}.json"
-        args = ["--deepspeed_config", CFG, *SMALL, "--json", str(out)]
+        args = ["--deepspeed_config", cfg, *SMALL, "--json", str(out)]
         main(args if goal == "longest" else [*args, "--goal", goal])  # longest: the default
         got[goal], printed[goal] = json.loads(out.read_text()), capsys.readouterr().out
     for goal, result in got.items():

@@ -49,6 +49,21 @@ def test_deepspeed_step_within_two_percent(tmp_path):
             assert 0.98 <= row[f"{stage}_predicted"] / row[stage] <= 1.05, row
 
 
+@pytest.mark.launcher
+def test_deepspeed_reduce_bucket_counted(tmp_path):
+    """ZeRO-1/2's reduce bucket at DeepSpeed's default size (5e8 elements, 1 GB in bf16),
+    made in the backward: it holds these small models' peak."""
+    script = ROOT / "scripts" / "plan_phases.py"
+    cmd = [sys.executable, str(script), "--shapes", "2", "--bucket", "500000000"]
+    run([*cmd, "--out", str(tmp_path)], timeout=600)
+    rows = json.loads((tmp_path / "plan_phases.json").read_text())
+    assert len(rows) == 2
+    for row in rows:
+        for stage in ("zero1", "zero2"):
+            assert row[stage] > 2**30 * 0.9  # the bucket is there
+            assert 0.98 <= row[f"{stage}_predicted"] / row[stage] <= 1.05, row
+
+
 @pytest.mark.unit
 def test_fits_keeps_the_runs_headroom():
     """A plan fits into what the run itself would use (10% or 2 GiB left free), on the

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, launch, metrics
+from tests.helpers import ROOT, launch, metrics, small_bucket_config
 from ulysses_cp.config import RunConfig
 from ulysses_cp.plan.cli import main, plan
 from ulysses_cp.plan.search import Hardware
@@ -25,7 +25,8 @@ SMALL = ["--world", "4", "--gpus-per-node", "2", "--gpu-mem-gb", "0.02", "--seq-
 
 def _write(tmp_path, capsys) -> tuple[dict, dict]:
     out = tmp_path / "planned.json"
-    result = main(["--deepspeed_config", CFG, *SMALL, "--write-config", str(out)])
+    cfg = small_bucket_config(CFG, tmp_path / "in", bucket=100_000)
+    result = main(["--deepspeed_config", cfg, *SMALL, "--write-config", str(out)])
     assert f"config: {out}: the chosen plan" in capsys.readouterr().out
     return result, json.loads(out.read_text())
 

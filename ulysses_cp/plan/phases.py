@@ -23,9 +23,11 @@ as a plain PyTorch step or the GPU comparison (``scripts/gpu_model.py``) runs it
 Under DeepSpeed (:func:`deepspeed_peak`), ZeRO 0-2 without gradient accumulation: the
 parameters, the fp32 master copy and Adam's moments stay allocated; the bf16 gradients
 come in the backward with ZeRO's copy of them for the reduction (ZeRO 0/1 a flat one of
-all of them, ZeRO-2 its partition), and are released by the optimizer step, which then
-makes its fp32 gradient partition (plus the optimizer's own temporaries: none for
-DeepSpeed's FusedAdam on a GPU, two fp32 tensors the partition's size for torch's Adam).
+all of them, ZeRO-2 its partition) and, for ZeRO-1/2, its reduce bucket
+(``reduce_bucket_size`` elements, 1 GB in bf16 by default), and are released by the
+optimizer step, which then makes its fp32 gradient partition (plus the optimizer's own
+temporaries: none for DeepSpeed's FusedAdam on a GPU, two fp32 tensors the partition's
+size for torch's Adam).
 ZeRO-3 keeps its gradient partition and reduce buffer, and gradients accumulated over
 micro steps stay from one micro step to the next: then the gradients are alive at every
 moment, with the static bytes. All measured on CPU against the live bytes of bf16 steps
@@ -91,6 +93,8 @@ def deepspeed_peak(
     transient = stage < 3 and zero["micro_steps"] == 1
     persistent = sum(static.values()) - (grads if transient else 0)
     copy = (grads if stage < 2 else -(-grads // world)) if transient else 0
+    if transient and stage > 0:  # ZeRO-1/2's reduce bucket, made in the backward
+        copy += zero.get("bucket", 0)
     phases = step_phases(shape, act, tokens=tokens, grads=grads + copy if transient else 0)
     part = shape.params if stage == 0 else -(-shape.params // world)
     step = 0 if zero["offload_optimizer"] else part * (FP32 + optimizer_temp_bytes)

@@ -216,6 +216,7 @@ def predict(
         world=world,
         micro_steps=micro_steps,
         offload_optimizer=int(run.offload_optimizer),
+        bucket=int(zero_knobs.reduce_bucket_size) * sh.dtype_bytes,
     )
     phases = deepspeed_peak(
         sh,
