@@ -17,7 +17,7 @@ from ulysses_cp.config import HFModelConfig, ModelConfig, RunConfig
 from ulysses_cp.core.offload import offloaded_layers
 from ulysses_cp.models.decoder import Decoder
 from ulysses_cp.plan.cli import base_run, plan, table
-from ulysses_cp.plan.search import GiB, Hardware, predict
+from ulysses_cp.plan.search import GiB, Hardware, ZeroKnobs, predict
 from ulysses_cp.plan.shapes import model_shape
 
 
@@ -95,6 +95,8 @@ def test_the_planner_finds_the_count_the_host_can_take():
         "activation_checkpointing": True,
         "offload_activations": True,
     }
+    # a small reduce bucket: ZeRO-2's default one (5e8 elements) would not fit this GPU
+    raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "reduce_bucket_size": 100_000}
     run = RunConfig.load(raw)
     hw = Hardware(gpu_mem_gb=0.1, host_mem_gb=0.05, gpus_per_node=4)
     got = plan(run, world=4, hw=hw, seq_step=16)
@@ -110,6 +112,7 @@ def test_the_planner_finds_the_count_the_host_can_take():
         micro_steps=1,
         world=4,
         hw=hw,
+        zero_knobs=ZeroKnobs.of(raw["zero_optimization"]),
     )
     assert over["host_bytes_per_rank"] > host_budget  # every layer offloaded: too much
     n = replace(base_run(run), offload_activations=split["offload_activations"])
@@ -121,6 +124,7 @@ def test_the_planner_finds_the_count_the_host_can_take():
         micro_steps=1,
         world=4,
         hw=hw,
+        zero_knobs=ZeroKnobs.of(raw["zero_optimization"]),
     )
     assert p["peak_bytes_per_rank"] <= hw.gpu_mem_gb * GiB
     assert p["host_bytes_per_rank"] <= host_budget

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.helpers import ROOT, run
+from tests.helpers import ROOT, run, small_bucket_config
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import plan_vs_measured as pvm
@@ -207,7 +207,7 @@ def test_zero_stages_order_static_memory():
 @pytest.mark.launcher
 def test_cli_json_and_table(tmp_path):
     out = tmp_path / "plan.json"
-    cfg = ROOT / "configs" / "tiny_cpu_zero2_u2r2.json"
+    cfg = small_bucket_config(ROOT / "configs" / "tiny_cpu_zero2_u2r2.json", tmp_path)
     args = (
         "--deepspeed_config",
         str(cfg),
