@@ -50,7 +50,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: mypy's dependency
     import tomli as tomllib
 
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 CONSOLE_SCRIPTS = PYPROJECT["project"]["scripts"]
 VENV_BIN = Path(sys.prefix) / "bin"

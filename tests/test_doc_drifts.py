@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tests.helpers import ROOT
 
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 WORDS = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven"}
 
 
