@@ -13,7 +13,7 @@ FLOPs convention (causal-aware, as flash-attn counts): forward 4*b*N^2*hq*d/2 fo
 forward+backward 3.5x forward.
 
     python scripts/benchmark_attention.py --quick        # < 3 min on 2 cores
-    python scripts/benchmark_attention.py                # the docs/benchmarks.md table
+    python scripts/benchmark_attention.py                # the docs/benchmarks/attention.md table
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ one step (forward + backward, ``ucp.comm_stats``); ``time_ratio``: the step time
 ``before`` row's in the same mode (medians of ``--repeats``). Longest N: multiples of 2P*64 whose
 peak fits ``--budget-mb`` (doubling, then bisection).
 
-    python scripts/benchmark_attention_memory.py            # the docs/benchmarks.md table
+    python scripts/benchmark_attention_memory.py            # docs/benchmarks/layer_memory.md
     python scripts/benchmark_attention_memory.py --quick    # N 2048, 8 MB budget
 """
 

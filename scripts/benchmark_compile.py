@@ -11,7 +11,7 @@ eager`` is the compiled median over the eager median, from the same run. It also
 all-to-all and ring byte counters of one step of each model (they must agree).
 
     python scripts/benchmark_compile.py --quick     # a few minutes on 2 cores
-    python scripts/benchmark_compile.py             # the docs/benchmarks.md table
+    python scripts/benchmark_compile.py             # the docs/benchmarks/compile.md table
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ tokens between two lengths) and the longest length whose per-rank peak stays wit
 ``--budget-mb`` (``longest_fitting``: multiples of 2P*64).
 
     python scripts/benchmark_hf.py --quick     # ~2 min on 2 cores
-    python scripts/benchmark_hf.py             # the docs/benchmarks.md table
+    python scripts/benchmark_hf.py             # the docs/benchmarks/alst.md table
 """
 
 from __future__ import annotations

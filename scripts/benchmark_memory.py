@@ -12,7 +12,7 @@ head + loss in 4 pieces); ``tiled+ckpt`` (plus activation checkpointing);
 the same memory, so expect no gain here).
 
     python scripts/benchmark_memory.py --quick    # ~1 min on 2 cores (a 4 MB budget)
-    python scripts/benchmark_memory.py            # the docs/benchmarks.md table
+    python scripts/benchmark_memory.py            # the docs/benchmarks/memory.md table
 """
 
 from __future__ import annotations

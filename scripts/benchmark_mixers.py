@@ -12,7 +12,7 @@ do not measure speed. Prints a table and writes JSON (``--json``, default
 ``bench_results/benchmark_mixers.json``).
 
     python scripts/benchmark_mixers.py --quick     # ~1 min on 2 cores
-    python scripts/benchmark_mixers.py             # the docs/benchmarks.md table
+    python scripts/benchmark_mixers.py             # the docs/benchmarks/mixers.md table
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ whole sequence (the same FLOPs as expanding every head for its own tokens).
    what each keeps for the backward, for transformers' default configs.
 
     python scripts/benchmark_mla.py --quick       # 256 tokens, a few seconds here
-    python scripts/benchmark_mla.py                # docs/benchmarks.md (about 10 s here)
+    python scripts/benchmark_mla.py                # docs/benchmarks/mla.md (about 10 s here)
 """
 
 from __future__ import annotations

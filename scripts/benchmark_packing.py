@@ -21,7 +21,7 @@ tokens, the training throughput that padding takes away; ``x document`` is its r
 document-wise packing measured in the same run.
 
     python scripts/benchmark_packing.py --quick     # about 2 min on 2 cores
-    python scripts/benchmark_packing.py             # the docs/benchmarks.md tables
+    python scripts/benchmark_packing.py             # the docs/benchmarks/packing.md tables
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ torch's fused CPU kernel, windowed blocks with an additive mask; ``math``: plain
 which computes every entry it is given.
 
     python scripts/benchmark_window.py --quick     # < 1 min on 2 cores
-    python scripts/benchmark_window.py             # the docs/benchmarks.md table
+    python scripts/benchmark_window.py             # the docs/benchmarks/windows.md table
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def resolve_head_chunks(
     attention's working set (the ring's blocks and fp32 accumulators too) shrink with the
     chunk count. Time: chunks cost nothing in bytes moved, but below about 1 MiB per
     chunk the per-call and per-message overheads stop being small (measured on CPU:
-    2 chunks of 2 MiB took 0.98-1.04x the time of one, docs/benchmarks.md), and short
+    2 chunks of 2 MiB took 0.98-1.04x the time of one, docs/benchmarks/head_chunks.md), and short
     sequences, whose staging is small anyway, keep one chunk."""
     choices = head_chunk_choices(hq, hkv, ulysses_degree, ring)
     if requested == 0:

@@ -16,7 +16,7 @@ with ``part = ceil(psi / n)`` parameters in the rank's ZeRO partition (``n``: al
   ``psi * B / n`` plus the largest piece held whole meanwhile: the largest safetensors
   shard file read (``hf_weights``) or the largest module initialized in full (random
   init). Otherwise every rank builds the whole model, ``psi * B``, plus the same piece.
-  ``scripts/benchmark_loading.py`` measures both (``docs/benchmarks.md``).
+  ``scripts/benchmark_loading.py`` measures both (``docs/benchmarks/loading.md``).
 
 ``peak`` is the larger of the load and the training step's host bytes (the load ends
 before the optimizer exists). Pinned buffers DeepSpeed keeps for the copies, the Python

@@ -21,7 +21,7 @@ slice. Then either:
 
 Peak host memory per rank during the load: its slice of the model plus the largest
 module while its constructor runs (random init) or a few rows (streaming), measured by
-``scripts/benchmark_loading.py`` (``docs/benchmarks.md``).
+``scripts/benchmark_loading.py`` (``docs/benchmarks/loading.md``).
 
 The guard and probe of :class:`~ulysses_cp.models.hf.HFCausalLM` need the weights, so a
 partitioned model is probed by :func:`~ulysses_cp.training.engine.initialize` right after
