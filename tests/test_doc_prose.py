@@ -65,7 +65,7 @@ def test_the_sentence_splitter_counts_what_a_reader_sees():
     )
     assert prose(text) == [
         "One short sentence.",
-        "Another one, eg this, has CODE code.",
+        "Another one, e.g this, has CODE code.",
         "a list item",
         "a link item.",
         "Two.",
