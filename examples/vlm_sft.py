@@ -20,7 +20,7 @@ model's folder). Rows of a batch are padded at the end.
 Under the DeepSpeed config's ``"sequence_parallel"`` block
 (:class:`ulysses_cp.integrations.hf_trainer.SequenceParallelTrainer`) every rank runs the
 vision tower on the batch's whole images, and the language model runs on this rank's share
-of the merged sequence (docs/models.md, "Vision-language models"). Prints the Trainer's log
+of the merged sequence (docs/models/vlm.md). Prints the Trainer's log
 lines, then the training losses; writes them to ``OUTPUT_DIR/train_losses.json`` and the
 model to ``OUTPUT_DIR/final``. ``python examples/make_tiny_assets.py DIR --vlm`` writes a
 tiny model, four images and their captions to try it on.

@@ -2,8 +2,8 @@
 (most copy a released model's): the units the SP degree must split, the degrees (ulysses
 x ring, up to 64) that split them, the channels per token each layer's exchange carries,
 and the GPU kernels the adapter calls where their packages are installed. Models are
-built on the meta device (nothing is allocated). Prints a markdown table (docs/models.md,
-"At real proportions").
+built on the meta device (nothing is allocated). Prints a markdown table
+(docs/reference/families.md, "Mixers at real proportions").
 
     python scripts/mixer_degrees.py                       # every adapted family, ~10 s
     python scripts/mixer_degrees.py MambaConfig ZambaConfig

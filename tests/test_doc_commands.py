@@ -416,7 +416,8 @@ def test_the_extraction_finds_the_commands():
     assert len(commands) > 50, len(commands)
     assert {".venv/bin/python", ".venv/bin/deepspeed", ".venv/bin/accelerate", "bash"} <= programs
     # a block's variable is expanded, a continuation joined, a usage bracket read inside
-    sft = next(c for c in commands if "examples/hf_trainer_sft.py" in c.argv)
+    quick = "docs/huggingface/quickstart.md:"  # its blocks set ARGS="..." and use $ARGS
+    sft = next(c for c in commands if c.where.startswith(quick) and "--deepspeed" in c.argv)
     assert "--max_length" in sft.argv
     assert any("--max_steps" in c.argv and "train.py" in c.argv for c in commands)
 

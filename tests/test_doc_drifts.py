@@ -54,7 +54,7 @@ def test_the_hugging_face_model_example_holds_every_key():
 def test_the_trainer_page_lists_every_subclass():
     from ulysses_cp.integrations import hf_trainer
 
-    page = (ROOT / "docs" / "huggingface.md").read_text()
+    page = (ROOT / "docs" / "huggingface" / "index.md").read_text()
     table = dict(re.findall(r"^\| `(SequenceParallel\w+)` \| `([\w.]+)` \|", page, re.M))
     assert sorted(table) == sorted(hf_trainer.__all__)
     count = len(hf_trainer.__all__)

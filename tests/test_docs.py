@@ -72,7 +72,7 @@ def literal(path, name: str):
 
 
 def test_trainer_quick_start_gives_the_settings_the_tests_run():
-    page = (ROOT / "docs" / "huggingface.md").read_text()
+    page = (ROOT / "docs" / "huggingface" / "quickstart.md").read_text()
     found = dict(re.findall(r'^(ARGS|DPO|GRPO|VLM)="([^"]*)"$', page, re.M))
     sft = literal(ROOT / "tests" / "test_examples_hf.py", "SETTINGS")
     trl = literal(ROOT / "tests" / "test_examples_trl.py", "EXAMPLES")

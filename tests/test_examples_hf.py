@@ -1,4 +1,4 @@
-"""examples/hf_trainer_sft.py as docs/huggingface.md ("Quick start") starts it: under
+"""examples/hf_trainer_sft.py as docs/huggingface/quickstart.md starts it: under
 ``accelerate launch`` (with examples/accelerate_config.yaml) and under the ``deepspeed``
 launcher, 2 CPU ranks, Ulysses 2, ZeRO-2, row-wise packing of chats of every length; against
 the same example in one process without DeepSpeed (transformers' sdpa attention), all three
@@ -25,7 +25,7 @@ pytest.importorskip("accelerate")
 
 EXAMPLE = ROOT / "examples" / "hf_trainer_sft.py"
 RTOL = 1e-5
-# the quick start's settings in docs/huggingface.md (a short run that shows a wrong
+# the quick start's settings in docs/huggingface/quickstart.md (a short run that shows a wrong
 # gradient scale; tests/test_docs.py checks the page gives these)
 SETTINGS = (
     "--max_length 64 --max_steps 3 --batch_size 2 --optim sgd --learning_rate 1.0 --max_grad_norm 0"

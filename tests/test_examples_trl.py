@@ -1,4 +1,4 @@
-"""The TRL examples (examples/dpo_long.py, examples/grpo_long.py) as docs/huggingface.md
+"""The TRL examples (examples/dpo_long.py, examples/grpo_long.py) as docs/huggingface/quickstart.md
 ("Quick start") starts them: DPO under the ``deepspeed`` launcher, GRPO under ``accelerate
 launch`` (2 CPU ranks, Ulysses 2, ZeRO-2; the SFT example's test runs both launchers),
 against the same example in one process without DeepSpeed, side by side; SGD with a

@@ -1,5 +1,5 @@
-"""examples/vlm_sft.py as docs/huggingface.md starts it: a tiny Qwen2.5-VL trained on four
-local images of different sizes (examples/make_tiny_assets.py --vlm) under the ``deepspeed``
+"""examples/vlm_sft.py as docs/huggingface/quickstart.md starts it: a tiny Qwen2.5-VL trained on
+four local images of different sizes (examples/make_tiny_assets.py --vlm) under the ``deepspeed``
 launcher with TRL's SFTTrainer subclass, 2 CPU ranks, Ulysses 2, ZeRO-2, against the same
 example in one process without DeepSpeed (the plain Trainer). ``accelerate launch`` and the
 Trainer subclass run the text example (test_examples_hf.py); the Trainer's image batches

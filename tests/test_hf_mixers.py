@@ -229,7 +229,7 @@ def test_mixer_bytes_match_the_formula(pools):
 
 @pytest.mark.launcher
 def test_the_real_proportions_table_is_the_scripts():
-    """docs/models.md's rows of scripts/mixer_degrees.py for two families are what the
+    """docs/reference/families.md's rows of scripts/mixer_degrees.py for two families are what the
     script prints now (Zamba: 2 heads, P <= 2; Mamba: channels and the all-reduce)."""
     import subprocess
     import sys
@@ -245,6 +245,6 @@ def test_the_real_proportions_table_is_the_scripts():
     ).stdout
     rows = [line for line in out.splitlines() if line.startswith("| Mamba") or "Zamba" in line]
     assert len(rows) == 2 and "| 1, 2 |" in rows[1], out
-    page = (ROOT / "docs" / "models.md").read_text()
+    page = (ROOT / "docs" / "reference" / "families.md").read_text()
     for line in rows:
         assert line in page, line

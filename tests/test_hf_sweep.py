@@ -3,7 +3,7 @@ and random, under hybrid sequence parallelism 2 x 2 (the all-to-all and the ring
 either exact (the one-process loss and, summed over the SP ranks, the one-process
 gradients, float64 where the family runs in it) or refused on every rank with the same
 message. Anything else fails: a silently wrong family, a crash, or a refusal on some ranks
-only. ``VERDICTS`` pins which way each family goes (docs/models.md is this table), so a
+only. ``VERDICTS`` pins which way each family goes (docs/reference/families.md is this table), so a
 family that changes sides is seen; the families the issue names run in every mode."""
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def check(results, family):
     return verdict, max(worst.values())
 
 
-# the families that train exactly (docs/models.md lists every family and why the rest are
-# refused); a family changing sides fails here until the table says so
+# the families that train exactly (docs/reference/families.md lists every family and why the
+# rest are refused); a family changing sides fails here until the table says so
 EXACT_NAMES = """
     afmoe apertus apertus1p5_text arcee aria_text axk1 bamba beam bert bert-generation biogpt
     bitnet codegen cohere cohere2 cohere2_moe cohere_compass_text ctrl cwm dbrx deepseek_v2
@@ -208,9 +208,9 @@ def test_mla_families_are_exact_in_every_mode(pools, family, u, r):
 
 
 def test_the_family_table_in_the_docs_is_the_sweeps():
-    """docs/models.md has one row per family: exact exactly for EXACT."""
+    """docs/reference/families.md has one row per family: exact exactly for EXACT."""
     rows = {}
-    for line in (ROOT / "docs" / "models.md").read_text().splitlines():
+    for line in (ROOT / "docs" / "reference" / "families.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[0].startswith("`") and cells[0].endswith("`"):
             rows[cells[0].strip("`")] = cells[1]
@@ -220,7 +220,7 @@ def test_the_family_table_in_the_docs_is_the_sweeps():
 
 
 # the MoE families (a config with output_router_logits): with the load-balancing loss on,
-# the exact ones stay exact, its term included (docs/models.md, "MoE load-balancing loss")
+# the exact ones stay exact, its term included (docs/reference/families.md, "MoE families")
 MOE = sorted(f for f in FAMILIES if has_router_loss(f))
 
 
@@ -232,14 +232,14 @@ def test_moe_family_is_exact_with_its_router_loss_or_refused(pools, family):
 
 
 def test_the_moe_table_in_the_docs_is_the_sweeps():
-    """docs/models.md's MoE table has one row per MoE family: exact with the loss computed
-    over the whole sequence exactly when the family is exact and its forward adds one,
+    """docs/reference/families.md's MoE table has one row per MoE family: exact with the loss
+    computed over the whole sequence exactly when the family is exact and its forward adds one,
     refused exactly when the sweep refuses it."""
     from ulysses_cp.models.hf_loss_terms import router_aux
 
     VERDICTS = ("exact", "refused")
     rows = {}
-    for line in (ROOT / "docs" / "models.md").read_text().splitlines():
+    for line in (ROOT / "docs" / "reference" / "families.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 2 and cells[0].startswith("`") and cells[1].startswith(VERDICTS):
             rows[cells[0].strip("`")] = cells[1]

@@ -69,8 +69,9 @@ __all__ = ["ProbeResult", "decoder_layers", "probe"]
 
 _FIX = (
     "ulysses_cp runs attention (through transformers' attention interface) and the token "
-    "mixers of docs/models.md across ranks; train this model with sequence parallelism 1 "
-    "(ulysses_degree = ring_degree = 1), or use a family the table lists as exact"
+    "mixers of docs/models/mixers.md across ranks; train this model with sequence parallelism "
+    "1 (ulysses_degree = ring_degree = 1), or use a family docs/reference/families.md lists "
+    "as exact"
 )
 
 
