@@ -1,6 +1,6 @@
 """Test tiers and the shared process pools.
 
-Every test belongs to exactly one tier (docs/development.md "Tests", docs/architecture.md):
+Every test belongs to exactly one tier (docs/development/tests.md, docs/architecture/index.md):
 
 - ``unit``: starts no process. Marked here, automatically, for every test that is neither
   of the others; a guard fails a unit test that starts one (a ``multiprocessing`` process,

@@ -84,8 +84,7 @@ def test_trainer_quick_start_gives_the_settings_the_tests_run():
 
 
 def test_the_repository_layout_names_every_module():
-    page = (ROOT / "docs" / "development.md").read_text()
-    tree = page[page.index("## Layout of the repository") :]
+    tree = (ROOT / "docs" / "development" / "layout.md").read_text()
     names = set(re.findall(r"[\w.]+\.py", tree))
     package = ROOT / "ulysses_cp"
     modules = {p.name for p in package.rglob("*.py") if p.name != "__init__.py"}

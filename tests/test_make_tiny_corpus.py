@@ -1,4 +1,4 @@
-"""scripts/make_tiny_corpus.py (docs/training.md's example corpus): it writes everything or,
+"""scripts/make_tiny_corpus.py (docs/training/corpus.md's example corpus): it writes everything or,
 without its packages or with a bad option, nothing, with an error that names the fix."""
 
 from __future__ import annotations

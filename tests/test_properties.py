@@ -56,7 +56,7 @@ def test_zigzag_pairs_chunks(P, per):
 @given(u=st.integers(1, 4), r=st.integers(1, 4), per=st.integers(1, 3))
 def test_hybrid_reorder_gives_each_ring_rank_its_zigzag_pair(u, r, per):
     """After the head all-to-all inside a ulysses group, pairs_to_natural(n=u) yields the
-    ring rank's chunks j and 2r-1-j of 2r, in token order (docs/design.md)."""
+    ring rank's chunks j and 2r-1-j of 2r, in token order (docs/design/ring.md)."""
     P = u * r
     s = 2 * P * per
     for j in range(r):

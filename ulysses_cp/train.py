@@ -7,7 +7,7 @@ Also ``deepspeed train.py ...`` (the repository's shim), ``python -m ulysses_cp.
 (one process) and the ``ulysses-cp-train`` console script. The JSON is a DeepSpeed config
 plus our blocks: "sequence_parallel" (degrees, layout, attention backend), "model" (the
 reference decoder or a Hugging Face model), "data" (task, seq_len, files) and "training"
-(steps, intervals, reliability). See docs/training.md. This module only wires the library
+(steps, intervals, reliability). See docs/training/index.md. This module only wires the library
 together: the loop is ulysses_cp.training.trainer, the pieces it builds are
 ulysses_cp.training.build. :func:`main` checks the config with light modules only;
 :func:`train` imports torch and DeepSpeed.

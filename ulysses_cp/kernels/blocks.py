@@ -64,7 +64,7 @@ class WorkStats:
     def count(self, phase: str, q: torch.Tensor, k: torch.Tensor) -> None:
         """Score entries of one kernel call on ``q (b, sq, hq, d)`` against ``k (b, sk, ...)``.
         Not counted inside ``torch.compile``d layers (a compiled backward cannot change
-        Python state; docs/training.md, ``compile``)."""
+        Python state; docs/training/compile.md)."""
         if torch.compiler.is_compiling():
             return
         b, sq, hq = q.shape[:3]

@@ -3,12 +3,13 @@ backward), hybrid models' token mixers (their all-to-alls, counted with the atte
 and ZeRO's collectives, split into intra-node and inter-node bytes.
 
 Attention, per layer and micro batch (:func:`forward_comm_bytes` gives the forward, the
-formulas of ``docs/design.md``; the tests compare the counters with their own copy): the
-backward all-to-all moves the same bytes as the forward (the gradients of q/k/v and of the
-output go the other way); the ring's backward passes each kv block on ``r - 1`` times
-(model dtype) and each dk/dv accumulator ``r`` times in fp32 (fp64 for fp64 models), so
-``ring_bwd = ring_fwd * (1 + r/(r-1) * acc/B)``; with ``kv_exchange="allgather"`` the
-backward gathers the kv again and sends ``r - 1`` dk/dv shares, ``ring_fwd * (1 + acc/B)``.
+formulas of ``docs/library.md``, "Communication"; the tests compare the counters with
+their own copy): the backward all-to-all moves the same bytes as the forward (the
+gradients of q/k/v and of the output go the other way); the ring's backward passes each kv
+block on ``r - 1`` times (model dtype) and each dk/dv accumulator ``r`` times in fp32
+(fp64 for fp64 models), so ``ring_bwd = ring_fwd * (1 + r/(r-1) * acc/B)``; with
+``kv_exchange="allgather"`` the backward gathers the kv again and sends ``r - 1`` dk/dv
+shares, ``ring_fwd * (1 + acc/B)``.
 These are the counters of ``ulysses_cp.core.comm.stats`` that ``metrics.jsonl``'s
 ``attention_comm_bytes_per_step`` sums (its ``comm_bytes_per_step`` adds ZeRO's bytes
 below, as the plan's ``comm_bytes_per_step_per_rank`` does).
