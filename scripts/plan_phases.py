@@ -1,7 +1,7 @@
 """The planner's step peak (``ulysses_cp.plan.phases``) against the live bytes of a bf16
 training step on CPU (``scripts/profiling.py``'s ``LiveBytes``), per phase.
 
-    python scripts/plan_phases.py            # ~1 min on 2 idle cores: docs/planner.md
+    python scripts/plan_phases.py            # ~1 min on 2 idle cores: docs/benchmarks/planner.md
     python scripts/plan_phases.py --quick    # two shapes
 
 Model: a Hugging Face Llama with Llama-3-8B's proportions scaled down (hidden 256, 8/2

@@ -4,7 +4,7 @@ tensor allocated, ``scripts/profiling.py``'s ``LiveBytes``), ZeRO's collective b
 (DeepSpeed's comms logger) and the longest sequence under a memory cap
 (``scripts/benchmark_memory.py``'s search).
 
-    python scripts/plan_vs_measured.py            # ~2 min on 2 idle cores: docs/planner.md
+    python scripts/plan_vs_measured.py     # ~2 min on 2 idle cores; docs/benchmarks/planner.md
     python scripts/plan_vs_measured.py --quick    # P = 1, 2 only
     python scripts/plan_vs_measured.py --attention   # one attention layer, N 4096 and 8192
 

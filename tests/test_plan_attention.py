@@ -4,7 +4,7 @@ their formulas (unit tests), and the peak of one forward+backward of
 ``scripts/benchmark_attention_memory.py``'s layer at N = 2048 on 4 ranks, in live tensor
 bytes (``scripts/profiling.py``'s ``LiveBytes``, what the planner counts): a distributed
 test. The profiler's peaks (kernel scratch, communication buffers) vary by run and are
-compared in ``scripts/plan_vs_measured.py --attention`` (docs/planner.md)."""
+compared in ``scripts/plan_vs_measured.py --attention`` (docs/benchmarks/planner.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Quick start block of docs/library.md (the README links to it) runs as written
+"""The Quick start block of docs/library/index.md (the README links to it) runs as written
 (torchrun, 2 CPU ranks) and its result equals full attention."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.launcher
 
 
 def quickstart_code() -> str:
-    page = (ROOT / "docs" / "library.md").read_text()
+    page = (ROOT / "docs" / "library" / "index.md").read_text()
     section = page[page.index("## Quick start") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 

@@ -162,7 +162,8 @@ def test_the_table_says_every_number_is_a_prediction():
     lines = table(result).splitlines()
     assert lines[0].startswith("PREDICTED, not measured.")
     assert lines[-1].endswith(
-        "is a prediction of the planner's cost model (docs/planner.md), not a measurement"
+        "is a prediction of the planner's cost model (docs/planner/cost-model.md), "
+        "not a measurement"
     )
     n = result["config"]["max_seq_len"]
     assert any(

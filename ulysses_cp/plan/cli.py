@@ -264,8 +264,8 @@ def table(result: dict, top: int = 10) -> str:
             f"{result['config']['max_seq_len']} as written"
         )
     lines.append(
-        "every number above is a prediction of the planner's cost model (docs/planner.md), "
-        "not a measurement"
+        "every number above is a prediction of the planner's cost model "
+        "(docs/planner/cost-model.md), not a measurement"
     )
     return "\n".join(lines)
 

@@ -3,7 +3,7 @@ backward), hybrid models' token mixers (their all-to-alls, counted with the atte
 and ZeRO's collectives, split into intra-node and inter-node bytes.
 
 Attention, per layer and micro batch (:func:`forward_comm_bytes` gives the forward, the
-formulas of ``docs/library.md``, "Communication"; the tests compare the counters with
+formulas of ``docs/library/modes.md``, "Communication"; the tests compare the counters with
 their own copy): the backward all-to-all moves the same bytes as the forward (the
 gradients of q/k/v and of the output go the other way); the ring's backward passes each kv
 block on ``r - 1`` times (model dtype) and each dk/dv accumulator ``r`` times in fp32

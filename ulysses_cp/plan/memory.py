@@ -2,8 +2,8 @@
 the activation peak, in bytes.
 
 Static, ZeRO over all ``n`` ranks (DeepSpeed partitions over data x sequence parallel),
-as DeepSpeed 0.19 allocates it with this package's mpu (measured, see
-docs/planner.md): parameters ``psi * B`` (ZeRO-3: the ``psi * B / n`` partition, plus the
+as DeepSpeed 0.19 allocates it with this package's mpu (measured:
+docs/benchmarks/planner.md): parameters ``psi * B`` (ZeRO-3: the ``psi * B / n`` partition, plus the
 persistent small tensors whole, plus one gathered layer); gradients ``psi * B`` (ZeRO-1
 and ZeRO-2 alike: with the sequence-parallel mpu ZeRO-2 all-reduces whole gradients;
 ZeRO-3: the ``psi * B / n`` partition plus its flat reduce buffer of exactly

@@ -31,7 +31,7 @@ size for torch's Adam).
 ZeRO-3 keeps its gradient partition and reduce buffer, and gradients accumulated over
 micro steps stay from one micro step to the next: then the gradients are alive at every
 moment, with the static bytes. All measured on CPU against the live bytes of bf16 steps
-(``scripts/plan_phases.py``, docs/planner.md).
+(``scripts/plan_phases.py``, docs/benchmarks/planner.md).
 """
 
 from __future__ import annotations
