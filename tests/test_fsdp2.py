@@ -73,9 +73,9 @@ def _models(kind: str, topo, path: str):
     return model, list(sp.model.layers), ref
 
 
-def _rows(vocab: int, dp: int) -> torch.Tensor:
+def _rows(vocab: int, dp: int, seed: int = 2) -> torch.Tensor:
     """The global batch: ``dp`` replicas of ``ROWS`` rows, replica d at rows [d*ROWS, ...)."""
-    return torch.randint(vocab, (dp * ROWS, SEQ), generator=torch.Generator().manual_seed(2))
+    return torch.randint(vocab, (dp * ROWS, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
 def _reference(ref, kind: str, ids: torch.Tensor, dp: int):
@@ -192,6 +192,51 @@ def test_a_broken_reduction_or_scale_is_caught(pools, path, broken):
         for name, want in results[0]["ref_grads"].items():
             got = results[0]["grads"][name]
             torch.testing.assert_close(got, 2 * want, **TOL, msg=_named(name))
+
+
+def _train(rank, dp: int, u: int, r: int, steps: int):
+    """``steps`` SGD steps of the decoder under FSDP2 and of one process, a new global
+    batch each step: (the FSDP2 replicas' mean losses, the reference's, both final weights)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fm = _fm(dp, u, r)
+    topo = fm.topology
+    model, layers, ref = _models("decoder", topo, "attention")
+    for layer in layers:
+        fully_shard(layer, mesh=fm.shard_mesh)
+    fully_shard(model, mesh=fm.shard_mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    losses, ref_losses = [], []
+    for step in range(steps):
+        ids = _rows(TINY.vocab_size, dp, seed=10 + step)
+        mine = ids[topo.dp_rank * ROWS : (topo.dp_rank + 1) * ROWS]
+        local = ucp.shard_batch({"input_ids": mine, "labels": mine}, topo)
+        logits = model(local["input_ids"], local["position_ids"], local["batch"])
+        loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        logged = loss.detach() / dp
+        torch.distributed.all_reduce(logged, group=topo.dp_group)  # the replicas' mean
+        losses.append(logged)
+        ref_losses.append(_reference(ref, "decoder", ids, dp)[0])
+        ref_opt.step()
+        ref_opt.zero_grad()
+    weights = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    return dict(losses=losses, ref_losses=ref_losses, weights=weights, ref=ref.state_dict())
+
+
+def test_training_steps_under_fully_shard_follow_one_process(pools):
+    """Three SGD steps at u2 x r2 and at dp2 x u2: every step's loss and the final weights."""
+    for dp, u, r in ((1, 2, 2), (2, 2, 1)):
+        for res in pools(4).run(_train, dp, u, r, 3):
+            torch.testing.assert_close(
+                torch.stack(res["losses"]), torch.stack(res["ref_losses"]), **TOL
+            )
+            assert res["losses"][2] != res["losses"][0]  # the weights moved
+            for name, want in res["ref"].items():
+                torch.testing.assert_close(res["weights"][name], want, **TOL, msg=_named(name))
 
 
 def _mesh_with(rank, dp, u, r):
