@@ -43,8 +43,8 @@ class FSDPMesh:
             ``mesh`` flattened (``"dp_sp"``), data and sequence ranks together.
         cp_mesh: The ``("ring", "ulysses")`` sub-mesh, for ``ucp.context_parallel`` (it
             runs Ulysses, the ring or the hybrid by the degrees).
-        topology: This rank's `~ulysses_cp.Topology` over the mesh's groups, for
-            ``ucp.attention``, ``ucp.Attention``, ``ucp.shard_batch`` and
+        topology: This rank's :class:`~ulysses_cp.core.topology.Topology` over the mesh's
+            groups, for ``ucp.attention``, ``ucp.Attention``, ``ucp.shard_batch`` and
             ``ulysses_cp.models.hf.register_attention``; its ``grad_scale`` is ``sp``.
     """
 
