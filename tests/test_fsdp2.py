@@ -61,13 +61,16 @@ def _models(kind: str, topo, path: str):
 
     hf.register_attention(topo, backend="math")
     cfg = _hf_config(kind)
+    impl = "ulysses_cp" if path == "attention" else "sdpa"
     sp = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(cfg), attn_implementation="ulysses_cp", dtype=torch.float64
+        copy.deepcopy(cfg), attn_implementation=impl, dtype=torch.float64
     )
     ref = transformers.AutoModelForCausalLM.from_config(
         copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float64
     )
     ref.load_state_dict(sp.state_dict())
+    if path != "attention":  # the drop-in: the model itself, calling SDPA
+        return sp, list(sp.model.layers), ref
     model = hf.HFCausalLM(sp, topo=topo)
     model.probe()  # collective on the SP group: before sharding, as build_model does
     return model, list(sp.model.layers), ref
@@ -108,6 +111,7 @@ def _step(rank, kind: str, dp: int, u: int, r: int, path: str = "attention", bro
     ids = _rows(vocab, dp)
     mine = ids[topo.dp_rank * ROWS : (topo.dp_rank + 1) * ROWS]
     factor = 2.0 if broken == "doubled scale" else 1.0
+    calls = None  # the drop-in's (mode, backend) per SDPA call
     if path == "attention":
         local = ucp.shard_batch({"input_ids": mine, "labels": mine}, topo)
         args = (local["input_ids"], local["position_ids"])
@@ -123,14 +127,22 @@ def _step(rank, kind: str, dp: int, u: int, r: int, path: str = "attention", bro
         n_tokens = int((labels != -100).sum())  # of the replica's whole rows
         pos = torch.arange(SEQ).expand_as(mine).clone()
         x = mine.clone()
-        with ucp.context_parallel(fm.cp_mesh, buffers=[x, labels, pos], buffer_seq_dims=[1, 1, 1]):
-            ce = F.cross_entropy(model(x, pos).flatten(0, 1), labels.flatten(), reduction="sum")
+        buffers = dict(buffers=[x, labels, pos], buffer_seq_dims=[1, 1, 1])
+        with ucp.context_parallel(fm.cp_mesh, **buffers) as cp:
+            if kind == "decoder":
+                logits = model(x, pos)
+            else:  # all-ones mask: transformers leaves the causal mask to SDPA's is_causal
+                mask = torch.ones_like(x)
+                out = model(input_ids=x, position_ids=pos, attention_mask=mask, use_cache=False)
+                logits = out.logits
+            ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
             share = ce / n_tokens
             (share * fm.loss_scale * factor).backward()
         replica_loss = share.detach().clone()
         torch.distributed.all_reduce(replica_loss, group=topo.sp_group)  # for the log only
+        calls = [mode for mode, _ in cp.calls]
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    if kind != "decoder":
+    if kind != "decoder" and path == "attention":  # HFCausalLM(model): "model." first
         grads = {n.removeprefix("model."): g for n, g in grads.items()}
     ref_loss, ref_grads = _reference(ref, kind, ids, dp)
     want = {n: ref_grads[n] for n in grads}
@@ -142,6 +154,7 @@ def _step(rank, kind: str, dp: int, u: int, r: int, path: str = "attention", bro
         ref_grads=want,
         mode=topo.mode,
         shards=shards,
+        calls=calls,
     )
 
 
@@ -175,9 +188,14 @@ def test_fully_shard_with_attention_equals_one_process(pools, kind, layout):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fully_shard_with_the_context_parallel_drop_in_equals_one_process(pools, layout):
-    dp, u, r, _ = LAYOUTS[layout]
-    results = pools(4).run(_step, "decoder", dp, u, r, "context_parallel")
+@pytest.mark.parametrize("kind", ["decoder", "llama"])
+def test_fully_shard_with_the_context_parallel_drop_in_equals_one_process(pools, kind, layout):
+    if kind != "decoder":
+        pytest.importorskip("transformers")
+    dp, u, r, mode = LAYOUTS[layout]
+    results = pools(4).run(_step, kind, dp, u, r, "context_parallel")
+    assert all(res["shards"] == {4} for res in results)
+    assert all(res["calls"] == [mode] * 2 for res in results)  # one call per layer
     _assert_one_process(results, dp)
 
 
