@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     )
     from .core.topology import Topology, init_topology
     from .core.varlen import cu_seqlens_from_position_ids, pack_documents
+    from .integrations.fsdp2 import FSDPMesh, fsdp_mesh
     from .integrations.torch_native import (
         context_parallel,
         context_parallel_unshard,
@@ -44,6 +45,7 @@ __all__ = [
     "BACKENDS",
     "LAYOUTS",
     "Attention",
+    "FSDPMesh",
     "RunConfig",
     "SequenceParallelConfig",
     "Topology",
@@ -52,6 +54,7 @@ __all__ = [
     "context_parallel",
     "context_parallel_unshard",
     "cu_seqlens_from_position_ids",
+    "fsdp_mesh",
     "gather_sequence",
     "init_distributed",
     "init_topology",
@@ -75,6 +78,7 @@ __all__ = [
 _HOMES: dict[str, tuple[str, str]] = {
     "Attention": ("modes.attention", "Attention"),
     "BACKENDS": ("core.options", "BACKENDS"),
+    "FSDPMesh": ("integrations.fsdp2", "FSDPMesh"),
     "LAYOUTS": ("core.options", "LAYOUTS"),
     "RunConfig": ("config", "RunConfig"),
     "SequenceParallelConfig": ("config", "SequenceParallelConfig"),
@@ -84,6 +88,7 @@ _HOMES: dict[str, tuple[str, str]] = {
     "context_parallel": ("integrations.torch_native", "context_parallel"),
     "context_parallel_unshard": ("integrations.torch_native", "context_parallel_unshard"),
     "cu_seqlens_from_position_ids": ("core.varlen", "cu_seqlens_from_position_ids"),
+    "fsdp_mesh": ("integrations.fsdp2", "fsdp_mesh"),
     "gather_sequence": ("core.sharding", "gather_sequence"),
     "init_distributed": ("training.engine", "init_distributed"),
     "init_topology": ("core.topology", "init_topology"),
