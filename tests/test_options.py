@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 
 import pytest
 import torch
 
 import ulysses_cp as ucp
-from tests.helpers import run_config
+from tests.helpers import ROOT, run_config
 from ulysses_cp.config import SequenceParallelConfig
 from ulysses_cp.core.options import CONFIG_KEYS, OPTION_NAMES, RunOptions
 from ulysses_cp.core.topology import Topology
@@ -145,3 +146,20 @@ def test_a_calls_choices_are_the_runs_with_its_overrides():
     assert unchecked.kv_exchange == "broadcast"
     with pytest.raises(TypeError, match="'layuot'"):
         run.for_call(layuot="zigzag")
+
+
+def test_one_gradient_scale_rule():
+    """``reduction_grad_scale`` is the rule: sp where the engine's reduction averages over
+    the SP ranks too, else 1; no engine computes the scale by hand."""
+    from ulysses_cp.core.options import reduction_grad_scale
+
+    assert reduction_grad_scale(4, averages_over_sp=True) == 4.0
+    assert reduction_grad_scale(4, averages_over_sp=False) == 1.0
+    with pytest.raises(ValueError, match="must be >= 1, got 0"):
+        reduction_grad_scale(0, averages_over_sp=True)
+    by_hand = []
+    for path in sorted((ROOT / "ulysses_cp").rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"grad_scale\s*=\s*(float\(|\d|[\w.]+\s*\*)", line):
+                by_hand.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not by_hand, by_hand

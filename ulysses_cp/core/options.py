@@ -28,6 +28,7 @@ __all__ = [
     "RunOptions",
     "check_layout",
     "check_packing",
+    "reduction_grad_scale",
 ]
 
 # How tokens are laid out across the sequence-parallel ranks (``ulysses_cp.core.sharding``).
@@ -154,3 +155,22 @@ CONFIG_KEYS: dict[str, str] = {
     for f in fields(RunOptions)
     if f.metadata.get("key", f.name) is not None
 }
+
+
+def reduction_grad_scale(sp_world_size: int, *, averages_over_sp: bool) -> float:
+    """The one gradient-scale rule, for every engine (``RunOptions.grad_scale``).
+
+    The SP loss gives each rank the gradient of its own tokens' share of the sequence's
+    mean, so the exact gradient is the SUM over the ``sp`` ranks of a sequence (and the
+    mean over the data-parallel replicas). An engine whose gradient reduction averages over
+    the SP ranks too divides that sum by ``sp``; the loss then scales its gradient by
+    ``sp``. An engine that averages over the replicas only needs no scale.
+
+    Who averages over the SP ranks: DeepSpeed ZeRO-3 with its reduce-scatter, the Hugging
+    Face Trainer (it hands DeepSpeed no sequence-parallel groups) and FSDP2 sharding over
+    ``dp x sp`` (``ulysses_cp.integrations.fsdp2``). DeepSpeed ZeRO 0-2 reduce over the
+    replicas only (``training.engine``'s mpu).
+    """
+    if sp_world_size < 1:
+        raise ValueError(f"the sequence-parallel size must be >= 1, got {sp_world_size}")
+    return float(sp_world_size) if averages_over_sp else 1.0

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.options import RunOptions
+from ..core.options import RunOptions, reduction_grad_scale
 from ..core.topology import Topology
 
 __all__ = ["FSDPMesh", "fsdp_mesh"]
@@ -162,7 +162,8 @@ def fsdp_mesh(
         device = torch.device("cuda", torch.cuda.current_device())
     world, given = dist.get_world_size(), [dp, ulysses, ring]
     n_dp = _check_sizes(given, _agreed(given, device), world)
-    run_options = RunOptions(**options, grad_scale=float(ulysses * ring))
+    scale = reduction_grad_scale(ulysses * ring, averages_over_sp=True)  # over dp x sp
+    run_options = RunOptions(**options, grad_scale=scale)
 
     from torch.distributed.device_mesh import init_device_mesh
 

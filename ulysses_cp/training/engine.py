@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..config import OUR_BLOCKS, RunConfig
 from ..core.log import get_logger
-from ..core.options import RunOptions
+from ..core.options import RunOptions, reduction_grad_scale
 from ..core.process import one_process_rendezvous
 from ..core.protocols import Engine, Group
 from ..core.topology import Topology, init_topology, validate_degrees
@@ -239,10 +239,9 @@ def zero_grad_scale(run: RunConfig) -> float:
     """ZeRO-3's reduce-scatter averages over dp x sp ranks; the others over dp only: the
     SP degree under ZeRO-3 (with its reduce-scatter), else 1."""
     zero = run.raw.get("zero_optimization") or {}
-    if _zero_stage(run) == 3 and zero.get("reduce_scatter", True):
-        sp = run.sequence_parallel
-        return float(sp.ulysses_degree * sp.ring_degree)
-    return 1.0
+    sp = run.sequence_parallel
+    averages = _zero_stage(run) == 3 and bool(zero.get("reduce_scatter", True))
+    return reduction_grad_scale(sp.ulysses_degree * sp.ring_degree, averages_over_sp=averages)
 
 
 def _partition_over_all_ranks(

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ...config import SequenceParallelConfig
 from ...core.batch import shard_batch
 from ...core.log import get_logger
+from ...core.options import reduction_grad_scale
 from ...core.process import set_cpu_threads
 from ...core.sharding import gather_sequence, pad_batch, sequence_multiple
 from ...core.tiles import check_memory_budget, gpu_budget_gb
@@ -178,13 +179,14 @@ class SequenceParallelRun:
         world = dist.get_world_size()
         validate_degrees(world, config.ulysses_degree, config.ring_degree)
         sp = config.ulysses_degree * config.ring_degree
+        scale = reduction_grad_scale(sp, averages_over_sp=True)
         set_cpu_threads(get_logger(__name__))  # on CPU: the cores shared by the local ranks
         topo = init_topology(
             config.ulysses_degree,
             config.ring_degree,
             timeout_s=config.collective_timeout_s,
             # DeepSpeed averages over all W ranks (module docstring)
-            **asdict(replace(config.options, grad_scale=float(sp))),
+            **asdict(replace(config.options, grad_scale=scale)),
         )
         return cls(topo=topo, config=config)
 
