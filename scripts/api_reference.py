@@ -6,6 +6,8 @@ docstrings are read as the site shows them, not as Sphinx would.
   object's entry on the site, its name in code; a name the site does not show stays code.
 - A default written as an expression (``layout=_DEFAULT.layout``) shows its value
   (``'zigzag'``), read from the imported function.
+- A dataclass field's default written as ``field(default=x, ...)`` shows ``x``, and a
+  ``default_factory`` of ``list`` shows ``[]``.
 - Module-level attributes (loggers such as ``log``, constants such as ``LATEST``) are not
   listed: a module's API is its functions and classes.
 """
@@ -76,6 +78,22 @@ def runtime_defaults(func: griffe.Function) -> None:
             p.default = repr(value)
 
 
+FACTORIES = {"list": "[]", "dict": "{}"}
+
+
+def field_default(attr: griffe.Attribute) -> None:
+    """A dataclass field's ``field(default=x, ...)`` shown as ``x`` (a config key's default
+    as the JSON's reader wants it), ``field(default_factory=list)`` as ``[]``."""
+    value = attr.value
+    if not (isinstance(value, griffe.ExprCall) and str(value.function) == "field"):
+        return
+    for arg in value.arguments:
+        if isinstance(arg, griffe.ExprKeyword) and arg.name == "default":
+            attr.value = arg.value
+        elif isinstance(arg, griffe.ExprKeyword) and arg.name == "default_factory":
+            attr.value = FACTORIES.get(str(arg.value), f"{arg.value}()")
+
+
 class SiteDocstrings(griffe.Extension):
     """Roles as links, defaults as values, no module attributes (see the module)."""
 
@@ -85,6 +103,8 @@ class SiteDocstrings(griffe.Extension):
                 obj.docstring.value = ROLE.sub(lambda m, o=obj: linked(o, m), obj.docstring.value)
             if isinstance(obj, griffe.Function):
                 runtime_defaults(obj)
+            elif isinstance(obj, griffe.Attribute) and obj.parent and obj.parent.is_class:
+                field_default(obj)
         for mod in [o for o in walk(pkg) if isinstance(o, griffe.Module)]:
             for name, member in list(mod.members.items()):
                 if not member.is_alias and isinstance(member, griffe.Attribute):

@@ -248,8 +248,9 @@ def bench_lengths(args, topos, P, device, dtype) -> list[dict]:
 
 def max_length(args, topos, P, device, dtype, what: str) -> dict:
     """Longest N (a multiple of 2P*64) whose per-rank peak fits ``args.budget_mb``."""
-    from ulysses_cp.config import DataConfig, ModelConfig
+    from ulysses_cp.config import ModelConfig
     from ulysses_cp.models.decoder import Decoder
+    from ulysses_cp.run_blocks import DataConfig
     from ulysses_cp.training.data import KVRecall, global_batch
 
     budget = args.budget_mb * 2**20

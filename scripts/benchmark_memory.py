@@ -31,9 +31,10 @@ from benchlib import barrier, max_over_ranks, parse_args, run_ranks, sync
 from profiling import longest_fitting, peak_memory
 
 import ulysses_cp as ucp
-from ulysses_cp.config import DataConfig, HFModelConfig, ModelConfig
+from ulysses_cp.config import HFModelConfig, ModelConfig
 from ulysses_cp.models.decoder import Decoder
 from ulysses_cp.models.memory import LossPlan, lm_loss
+from ulysses_cp.run_blocks import DataConfig
 from ulysses_cp.training.data import KVRecall, global_batch
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -133,7 +133,7 @@ def measure_zero(rank: int, world: int, stage: int, kind: str) -> dict:
 
 
 def _train_step(engine, topo, N: int) -> None:
-    from ulysses_cp.config import DataConfig
+    from ulysses_cp.run_blocks import DataConfig
     from ulysses_cp.training.data import KVRecall, global_batch
 
     full = global_batch(

@@ -508,7 +508,7 @@ def _sp_loss_and_grads(sp, ref, topo, batch: dict, ref_loss: torch.Tensor, **los
 def sgd_engine_and_batch(model: torch.nn.Module, cfg: dict, topo) -> tuple[object, dict]:
     """``model`` under DeepSpeed with SGD (lr 0.5), and this rank's shard of one KV-recall
     row of 128 tokens (the same row on every rank): a one-step test's starting point."""
-    from ulysses_cp.config import DataConfig
+    from ulysses_cp.run_blocks import DataConfig
     from ulysses_cp.training.data import KVRecall, global_batch
 
     opt = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -13,8 +13,9 @@ import torch
 
 import ulysses_cp as ucp
 from tests.helpers import needs_fp16, run_config, topology_for
-from ulysses_cp.config import DataConfig, ModelConfig
+from ulysses_cp.config import ModelConfig
 from ulysses_cp.models.decoder import Decoder
+from ulysses_cp.run_blocks import DataConfig
 from ulysses_cp.training import checkpoint
 from ulysses_cp.training import portable as saved_state
 from ulysses_cp.training.data import KVRecall, global_batch

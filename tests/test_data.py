@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import ulysses_cp as ucp
-from ulysses_cp.config import DataConfig
 from ulysses_cp.core.batch import shard_batch, shift_labels
 from ulysses_cp.core.topology import Topology
+from ulysses_cp.run_blocks import DataConfig
 from ulysses_cp.training.data import ByteText, KVRecall, global_batch
 
 

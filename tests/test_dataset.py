@@ -22,10 +22,11 @@ pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 import tokenizers  # noqa: E402
 
-from ulysses_cp.config import DataConfig, EvalConfig, RunConfig  # noqa: E402
+from ulysses_cp.config import RunConfig  # noqa: E402
 from ulysses_cp.core.batch import BatchPlan  # noqa: E402
 from ulysses_cp.core.topology import Topology  # noqa: E402
 from ulysses_cp.models import hf  # noqa: E402
+from ulysses_cp.run_blocks import DataConfig, EvalConfig  # noqa: E402
 from ulysses_cp.training import corpus as corpus_mod  # noqa: E402
 from ulysses_cp.training.corpus import load_corpus  # noqa: E402
 from ulysses_cp.training.data import data_vocab_size, global_batch  # noqa: E402
@@ -493,7 +494,8 @@ def test_the_shipped_config_points_at_the_example_corpus():
 
 
 def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused(data, tmp_path, monkeypatch):
-    from ulysses_cp.config import HFModelConfig, SequenceParallelConfig, TrainingConfig
+    from ulysses_cp.config import HFModelConfig, SequenceParallelConfig
+    from ulysses_cp.run_blocks import TrainingConfig
     from ulysses_cp.training import build
 
     monkeypatch.setattr(build.dist, "get_world_size", lambda: 1)

@@ -24,6 +24,7 @@ def json_blocks(page: str) -> list[str]:
 
 def test_the_config_example_holds_every_key_of_every_block():
     from ulysses_cp import config as c
+    from ulysses_cp import run_blocks as b
     from ulysses_cp.core.options import CONFIG_KEYS
     from ulysses_cp.schema import from_block
 
@@ -32,8 +33,8 @@ def test_the_config_example_holds_every_key_of_every_block():
     example = json.loads("{" + block + "}")
     sp = {f.name for f in dataclasses.fields(c.SequenceParallelConfig)} - {"options"}
     expected = {"sequence_parallel": sp | set(CONFIG_KEYS)}
-    classes = {"model": c.ModelConfig, "data": c.DataConfig, "eval": c.EvalConfig}
-    classes["training"] = c.TrainingConfig
+    classes = {"model": c.ModelConfig, "data": b.DataConfig, "eval": b.EvalConfig}
+    classes["training"] = b.TrainingConfig
     expected |= {k: {f.name for f in dataclasses.fields(v)} for k, v in classes.items()}
     for name, keys in expected.items():
         assert set(example[name]) == keys, (name, keys ^ set(example[name]))

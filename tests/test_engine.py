@@ -20,11 +20,12 @@ from tests.helpers import (
     topology,
     topology_for,
 )
-from ulysses_cp.config import DataConfig, ModelConfig, RunConfig, read_config
+from ulysses_cp.config import ModelConfig, RunConfig, read_config
 from ulysses_cp.core.batch import shard_batch
 from ulysses_cp.kernels.dispatch import local_attention
 from ulysses_cp.models.decoder import Decoder
 from ulysses_cp.models.loss import local_loss_term, replicated_loss_term
+from ulysses_cp.run_blocks import DataConfig
 from ulysses_cp.training.data import KVRecall, global_batch
 from ulysses_cp.training.engine import zero_grad_scale
 
@@ -290,8 +291,8 @@ def test_the_skip_path_keeps_the_tiled_loss():
     """A non-finite micro batch is re-run with every label ignored: with tiled_loss the LM
     head still sees one tile at a time (the full logits are never materialised) and the
     loss has no gradient."""
-    from ulysses_cp.config import TrainingConfig
     from ulysses_cp.models.memory import LossPlan
+    from ulysses_cp.run_blocks import TrainingConfig
     from ulysses_cp.training.trainer import Trainer
 
     model = Decoder(TINY, lambda q, k, v: local_attention(q, k, v, backend="math"))
@@ -371,7 +372,7 @@ def test_low_precision_means_low_precision_under_every_stage(pools, stage, preci
 def _trainer_run(rank, out):
     """The trainer in process (no launcher): every step reaches the hooks, losses are
     logged, and the end of the run is checkpointed."""
-    from ulysses_cp.config import TrainingConfig
+    from ulysses_cp.run_blocks import TrainingConfig
     from ulysses_cp.training import checkpoint
     from ulysses_cp.training.trainer import Hooks, Trainer
 

@@ -18,6 +18,7 @@ FLOORS = ["core", "config", "kernels", "modes", "models", "integrations", "train
 # the entry points (train.py, check_attention.py) above every floor: nothing imports them
 TOP_LEVEL = {
     "config.py": "config",
+    "run_blocks.py": "config",
     "schema.py": "config",
     "train.py": "entry",
     "check_attention.py": "entry",

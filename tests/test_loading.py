@@ -13,7 +13,8 @@ import torch
 
 import ulysses_cp as ucp
 from tests.helpers import run_config, topology_for
-from ulysses_cp.config import DataConfig, RunConfig
+from ulysses_cp.config import RunConfig
+from ulysses_cp.run_blocks import DataConfig
 from ulysses_cp.training.data import KVRecall, global_batch
 
 transformers = pytest.importorskip("transformers")

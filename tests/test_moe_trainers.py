@@ -105,7 +105,7 @@ def test_train_py_moe_u2r2_equals_one_process(tmp_path):
     import transformers
 
     from tests.helpers import launch, metrics, run_config, write_config
-    from ulysses_cp.config import DataConfig
+    from ulysses_cp.run_blocks import DataConfig
     from ulysses_cp.training.data import KVRecall, global_batch
 
     folder = tmp_path / "qwen3_moe"

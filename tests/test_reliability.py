@@ -133,8 +133,8 @@ def _skip_nonfinite(rank, stage):
 
     from tests.faults import FaultHooks
     from tests.helpers import TINY
-    from ulysses_cp.config import DataConfig
     from ulysses_cp.models.decoder import Decoder
+    from ulysses_cp.run_blocks import DataConfig
     from ulysses_cp.training.data import KVRecall, global_batch
     from ulysses_cp.training.nonfinite import any_rank, gradients_finite, skip_update
 

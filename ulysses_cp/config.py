@@ -2,14 +2,16 @@
 
 A config file is a DeepSpeed JSON plus our blocks: ``"sequence_parallel"``, ``"model"``
 (the reference decoder, or a Hugging Face model when it has ``hf_config``), ``"data"``,
-``"eval"`` and ``"training"``. :meth:`RunConfig.load` reads the file (:func:`read_config`:
-JSON syntax errors with the line, unknown top-level keys, relative paths resolved against
-the file's folder) and parses every block (``ulysses_cp.schema.from_block``: unknown keys
-and values of the wrong type refused naming the key; each block's ``check()`` adds the
-rules between fields). Everything after takes the parsed :class:`RunConfig`; the DeepSpeed
-part is handed on unchanged (``ulysses_cp.training.engine.deepspeed_part``). A leaf of the
-import graph but for ``core.options`` and ``schema``: the head and vocabulary counts of a
-Hugging Face config are asked from ``ulysses_cp.models.hf`` by the code that needs them.
+``"eval"`` and ``"training"`` (the last three declared in ``ulysses_cp.run_blocks``).
+Each field's docstring is its key's entry in the generated config reference.
+:meth:`RunConfig.load` reads the file (:func:`read_config`: JSON syntax errors with the
+line, unknown top-level keys, relative paths resolved against the file's folder) and parses
+every block (``ulysses_cp.schema.from_block``: unknown keys and values of the wrong type
+refused naming the key; each block's ``check()`` adds the rules between fields).
+Everything after takes the parsed :class:`RunConfig`; the DeepSpeed part is handed on
+unchanged (``ulysses_cp.training.engine.deepspeed_part``). A leaf of the import graph but
+for ``core.options``, ``schema`` and ``run_blocks``: the head and vocabulary counts of
+a Hugging Face config are asked from ``ulysses_cp.models.hf`` by the code that needs them.
 """
 
 from __future__ import annotations
@@ -24,20 +26,16 @@ from typing import Literal
 from .core.offload import check_offload, offloaded_layers
 from .core.options import CONFIG_KEYS, RunOptions
 from .core.tiles import check_memory_budget, check_tiles
+from .run_blocks import DataConfig, EvalConfig, TrainingConfig
 from .schema import at_least, block_values, check_top_level_keys, from_block, resolve_paths
 
 __all__ = [
     "OUR_BLOCKS",
-    "DataConfig",
-    "EvalConfig",
     "HFDtype",
     "HFModelConfig",
     "ModelConfig",
-    "OnNonfinite",
     "RunConfig",
     "SequenceParallelConfig",
-    "Task",
-    "TrainingConfig",
     "check_memory_options",
     "model_config",
     "read_config",
@@ -45,9 +43,7 @@ __all__ = [
 
 OUR_BLOCKS = ("sequence_parallel", "model", "data", "eval", "training")
 
-Task = Literal["kv_recall", "text", "dataset"]
 HFDtype = Literal["float32", "bfloat16", "float64"]
-OnNonfinite = Literal["skip", "stop"]
 
 
 # ---------------------------------------------------------------- the file
@@ -89,9 +85,17 @@ class SequenceParallelConfig:
     ZeRO stage, see ``ulysses_cp.training.engine.run_options``)."""
 
     ulysses_degree: int = 1
+    """Ranks in each Ulysses (all-to-all) group. It must divide the query heads, and divide
+    the KV heads or be a multiple of them. Keep it within a node. 1: no Ulysses."""
     ring_degree: int = 1
-    collective_timeout_s: float = 1800.0  # a dead or hung peer ends the run after this
-    options: RunOptions = field(default_factory=RunOptions)  # the block's other keys
+    """Ranks in each ring group, which pass KV blocks around. It takes any head count and
+    overlaps its transfers with compute. Use it across nodes or past the head limit."""
+    collective_timeout_s: float = 1800.0
+    """Seconds any collective may wait. A dead or hung peer then ends the run with a message
+    naming the op and the group. Raise it only if a healthy collective can wait longer."""
+    options: RunOptions = field(default_factory=RunOptions)
+    """Not a key: the block's other keys, parsed as
+    :class:`~ulysses_cp.core.options.RunOptions`."""
 
     @classmethod
     def from_dict(cls, cfg: dict | None) -> SequenceParallelConfig:
@@ -133,27 +137,52 @@ def check_memory_options(block: ModelConfig | HFModelConfig) -> None:
 
 @dataclass
 class ModelConfig:
-    """The reference decoder (``ulysses_cp.models.decoder.Decoder``)."""
+    """The ``"model"`` block for the reference decoder (``ulysses_cp.models.decoder.Decoder``):
+    a Llama-style decoder with RMSNorm, RoPE, SwiGLU and grouped-query attention."""
 
     vocab_size: int = 256
+    """Token ids the model embeds and predicts. 256 fits tasks `"kv_recall"` and `"text"`;
+    task `"dataset"` needs the tokenizer's vocabulary or more."""
     dim: int = 128
+    """The hidden size. It must split into `n_heads` heads of even size."""
     n_layers: int = 2
+    """Decoder layers."""
     n_heads: int = 4
+    """Query heads. `ulysses_degree` must divide them."""
     n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention). `n_heads` must be a multiple of them."""
     ffn_dim: int = 256
+    """The SwiGLU MLP's inner width."""
     rope_theta: float = 10000.0
+    """The RoPE base frequency."""
     norm_eps: float = 1e-5
+    """The RMSNorm epsilon."""
     activation_checkpointing: bool = False
-    # checkpointed layer inputs wait on CPU (needs the above): true (every layer), false,
-    # or how many of the first layers do (the rest keep theirs on the device)
+    """Recompute each layer in the backward, its all-to-alls and ring passes too. It keeps
+    one hidden state per layer instead of all its activations. Turn it on for long
+    sequences."""
     offload_activations: bool | int = False
-    # > 1: the MLP in this many sequence pieces (models/memory.py); "auto": sized by bytes
-    # (core/tiles.py)
+    """Keep the checkpointed layer inputs on the CPU until the backward. It needs
+    `activation_checkpointing`. `true`: every layer. `false` or 0: none. An integer `n`:
+    the first `n` layers. Use a count when the host cannot hold every layer's input."""
     tiled_mlp: int | Literal["auto"] = 0
-    tiled_loss: int | Literal["auto"] = 0  # LM head + loss in pieces, no full logits
-    memory_budget_gb: float | None = None  # per rank: sizes "auto" tiles (core/tiles.py)
-    fused_loss: bool = False  # LM head + loss gradients computed in the forward
-    compile: bool = False  # torch.compile each decoder layer (models/compiled.py)
+    """Run each MLP on this many pieces of the local sequence, under checkpointing. Its
+    `(s, ffn)` intermediates then exist for one piece at a time. 0 or 1: untiled.
+    `"auto"`: at most 128 MiB of intermediate a tile (less under `memory_budget_gb`)."""
+    tiled_loss: int | Literal["auto"] = 0
+    """Run the LM head and the loss on this many pieces; no full fp32 logits exist. 0 or 1:
+    untiled. `"auto"`: at most 1 GiB of logits a tile (less under `memory_budget_gb`)."""
+    memory_budget_gb: float | None = None
+    """GiB per rank that sizes the `"auto"` tiles: a loss tile holds at most 1/16 of it,
+    an MLP tile 1/32. `null`: the GPU's free memory at start, less max(2 GiB, 10%); on a
+    CPU, the fixed caps alone."""
+    fused_loss: bool = False
+    """Compute the LM head's and the loss's gradients in the forward, tile by tile. Nothing
+    of the head is recomputed. It holds the head's fp32 weight gradient whole through the
+    backward, so it is off by default."""
+    compile: bool = False
+    """`torch.compile` each decoder layer (`ulysses_cp/models/compiled.py`). The first
+    steps are slower while it compiles."""
 
     @classmethod
     def from_dict(cls, cfg: dict | None) -> ModelConfig:
@@ -179,17 +208,38 @@ class ModelConfig:
 class HFModelConfig:
     """The ``"model"`` block for a Hugging Face model (``hf_config`` present)."""
 
-    hf_config: str | dict = ""  # local config.json / folder, or inline fields + model_type
-    hf_weights: str | None = None  # local folder for from_pretrained; None: random init
+    hf_config: str | dict = ""
+    """The model's transformers config: a local `config.json` or its folder, relative to
+    the config file's. Or the fields inline, with `model_type`. Its presence makes the
+    block a Hugging Face one."""
+    hf_weights: str | None = None
+    """A local folder of weights (`from_pretrained`). `null`: a random init from
+    `training.seed`. Nothing is downloaded."""
     dtype: HFDtype = "float32"
+    """The dtype the model is built in: `"float32"`, `"bfloat16"` or `"float64"`."""
     activation_checkpointing: bool = False
-    offload_activations: bool | int = False  # as in ModelConfig
+    """Recompute each decoder layer in the backward. Turn it on for long sequences."""
+    offload_activations: bool | int = False
+    """Keep the checkpointed layer inputs on the CPU until the backward; as in the reference
+    decoder's block. `true`: every layer. An integer `n`: the first `n` layers."""
     tiled_mlp: int | Literal["auto"] = 0
+    """Run each MLP on this many pieces of the local sequence. 0 or 1: untiled. `"auto"`:
+    sized by bytes, as in the reference decoder's block."""
     tiled_loss: int | Literal["auto"] = 0
-    memory_budget_gb: float | None = None  # as in ModelConfig
+    """Run the LM head and the loss on this many pieces; no full logits exist. 0 or 1:
+    untiled. `"auto"`: sized by bytes."""
+    memory_budget_gb: float | None = None
+    """GiB per rank that sizes the `"auto"` tiles. `null`: the GPU's free memory at start,
+    or the fixed caps on a CPU."""
     fused_loss: bool = False
-    lean_norms: bool = True  # RMSNorms keep only their input for backward (models/lean_norm.py)
-    compile: bool = False  # torch.compile each decoder layer (models/compiled.py)
+    """Compute the LM head's and the loss's gradients in the forward. The head must be one
+    `nn.Linear`. Off by default: it holds the head's fp32 weight gradient whole."""
+    lean_norms: bool = True
+    """RMSNorms keep only their input for the backward and recompute the rest
+    (`ulysses_cp/models/lean_norm.py`). The output is the family's own to the bit. Set
+    `false` to run the family's own norm code."""
+    compile: bool = False
+    """`torch.compile` each decoder layer (`ulysses_cp/models/compiled.py`)."""
 
     @classmethod
     def from_dict(cls, block: dict | None) -> HFModelConfig:
@@ -206,153 +256,6 @@ def model_config(block: dict | None) -> ModelConfig | HFModelConfig:
     if block and "hf_config" in block:
         return HFModelConfig.from_dict(block)
     return ModelConfig.from_dict(block)
-
-
-# ---------------------------------------------------------------- data
-
-
-@dataclass
-class DataConfig:
-    task: Task = "kv_recall"
-    seq_len: int = 512
-    seed: int = 1234
-    files: list[str] = field(default_factory=list)  # text task
-    n_pairs: int = 4  # kv_recall: bindings at the start
-    n_queries: int = 48  # kv_recall: queries at the end
-    n_keys: int = 4
-    n_values: int = 8
-    packing: bool = False  # several documents per row, attention kept inside each
-    min_doc_len: int = 32  # packed kv_recall document lengths
-    max_doc_len: int = 128
-    pack_multiple: int = 16  # documents padded to this (packing "document": a multiple of
-    # ucp.sequence_multiple; packing "row": 1, no padding per document)
-    # task "dataset": tokenized files (training/corpus.py)
-    tokenizer: str = ""  # a local tokenizer folder or tokenizer.json
-    text_field: str = "text"  # a string, or a list of chat messages (the chat template)
-    eos_token: str = ""  # "": the tokenizer's own EOS token
-    cache_dir: str = ""  # "": ~/.cache/ulysses_cp/tokens
-    tokenize_workers: int = 0  # tokenizing processes; 0: 1 under 64 MB of input, else 1/core
-
-    @classmethod
-    def from_dict(cls, cfg: dict | None) -> DataConfig:
-        return from_block(cls, cfg, "data")
-
-    def check(self) -> None:
-        at_least("data", self, ("seq_len",), 1)
-        if self.task == "text" and not self.files:
-            raise ValueError("data.task 'text' needs data.files: a list of .txt/.jsonl paths")
-        if self.task == "dataset":
-            if not self.files:
-                raise ValueError(
-                    "data.task 'dataset' needs data.files: .jsonl/.json/.parquet/.arrow files "
-                    "or a folder written by datasets' save_to_disk"
-                )
-            if not self.tokenizer:
-                raise ValueError(
-                    "data.task 'dataset' needs data.tokenizer: a local tokenizer folder "
-                    "(tokenizer.json + tokenizer_config.json) or a tokenizer.json file"
-                )
-            if not self.text_field:
-                raise ValueError("data.text_field must name the records' text (or messages) field")
-        if self.tokenize_workers < 0:
-            raise ValueError(
-                f"data.tokenize_workers must be >= 0 (0: one per CPU core), got "
-                f"{self.tokenize_workers}"
-            )
-        if self.packing:
-            if self.pack_multiple < 1 or self.seq_len % self.pack_multiple:
-                raise ValueError(
-                    f"data.seq_len {self.seq_len} must be a multiple of data.pack_multiple "
-                    f"{self.pack_multiple} (>= 1) when packing"
-                )
-            if self.task == "kv_recall" and not (
-                self.n_pairs + 3 <= self.min_doc_len <= self.max_doc_len <= self.seq_len
-            ):
-                raise ValueError(
-                    f"packed kv_recall needs n_pairs + 3 <= min_doc_len <= max_doc_len <= "
-                    f"seq_len, got {self.n_pairs + 3}, {self.min_doc_len}, "
-                    f"{self.max_doc_len}, {self.seq_len}"
-                )
-        if self.task == "kv_recall":
-            need = 1 + self.n_pairs + 2 * self.n_queries
-            if self.seq_len < need and not self.packing:
-                raise ValueError(
-                    f"kv_recall needs seq_len >= 1 + 2*n_pairs + 2*n_queries = "
-                    f"{need}, got {self.seq_len}"
-                )
-            n_k, n_v = self.n_keys, self.n_values
-            if self.n_pairs > n_k or 18 + n_k * (n_v + 1) + n_v > 256:
-                raise ValueError(
-                    f"kv_recall needs n_pairs <= n_keys and 18 + n_keys + n_values "
-                    f"+ n_keys*n_values <= 256, got n_pairs {self.n_pairs}, n_keys "
-                    f"{n_k}, n_values {n_v}"
-                )
-
-
-# ---------------------------------------------------------------- eval
-
-
-@dataclass
-class EvalConfig:
-    """Held-out loss during training (``training/evaluate.py``); task ``"dataset"`` only."""
-
-    files: list[str] = field(default_factory=list)  # held-out files, tokenized like data.files
-    fraction: float = 0.0  # or: this fraction of data.files' documents (the last ones)
-    interval: int = 0  # evaluate every this many steps (and after the last); 0: never
-    batches: int = 1  # micro batches per evaluation, per data-parallel replica
-
-    @classmethod
-    def from_dict(cls, cfg: dict | None) -> EvalConfig:
-        return from_block(cls, cfg, "eval")
-
-    @property
-    def enabled(self) -> bool:
-        return self.interval > 0
-
-    def check(self) -> None:
-        at_least("eval", self, ("interval",), 0)
-        at_least("eval", self, ("batches",), 1)
-        if self.files and self.fraction:
-            raise ValueError(
-                f"eval: give eval.files (held-out files) or eval.fraction (a share of "
-                f"data.files), not both; got {len(self.files)} file(s) and fraction "
-                f"{self.fraction}"
-            )
-        if self.fraction and not 0 < self.fraction < 1:
-            raise ValueError(
-                f"eval.fraction must be between 0 and 1 (exclusive), got {self.fraction}"
-            )
-        if self.enabled and not (self.files or self.fraction):
-            raise ValueError(
-                f"eval.interval {self.interval} needs held-out data: eval.files (a list of "
-                f"paths) or eval.fraction (for example 0.05 of data.files' documents)"
-            )
-
-
-# ---------------------------------------------------------------- training
-
-
-@dataclass
-class TrainingConfig:
-    max_steps: int = 100
-    log_interval: int = 10
-    save_interval: int = 0  # 0: save at the end only
-    seed: int = 0
-    on_nonfinite: OnNonfinite = "skip"  # non-finite loss or gradients: skip the step or stop
-    check_gradients: bool = True  # look for non-finite gradients before every update
-    save_on_signal: bool = True  # SIGTERM/SIGINT: save at the end of the step, exit 0
-    portable_checkpoint: bool = True  # also save portable.pt (resume on other world sizes)
-
-    @classmethod
-    def from_dict(cls, cfg: dict | None) -> TrainingConfig:
-        return from_block(cls, cfg, "training")
-
-    def check(self) -> None:
-        for n in ("max_steps", "log_interval", "save_interval", "seed"):
-            if getattr(self, n) < 0:
-                raise ValueError(f"training.{n} must be an integer >= 0, got {getattr(self, n)!r}")
-        if self.log_interval < 1:
-            raise ValueError(f"training.log_interval must be >= 1, got {self.log_interval}")
 
 
 # ---------------------------------------------------------------- the whole run

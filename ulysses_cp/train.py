@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING
 
 # only light modules above the config check (no torch, no DeepSpeed): a typo in the JSON
 # is reported in the time Python takes to start, on every rank, before any heavy import
-from ulysses_cp.config import RunConfig, TrainingConfig
+from ulysses_cp.config import RunConfig
 from ulysses_cp.core.commands import DefaultsHelp, program_name
 from ulysses_cp.core.log import configure_logging, get_logger, quiet_third_party
 from ulysses_cp.core.process import launched, set_cpu_threads
+from ulysses_cp.run_blocks import TrainingConfig
 
 if TYPE_CHECKING:
     from ulysses_cp.training.trainer import Hooks

@@ -74,41 +74,41 @@ class RunOptions:
     key when it differs, None when the config does not set it) and one call's choices
     (:meth:`for_call`) are these fields.
 
-    Attributes:
-        layout: how tokens are sharded (``"zigzag"`` or ``"contiguous"``).
-        backend: the local attention kernel (``ucp.BACKENDS``); the config's
-            ``attention_backend``.
-        check_inputs: compare every SP rank's inputs before communicating.
-        grad_scale: multiplies the gradient of the SP loss (1, or the SP degree where
-            ZeRO-3 averages gradients over SP ranks too:
-            ``training.engine.zero_grad_scale``); not a config key (it follows the ZeRO
-            stage).
-        kv_exchange: how KV moves inside a ring group (``"ring"``: point-to-point steps
-            overlapped with compute; ``"allgather"``: one all-gather, and a reduce-scatter
-            of dk/dv in the backward).
-        head_chunks: the Ulysses all-to-alls go in this many chunks of heads, overlapped
-            with the attention of the previous chunk (0: automatic, see
-            ``ulysses_cp.modes.ulysses.resolve_head_chunks``).
-        redo_all_to_all: keep no head-sharded copies of q, k, v and the output for the
-            backward and redo their all-to-alls there instead (less memory, 1.5x the
-            all-to-all bytes; ``ulysses_cp.modes.chunked``).
-        packing: the layout of packed rows (``cu_seqlens``): ``"document"`` (every
-            document split over the ranks, its length a multiple of
-            ``sequence_multiple``) or ``"row"`` (the row split like an unpacked sequence;
-            documents of any length), see ``ulysses_cp.core.varlen``.
-
     Raises:
         ValueError: a value out of its range, naming the option and the value.
     """
 
     layout: Layout = "zigzag"
+    """How tokens are sharded over the sequence-parallel ranks. `"zigzag"` balances the
+    causal work; use it. `"contiguous"` gives each rank one slice."""
     backend: Backend = field(default="auto", metadata={"key": "attention_backend"})
+    """The local attention kernel; the JSON key is `attention_backend`. `"auto"` takes the
+    fastest library that imports and runs the inputs on the GPU found, else torch's kernels.
+    Name one (`"flash_attn"`, `"flash_attn3"`, `"flash_attn4"`, `"torch"`, `"math"`) to
+    pin it."""
     check_inputs: bool = True
+    """Compare every SP rank's inputs (one tiny all-gather) before each attention call. A
+    rank with a different shape then raises instead of hanging."""
     grad_scale: float = field(default=1.0, metadata={"key": None})
+    """Multiplies the SP loss's gradient: 1, or the SP degree under ZeRO-3, which averages
+    over the SP ranks too (`training.engine.zero_grad_scale`). Not a config key: it follows
+    the ZeRO stage."""
     kv_exchange: KVExchange = "ring"
+    """How KV moves inside a ring group. `"ring"`: point-to-point steps overlapped with
+    compute. `"allgather"`: one all-gather (a reduce-scatter of dk/dv in the backward),
+    holding the group's whole KV while it runs."""
     head_chunks: int = 0
+    """Split the Ulysses all-to-alls into this many chunks of heads, each overlapped with
+    the previous chunk's attention. 0: the most chunks whose query block stays at least
+    1 MiB (``ulysses_cp.modes.ulysses.resolve_head_chunks``)."""
     redo_all_to_all: bool = False
+    """Keep no head-sharded copies of q, k, v and the output for the backward; redo their
+    all-to-alls there (``ulysses_cp.modes.chunked``). It costs 1.5x the all-to-all bytes.
+    Use it for many layers without checkpointing, inside a node."""
     packing: Packing = "document"
+    """How packed rows (`cu_seqlens`) split over the ranks. `"document"`: every document on
+    its own, its length a multiple of `sequence_multiple`. `"row"`: the row like an
+    unpacked one, documents of any length (``ulysses_cp.core.varlen``)."""
 
     def __post_init__(self) -> None:
         check_layout(self.layout)

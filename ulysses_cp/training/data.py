@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
-from ..config import DataConfig, EvalConfig
 from ..core.varlen import IGNORE, pack_row
+from ..run_blocks import DataConfig, EvalConfig
 
 if TYPE_CHECKING:
     from .token_data import TokenDataset

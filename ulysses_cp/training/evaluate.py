@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..config import EvalConfig
 from ..core.batch import shard_batch
 from ..core.log import get_logger
 from ..core.topology import Topology
 from ..core.varlen import IGNORE
+from ..run_blocks import EvalConfig
 from .data import global_batch
 
 if TYPE_CHECKING:

@@ -25,8 +25,8 @@ from itertools import pairwise
 import numpy as np
 import torch
 
-from ..config import DataConfig, EvalConfig
 from ..core.varlen import IGNORE, pack_row
+from ..run_blocks import DataConfig, EvalConfig
 from .corpus import TokenizedCorpus, check_files, load_corpus
 from .tokenizer import load_tokenizer
 

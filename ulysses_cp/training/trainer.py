@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..config import TrainingConfig
 from ..core.batch import shard_batch
 from ..core.comm import stats as comm_stats
 from ..core.flops import FlopShape, step_flops
@@ -28,6 +27,7 @@ from ..core.metrics import attention_bytes_sent, largest_peak_memory_mb
 from ..core.protocols import Engine
 from ..core.topology import Topology
 from ..models.memory import LossPlan, lm_loss
+from ..run_blocks import TrainingConfig
 from . import checkpoint
 from .data import global_batch
 from .evaluate import Evaluator
