@@ -195,6 +195,9 @@ def main(spec_path: str) -> None:
         "sp": trainer.sequence_parallel is not None,
         # the RMSNorms that took the lean forward (models/lean_norm.py)
         "lean_norms": sum("_lean_forms" in vars(m) for m in model.modules()),
+        # the model block's memory features as the recipe applied them (models/recipe.py)
+        "tiled_mlps": sum("_ucp_tiled" in vars(m) for m in model.modules()),
+        "checkpointed": checkpointed_layers(model),
         "history": history,
     }
     if spec.get("wandb") and int(os.environ.get("RANK", "0")) == 0:
@@ -215,6 +218,20 @@ def main(spec_path: str) -> None:
         (out / f"batches_{rank}.json").write_text(json.dumps(seen))
     if rank == 0:
         (out / "result.json").write_text(json.dumps(result))
+
+
+def checkpointed_layers(model) -> dict[str, int]:
+    """Decoder layers whose forward runs under the package's activation checkpointing
+    (``models.memory.checkpointed_layer``), and how many of them offload their input."""
+    import functools
+
+    seen = [
+        vars(m)["forward"]
+        for m in model.modules()
+        if isinstance(vars(m).get("forward"), functools.partial)
+        and vars(m)["forward"].func.__name__ == "checkpointed_layer"
+    ]
+    return {"layers": len(seen), "offloaded": sum(bool(f.args[1]) for f in seen)}
 
 
 if __name__ == "__main__":

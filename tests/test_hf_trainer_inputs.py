@@ -31,18 +31,24 @@ def test_block_from_dict_path_or_none(tmp_path):
         sequence_parallel_block({"sequence_parallel": 2})
 
 
+def _options(deepspeed) -> tuple[bool, float | None]:
+    mc = model_block_options(deepspeed)
+    return mc.lean_norms, mc.memory_budget_gb
+
+
 def test_model_block_options(tmp_path):
     """Lean norms on unless ``"model": {"lean_norms": false}``, the budget as given (None
-    by default); any other model key (train.py's, which the Trainer would skip), a
-    non-boolean and a budget that is not a positive number are refused with the key named."""
+    by default); train.py's keys about building the model (which the Trainer would skip),
+    a non-boolean and a budget that is not a positive number are refused with the key
+    named. (The memory features the Trainer now takes: tests/test_trainer_memory.py.)"""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"sequence_parallel": BLOCK, "model": {"lean_norms": False}}))
-    assert model_block_options(str(path)) == (False, None)
-    assert model_block_options({"sequence_parallel": BLOCK}) == (True, None)
-    assert model_block_options({"model": {"memory_budget_gb": 2}}) == (True, 2.0)
-    assert model_block_options(None) == (True, None)
-    with pytest.raises(ValueError, match=r"only\s+lean_norms.*\['tiled_mlp'\]"):
-        model_block_options({"model": {"lean_norms": True, "tiled_mlp": 2}})
+    assert _options(str(path)) == (False, None)
+    assert _options({"sequence_parallel": BLOCK}) == (True, None)
+    assert _options({"model": {"memory_budget_gb": 2}}) == (True, 2.0)
+    assert _options(None) == (True, None)
+    with pytest.raises(ValueError, match=r"only\s+activation_checkpointing.*\['dtype'\]"):
+        model_block_options({"model": {"lean_norms": True, "dtype": "bfloat16"}})
     with pytest.raises(ValueError, match="lean_norms must be true or false, got 'no'"):
         model_block_options({"model": {"lean_norms": "no"}})
     for bad in (0, -1):
@@ -123,9 +129,11 @@ def test_the_budget_reaches_the_wrappers():
 
     for given, want in ((0.5, 0.5), (None, None if not torch.cuda.is_available() else "gpu")):
         run = SequenceParallelRun(topo=init_topology(1, 1), config=SequenceParallelConfig())
-        run.attach(llama(), memory_budget_gb=given)
+        block = model_block_options({"model": {"tiled_mlp": "auto", "memory_budget_gb": given}})
+        run.attach(llama(), block)
         ref = run.wrap_model(llama())
-        got = {run.wrapper.memory_budget_gb, ref.memory_budget_gb}
+        got = {run.wrapper.tiles.budget_bytes, ref.tiles.budget_bytes}
+        got = {None if b is None else b / 2**30 for b in got}
         assert got == {want} or (want == "gpu" and len(got) == 1), got
 
 

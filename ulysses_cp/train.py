@@ -130,7 +130,6 @@ def train(
     import torch.distributed as dist
 
     from ulysses_cp.core.metrics import topology_info
-    from ulysses_cp.core.tiles import with_budget
     from ulysses_cp.core.zero_comm import full_numel, zero_wire_bytes
     from ulysses_cp.models.memory import LossPlan
     from ulysses_cp.plan.nodes import describe, gather_groups
@@ -139,8 +138,8 @@ def train(
         build_model,
         check_output_dir,
         cpu_optimizer,
+        tile_plan,
         validate,
-        with_memory_budget,
     )
     from ulysses_cp.training.data import make_datasets
     from ulysses_cp.training.engine import init_distributed, initialize, topology_from_config
@@ -152,9 +151,9 @@ def train(
     init_distributed(timeout_s=run.sequence_parallel.collective_timeout_s)
     set_cpu_threads(log)  # after the process group: rank 0 logs the choice
     validate(run)
-    run, budget_line = with_memory_budget(run)
-    if budget_line:
-        log.info(budget_line)
+    tiles = tile_plan(run.model)  # the budget and the tiles, resolved once
+    if tiles.source:
+        log.info(tiles.source)
     out = Path(args.output_dir or Path("runs") / Path(args.deepspeed_config).stem)
     resuming = check_output_dir(out, args.resume, args.overwrite)
     # missing or short data files fail here, before the engine; task "dataset" tokenizes
@@ -168,7 +167,7 @@ def train(
 
     torch.manual_seed(tc.seed)
     mc = run.model
-    model = build_model(mc, topo, run)
+    model = build_model(mc, topo, run, tiles=tiles)
     n_params = full_numel(model.parameters())  # every parameter once, at full size
     optimizer, ds_run = cpu_optimizer(run, model)
     engine = initialize(model=model, config=ds_run, topo=topo, optimizer=optimizer)
@@ -178,7 +177,7 @@ def train(
     if held_out is not None:
         micro = engine.train_micro_batch_size_per_gpu()
         evaluator = Evaluator(held_out, run.eval, topo, micro_batch=micro, device=engine.device)
-    plan = LossPlan(with_budget(mc.tiled_loss, mc.memory_budget_gb), mc.fused_loss)
+    plan = LossPlan(tiles.loss, mc.fused_loss)
     trainer = Trainer(
         engine, topo, dataset, tc=tc, out=out, loss_plan=plan, hooks=hooks, evaluator=evaluator
     )

@@ -25,14 +25,19 @@ batch's tokens on this rank (``b * s_local``), so even the largest piece fits th
 The local length is the same on every rank (the sequence is sharded evenly), so every
 rank runs the same number of tiles and ZeRO-3's parameter gathers stay in step. Short
 sequences resolve to 1: untiled. On CPU a run without a budget says which tiles it
-assumed; on a GPU the run's budget defaults to its free memory at start less a margin
-(``training.build.with_memory_budget``).
+assumed; on a GPU the run's budget defaults to its free memory at start less a margin.
+
+Resolved once. :func:`plan_tiles` is the one reader of the model block's budget: it turns
+the block (train.py's, the Trainer's, the planner's) into a :class:`TilePlan`, once, when
+the model is built, and the layers read that plan (the reference decoder's and the Hugging
+Face MLPs, the loss, the Trainer's log-prob head), never the block's budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, TypeVar
 
 __all__ = [
     "LOSS_SHARE",
@@ -40,12 +45,17 @@ __all__ = [
     "MLP_SHARE",
     "MLP_TILE_BYTES",
     "AutoTiles",
+    "TileBlock",
     "TileKind",
+    "TilePlan",
     "TileSetting",
+    "budgeted_block",
     "check_memory_budget",
     "check_tiles",
+    "device_memory",
     "gpu_budget_gb",
     "is_auto",
+    "plan_tiles",
     "resolve_tiles",
     "tile_bytes",
     "with_budget",
@@ -154,3 +164,110 @@ def resolve_tiles(
     # whole tokens per tile, so the largest piece (ceil(tokens / tiles)) fits the cap too
     per_tile = max(1, tile_bytes(kind, budget) // max(1, per_token))
     return max(1, -(-tokens // per_tile))
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """The run's tiles, resolved once when the model is built (:func:`plan_tiles`).
+
+    ``mlp`` (the tiled MLP) and ``loss`` (the LM head + loss): a count (0 or 1: untiled),
+    ``"auto"`` (tiles under the fixed caps) or :class:`AutoTiles` (under the budget; a
+    plan given ``budget_bytes`` turns its ``"auto"`` settings into these).
+    ``budget_bytes``: the per-rank budget (None: the caps alone); ``source``: the line
+    that says where it came from (None when no tile is ``"auto"``)."""
+
+    mlp: TileSetting = 0
+    loss: TileSetting = 0
+    budget_bytes: int | None = None
+    source: str | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        check_tiles(self.mlp, "model.tiled_mlp")
+        check_tiles(self.loss, "model.tiled_loss")
+        if self.budget_bytes is not None:
+            AutoTiles(self.budget_bytes)  # > 0, or the error naming the budget
+            object.__setattr__(self, "mlp", self.under_budget(self.mlp))
+            object.__setattr__(self, "loss", self.under_budget(self.loss))
+
+    @property
+    def tiles_mlp(self) -> bool:
+        """Whether the MLPs are wrapped to run in tiles (a count > 1, or ``"auto"``)."""
+        return is_auto(self.mlp) or int(self.mlp) > 1  # type: ignore[arg-type]
+
+    def under_budget(self, setting: TileSetting) -> TileSetting:
+        """``setting`` (tiles a caller chooses per call: a loss's ``"auto"``, the Trainer's
+        log-prob head) under this plan's budget: ``"auto"`` becomes :class:`AutoTiles`."""
+        if self.budget_bytes is None or not is_auto(setting):
+            return setting
+        return AutoTiles(self.budget_bytes)
+
+
+class TileBlock(Protocol):
+    """What :func:`plan_tiles` reads of a ``"model"`` block (``config.ModelConfig``,
+    ``config.HFModelConfig``)."""
+
+    @property
+    def tiled_mlp(self) -> int | str: ...
+    @property
+    def tiled_loss(self) -> int | str: ...
+    @property
+    def memory_budget_gb(self) -> float | None: ...
+
+
+def device_memory() -> tuple[int, int] | None:
+    """``(free, total)`` bytes of the current GPU, or None without one."""
+    import torch
+
+    return torch.cuda.mem_get_info() if torch.cuda.is_available() else None
+
+
+def plan_tiles(
+    block: TileBlock,
+    *,
+    gpu_memory: tuple[int, int] | None = None,
+    default_bytes: int | None = None,
+) -> TilePlan:
+    """The one resolution of a ``"model"`` block's tiles and budget into a :class:`TilePlan`.
+
+    The budget is ``model.memory_budget_gb`` as written; else ``default_bytes`` (the
+    planner's, for the GPU it plans for); else with ``gpu_memory`` (``(free, total)`` at
+    start: :func:`device_memory`) the GPU's free memory less the larger of 2 GiB and 10%
+    of its memory (:func:`gpu_budget_gb`); else (CPU) none, and ``source`` says which
+    tiles that gives. No ``"auto"`` tile: no budget is needed, none is taken."""
+    mlp, loss, given = block.tiled_mlp, block.tiled_loss, block.memory_budget_gb
+    check_memory_budget(given)
+    if not (is_auto(mlp) or is_auto(loss)):
+        return TilePlan(mlp, loss)
+    if given is not None:
+        line = f'"auto" tiles sized for a budget of {given:g} GiB per rank'
+        return TilePlan(mlp, loss, budget_bytes=int(given * 2**30), source=line)
+    if default_bytes is not None:
+        line = f'"auto" tiles sized for a budget of {default_bytes / 2**30:.1f} GiB per rank'
+        return TilePlan(mlp, loss, budget_bytes=int(default_bytes), source=line)
+    if gpu_memory is not None:
+        free, total = gpu_memory
+        budget = gpu_budget_gb(free, total)
+        line = (
+            f'"auto" tiles sized for a budget of {budget:.1f} GiB per rank: the GPU\'s free '
+            f"memory at start ({free / 2**30:.1f} GiB) less a margin; set "
+            f"model.memory_budget_gb to choose it"
+        )
+        return TilePlan(mlp, loss, budget_bytes=int(budget * 2**30), source=line)
+    line = (
+        f'"auto" tiles without model.memory_budget_gb: loss tiles of up to '
+        f"{LOSS_TILE_BYTES // 2**20} MiB of logits and MLP tiles of up to "
+        f"{MLP_TILE_BYTES // 2**20} MiB (sized for a large GPU); on this CPU set "
+        f'"memory_budget_gb" to the memory each rank may use for tiles sized to it'
+    )
+    return TilePlan(mlp, loss, source=line)
+
+
+B = TypeVar("B")
+
+
+def budgeted_block(block: B, plan: TilePlan) -> B:
+    """``block`` (a ``"model"`` dataclass) with ``plan``'s budget written in, for code
+    that reads the block rather than the plan (``training.build.with_memory_budget``)."""
+    if plan.budget_bytes is None or block.memory_budget_gb is not None:  # type: ignore[attr-defined]
+        return block
+    return dataclasses.replace(block, memory_budget_gb=plan.budget_bytes / 2**30)  # type: ignore[type-var]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..core.batch import BatchPlan
 from ..core.offload import offloaded_layers
-from ..core.tiles import is_auto, with_budget
+from ..core.tiles import TilePlan, plan_tiles
 from .memory import TiledMLP, checkpointed
 
 __all__ = [
@@ -57,7 +57,7 @@ def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Ten
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tiles: TilePlan | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         d, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -66,9 +66,8 @@ class Block(nn.Module):
         self.proj = nn.Linear(h * d, cfg.dim, bias=False)
         self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
-        tiled = is_auto(cfg.tiled_mlp) or int(cfg.tiled_mlp) > 1
-        chunks = with_budget(cfg.tiled_mlp, cfg.memory_budget_gb)
-        self.mlp = TiledMLP(mlp, chunks, cfg.ffn_dim) if tiled else mlp
+        tiles = tiles if tiles is not None else plan_tiles(cfg)
+        self.mlp = TiledMLP(mlp, tiles.mlp, cfg.ffn_dim) if tiles.tiles_mlp else mlp
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attn: Callable) -> torch.Tensor:
         cfg = self.cfg
@@ -84,13 +83,15 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     """``forward(input_ids (b, s), position_ids (b, s), batch=None) -> logits
-    (b, s, vocab)``."""
+    (b, s, vocab)``. ``tiles``: the run's tile plan (``core.tiles.plan_tiles``; None:
+    resolved from ``cfg`` alone, without a GPU's default budget)."""
 
-    def __init__(self, cfg: ModelConfig, attn: Callable) -> None:
+    def __init__(self, cfg: ModelConfig, attn: Callable, *, tiles: TilePlan | None = None) -> None:
         super().__init__()
         self.cfg, self.attn = cfg, attn
+        tiles = tiles if tiles is not None else plan_tiles(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, tiles) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.apply(self._init)

@@ -28,14 +28,13 @@ from pathlib import Path
 from typing import Any, get_args
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import HFDtype, HFModelConfig
 from ..core.batch import BatchPlan, shard_batch
 from ..core.offload import offloaded_layers
 from ..core.sharding import layout_of
-from ..core.tiles import with_budget
+from ..core.tiles import TilePlan, plan_tiles
 from ..core.topology import Topology
 from .hf_attention import (
     KEY,
@@ -46,6 +45,7 @@ from .hf_attention import (
     temperature,
     transformers_module,
 )
+from .hf_checks import check_global_positions
 from .hf_guard import ProbeResult, decoder_layers, probe
 from .hf_head import HeadTransform, LMHead, head_module
 from .hf_loss_terms import RouterAux, router_aux
@@ -102,7 +102,7 @@ class HFCausalLM(nn.Module):
         activation_checkpointing: bool = False,
         offload_activations: bool | int = False,
         probe: bool = True,
-        memory_budget_gb: float | None = None,  # sizes loss(tiled_loss="auto")'s tiles
+        tiles: TilePlan | None = None,  # the run's tile plan: loss(tiled_loss="auto")'s budget
     ) -> None:
         super().__init__()
         if getattr(model.config, "_attn_implementation", None) != KEY:
@@ -115,7 +115,7 @@ class HFCausalLM(nn.Module):
         self.model, self.topo, self.layout = model, topo, layout_of(topo, layout)
         self.base = _base(model)
         self.checkpointing, self.offload = activation_checkpointing, offload_activations
-        self.memory_budget_gb = memory_budget_gb
+        self.tiles = tiles if tiles is not None else TilePlan()
         self.probed: ProbeResult | None = None
         self._probe, self._checked = probe, False
         self._transform = HeadTransform()
@@ -180,24 +180,6 @@ class HFCausalLM(nn.Module):
             return None
         return self.router.loss(logits, self.topo, token_mask)
 
-    def _check_global_positions(self, position_ids: torch.Tensor) -> None:
-        """Local positions 0..s_local-1 are right only on SP rank 0 of the contiguous
-        layout; the verdict is all-reduced so every rank raises (or none does)."""
-        topo = self.topo
-        if topo is None or topo.sp_world_size == 1:
-            return
-        s_l = position_ids.shape[-1]
-        local = bool((position_ids == torch.arange(s_l, device=position_ids.device)).all())
-        right = self.layout == "contiguous" and topo.sp_rank == 0
-        flag = torch.tensor([float(local and not right)], device=position_ids.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topo.sp_group)
-        if flag.item():
-            raise ValueError(
-                "position_ids look local (0..s_local-1) on some sequence-parallel rank: "
-                "RoPE needs the GLOBAL positions of each rank's tokens; build the shards "
-                "with ucp.shard_batch"
-            )
-
     @property
     def head(self) -> nn.Module:
         """The LM head as the model computes it (its scale and softcap included; the probe
@@ -237,7 +219,7 @@ class HFCausalLM(nn.Module):
             self.probe()
         packed = batch is not None and batch.cu_seqlens is not None
         if not self._checked and not packed:
-            self._check_global_positions(position_ids)
+            check_global_positions(position_ids, self.topo, self.layout)
         called(reset=True)
         if router_logits is None:
             router_logits = self.router is not None and self.router.enabled
@@ -271,7 +253,7 @@ class HFCausalLM(nn.Module):
             topo: The run's topology.
             batch: The batch's plan from ``shard_batch``.
             tiled_loss: LM head + loss in tiles of tokens (``"auto"``: by bytes, under the
-                model's ``memory_budget_gb``; 0: untiled).
+                budget of the model's tile plan, ``self.tiles``; 0: untiled).
             fused_loss: Compute the head's and the loss's gradients in the forward.
 
         Returns:
@@ -286,7 +268,7 @@ class HFCausalLM(nn.Module):
             labels,
             topo,
             batch=batch,
-            plan=LossPlan(with_budget(tiled_loss, self.memory_budget_gb), fused_loss),
+            plan=LossPlan(self.tiles.under_budget(tiled_loss), fused_loss),
         )
         aux = self.aux_loss()
         return loss if aux is None else loss + self.router.coef * aux  # type: ignore[union-attr]
@@ -350,7 +332,12 @@ def heads(config: Any) -> tuple[int, int]:
 
 
 def build_model(
-    topo: Topology, mc: HFModelConfig, *, backend: str | None = None, layout: str | None = None
+    topo: Topology,
+    mc: HFModelConfig,
+    *,
+    backend: str | None = None,
+    layout: str | None = None,
+    tiles: TilePlan | None = None,
 ) -> HFCausalLM:
     """The causal LM of a ``"model"`` block, built or loaded, wrapped and probed.
 
@@ -359,6 +346,7 @@ def build_model(
         mc: The ``"model"`` block: config, weights (a local folder), dtype, memory features.
         backend: The local kernel; None takes the run's.
         layout: None takes the run's; one that disagrees raises.
+        tiles: The run's tile plan (None: ``core.tiles.plan_tiles(mc)``).
 
     Returns:
         The model, probed (a collective over the SP group).
@@ -370,23 +358,33 @@ def build_model(
     register_attention(topo, backend=backend, layout=layout)
     config = load_config(mc.hf_config)
     model = from_config(config, dtype=DTYPES[mc.dtype], hf_weights=mc.hf_weights)
-    wrapped = wrap(model, topo, mc, layout=layout)
+    wrapped = wrap(model, topo, mc, layout=layout, tiles=tiles)
     wrapped.probe()  # before the engine: refused on every rank, or the head to train with
     return wrapped
 
 
-def wrap(model: Any, topo: Topology, mc: HFModelConfig, *, layout: str | None = None) -> HFCausalLM:
+def wrap(
+    model: Any,
+    topo: Topology,
+    mc: HFModelConfig,
+    *,
+    layout: str | None = None,
+    tiles: TilePlan | None = None,
+    keep_names: bool = False,
+) -> HFCausalLM:
     """A built transformers model as `HFCausalLM`, with the block's memory features.
 
     Args:
         model: A transformers causal LM built with ``attn_implementation="ulysses_cp"``.
         topo: The run's topology.
-        mc: The ``"model"`` block (tiled MLP, lean norms, checkpointing, offload, the
-            budget that sizes "auto" tiles).
+        mc: The ``"model"`` block (lean norms, checkpointing, offload).
         layout: None takes the run's.
+        tiles: The run's tile plan: the tiled MLP, the loss's budget (None: the block's).
+        keep_names: Tiled MLPs keep their parameters' names (``memory.tile_mlps``).
     """
+    tiles = tiles if tiles is not None else plan_tiles(mc)
     # "auto": tiles sized from the MLP's intermediate width and the budget (core/tiles.py)
-    tile_mlps(model, with_budget(mc.tiled_mlp, mc.memory_budget_gb), width=ffn_width(model.config))
+    tile_mlps(model, tiles.mlp, width=ffn_width(model.config), keep_names=keep_names)
     if mc.lean_norms:
         lean_norms(model)
     return HFCausalLM(
@@ -395,5 +393,5 @@ def wrap(model: Any, topo: Topology, mc: HFModelConfig, *, layout: str | None = 
         layout=layout,
         activation_checkpointing=mc.activation_checkpointing,
         offload_activations=mc.offload_activations,
-        memory_budget_gb=mc.memory_budget_gb,
+        tiles=tiles,
     )

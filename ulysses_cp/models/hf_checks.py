@@ -10,12 +10,14 @@ import inspect
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .hf_head import HeadTransform, LMHead, candidates
 from .hf_split import tolerance
 
 __all__ = [
+    "check_global_positions",
     "eager_logits",
     "failed",
     "head_transform",
@@ -24,6 +26,25 @@ __all__ = [
     "same_as_eager",
     "temperature_findings",
 ]
+
+
+def check_global_positions(position_ids: torch.Tensor, topo: Any, layout: str) -> None:
+    """Local positions 0..s_local-1 are right only on SP rank 0 of the contiguous layout
+    (``HFCausalLM``'s first forward checks); the verdict is all-reduced over the SP group
+    so every rank raises (or none does)."""
+    if topo is None or topo.sp_world_size == 1:
+        return
+    s_l = position_ids.shape[-1]
+    local = bool((position_ids == torch.arange(s_l, device=position_ids.device)).all())
+    right = layout == "contiguous" and topo.sp_rank == 0
+    flag = torch.tensor([float(local and not right)], device=position_ids.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topo.sp_group)
+    if flag.item():
+        raise ValueError(
+            "position_ids look local (0..s_local-1) on some sequence-parallel rank: "
+            "RoPE needs the GLOBAL positions of each rank's tokens; build the shards "
+            "with ucp.shard_batch"
+        )
 
 
 def temperature_findings(model: nn.Module) -> list[str]:

@@ -118,20 +118,48 @@ class TiledMLP(nn.Module):
         return self.mlp(norm(h))
 
 
+class _OwnForward(nn.Module):
+    """An MLP's own ``forward``, for a :class:`TiledMLP` that runs inside that MLP's
+    ``forward`` (:func:`tile_mlps` with ``keep_names``); it holds no module, so the MLP's
+    parameters keep their names."""
+
+    def __init__(self, forward: Callable) -> None:
+        super().__init__()
+        self.own = forward
+
+    def forward(self, *args: Any) -> Any:
+        return self.own(*args)
+
+
 def tile_mlps(
-    model: nn.Module, chunks: TileSetting, attr: str = "mlp", *, width: int | None = None
+    model: nn.Module,
+    chunks: TileSetting,
+    attr: str = "mlp",
+    *,
+    width: int | None = None,
+    keep_names: bool = False,
 ) -> int:
     """Wrap every submodule attribute named ``attr`` in :class:`TiledMLP` (``width``: the
-    MLP's intermediate width, needed by ``"auto"``); returns how many. 0 or 1: none."""
+    MLP's intermediate width, needed by ``"auto"``); returns how many. 0 or 1: none.
+    ``keep_names``: the MLP's ``forward`` runs the tiles instead, so its parameters keep
+    their names (``...mlp.gate_proj``, not ``...mlp.mlp.gate_proj``): a model saved by the
+    ``Trainer`` or a PEFT adapter loads into the plain model."""
     check_tiles(chunks, "model.tiled_mlp")
     if isinstance(chunks, int) and chunks <= 1:  # checked: a count, or "auto"
         return 0
     n = 0
     for module in list(model.modules()):
         inner = getattr(module, attr, None)
-        if isinstance(inner, nn.Module) and not isinstance(inner, TiledMLP):
+        if not isinstance(inner, nn.Module) or isinstance(inner, TiledMLP):
+            continue
+        if keep_names and not hasattr(inner, "_ucp_tiled"):
+            tiled = TiledMLP(_OwnForward(inner.forward), chunks, width)
+            # a plain attribute (not a submodule: no new parameter names)
+            object.__setattr__(inner, "_ucp_tiled", tiled)
+            inner.forward = tiled.forward
+        elif not keep_names:
             setattr(module, attr, TiledMLP(inner, chunks, width))
-            n += 1
+        n += 1
     return n
 
 

@@ -116,8 +116,8 @@ def plan(
     knobs = ZeroKnobs.of(raw.get("zero_optimization") or {})
     budget = usable(hw.gpu_mem_gb * GiB)  # the headroom the run keeps
     shape = replace(shape, weights_file_bytes=_largest_weights_file(run_config.model))
-    if shape.memory_budget_gb is None:  # "auto" tiles as the run on such a GPU sizes them
-        shape = replace(shape, memory_budget_gb=budget / GiB)
+    if shape.budget_bytes is None:  # "auto" tiles as the run on such a GPU sizes them
+        shape = replace(shape, budget_bytes=int(budget))
 
     def at(r: Run, n: int) -> dict:
         return predict(

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.tiles import resolve_tiles, with_budget
+from ..core.tiles import TilePlan, resolve_tiles
 from ..modes.ulysses import kv_replication
 from .shapes import ModelShape
 
@@ -199,12 +199,11 @@ def attention_layer_peak(
 def tile_counts(shape: ModelShape, t: int) -> dict[str, int]:
     """The MLP and loss tiles the run uses for ``t`` tokens on a rank (``"auto"`` by the
     run's own rule, ``core.tiles.resolve_tiles``, under the model block's
-    ``memory_budget_gb``; 1: untiled)."""
-    B, budget = shape.dtype_bytes, shape.memory_budget_gb
-    mlp, loss = (with_budget(s, budget) for s in (shape.tiled_mlp, shape.tiled_loss))
+    budget, ``shape.budget_bytes``; 1: untiled)."""
+    B, tiles = shape.dtype_bytes, TilePlan(shape.tiled_mlp, shape.tiled_loss, shape.budget_bytes)
     return {
-        "mlp": resolve_tiles(mlp, "mlp", tokens=t, width=shape.ffn, element_bytes=B),
-        "loss": resolve_tiles(loss, "loss", tokens=t, width=shape.vocab, element_bytes=B),
+        "mlp": resolve_tiles(tiles.mlp, "mlp", tokens=t, width=shape.ffn, element_bytes=B),
+        "loss": resolve_tiles(tiles.loss, "loss", tokens=t, width=shape.vocab, element_bytes=B),
     }
 
 

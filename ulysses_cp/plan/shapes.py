@@ -14,6 +14,7 @@ import torch
 
 from ..config import HFModelConfig, ModelConfig
 from ..core.offload import offloaded_layers
+from ..core.tiles import plan_tiles
 
 __all__ = ["MixerShape", "ModelShape", "model_shape"]
 
@@ -67,7 +68,7 @@ class ModelShape:
     mixers: tuple[MixerShape, ...] = ()  # hybrid models' token-mixer layers
     weights_file_bytes: int = 0  # the largest file of model.hf_weights (0: none)
     lean_norms: bool = False  # RMSNorms keep no normalised copy (models/lean_norm.py)
-    memory_budget_gb: float | None = None  # sizes "auto" tiles (core.tiles.with_budget)
+    budget_bytes: int | None = None  # sizes "auto" tiles (core.tiles.plan_tiles's budget)
     v_head_dim: int = 0  # MLA: the values' head dim where it is not q's and k's (0: the same)
     fused_loss: bool = False  # the LM head's gradients made in the loss's forward
     tied_head: bool = False  # the LM head is the input embedding (one weight, one gradient)
@@ -124,7 +125,7 @@ def model_shape(mc: ModelConfig | HFModelConfig, *, dtype_bytes: int | None = No
         offload_activations=mc.offload_activations,
         tiled_mlp=mc.tiled_mlp,
         tiled_loss=mc.tiled_loss,
-        memory_budget_gb=mc.memory_budget_gb,
+        budget_bytes=plan_tiles(mc).budget_bytes,
         fused_loss=mc.fused_loss,
     )
     if isinstance(mc, ModelConfig):

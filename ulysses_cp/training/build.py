@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,11 +17,9 @@ import torch.distributed as dist
 
 from ..config import HFModelConfig, ModelConfig, RunConfig
 from ..core.sharding import sequence_multiple
-from ..core.tiles import LOSS_TILE_BYTES, MLP_TILE_BYTES, gpu_budget_gb, is_auto
+from ..core.tiles import TilePlan, budgeted_block, device_memory, plan_tiles
 from ..core.topology import Topology, validate_degrees
-from ..models.compiled import compile_layers
-from ..models.decoder import Decoder
-from ..modes.attention import Attention
+from ..models import recipe
 from ..modes.ulysses import kv_replication
 from . import checkpoint
 from .data import data_vocab_size
@@ -30,7 +29,9 @@ __all__ = [
     "check_output_dir",
     "cpu_optimizer",
     "model_counts",
+    "tile_plan",
     "validate",
+    "with_memory_budget",
 ]
 
 
@@ -99,55 +100,42 @@ def validate(run: RunConfig) -> None:
         )
 
 
+def tile_plan(mc: ModelConfig | HFModelConfig) -> TilePlan:
+    """The run's tiles and budget, resolved once (``core.tiles.plan_tiles``): the block's
+    budget as written; else on a GPU its free memory at start less the larger of 2 GiB and
+    10% of its memory; else (CPU) none, and ``source`` says which tiles that gives."""
+    return plan_tiles(mc, gpu_memory=device_memory())
+
+
 def build_model(
-    mc: ModelConfig | HFModelConfig, topo: Topology, run: RunConfig | None = None
+    mc: ModelConfig | HFModelConfig,
+    topo: Topology,
+    run: RunConfig | None = None,
+    *,
+    tiles: TilePlan | None = None,
 ) -> torch.nn.Module:
-    """The reference decoder (``ModelConfig``) or a Hugging Face model (``HFModelConfig``),
-    with the run's attention (``topo.options``). With ``run`` under ZeRO-3 a Hugging Face
-    model is built partitioned, never whole on a rank (``training/loading.py``)."""
-    model: torch.nn.Module
-    if isinstance(mc, ModelConfig):
-        model = Decoder(mc, Attention(topo))
-    else:
+    """train.py's entry to the one recipe (``models.recipe.build``): the reference decoder
+    (``ModelConfig``) or a Hugging Face model (``HFModelConfig``), with the run's attention
+    (``topo.options``) and ``tiles`` (None: resolved from ``mc`` without a GPU's default).
+    With ``run`` under ZeRO-3 a Hugging Face model is built partitioned, never whole on a
+    rank (``training/loading.py``)."""
+    tiles = tiles if tiles is not None else plan_tiles(mc)
+    partitioned = None
+    if run is not None and isinstance(mc, HFModelConfig):
         from . import loading
 
-        if run is not None and loading.partitioned_build(run):
-            model = loading.build_partitioned(run, topo)
-        else:
-            from ..models import hf
-
-            model = hf.build_model(topo, mc)  # probed before its layers are compiled
-    if mc.compile:
-        compile_layers(model)
-    return model
+        if loading.partitioned_build(run):
+            partitioned = partial(loading.build_partitioned, run, topo, tiles=tiles)
+    return recipe.build(mc, topo, tiles=tiles, partitioned=partitioned)
 
 
 def with_memory_budget(run: RunConfig) -> tuple[RunConfig, str | None]:
-    """The run with the per-rank budget that sizes ``"auto"`` tiles, and a line that says
-    where it came from (None when no tile is ``"auto"``): ``model.memory_budget_gb`` as
-    written; else on a GPU its free memory at start less the larger of
-    2 GiB and 10% of its memory (``core.tiles.gpu_budget_gb``); else (CPU) none, and the
-    line says which tiles that gives."""
-    mc = run.model
-    if not (is_auto(mc.tiled_mlp) or is_auto(mc.tiled_loss)):
-        return run, None
-    if mc.memory_budget_gb is not None:
-        return run, f'"auto" tiles sized for a budget of {mc.memory_budget_gb:g} GiB per rank'
-    if torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info()
-        budget = gpu_budget_gb(free, total)
-        line = (
-            f'"auto" tiles sized for a budget of {budget:.1f} GiB per rank: the GPU\'s free '
-            f"memory at start ({free / 2**30:.1f} GiB) less a margin; set "
-            f"model.memory_budget_gb to choose it"
-        )
-        return replace(run, model=replace(mc, memory_budget_gb=budget)), line
-    return run, (
-        f'"auto" tiles without model.memory_budget_gb: loss tiles of up to '
-        f"{LOSS_TILE_BYTES // 2**20} MiB of logits and MLP tiles of up to "
-        f"{MLP_TILE_BYTES // 2**20} MiB (sized for a large GPU); on this CPU set "
-        f'"memory_budget_gb" to the memory each rank may use for tiles sized to it'
-    )
+    """The run with its tile plan's budget (:func:`tile_plan`) written into its model
+    block, and the line that says where it came from (None when no tile is ``"auto"``),
+    for code that reads the block; train.py hands the plan itself to the model."""
+    tiles = tile_plan(run.model)
+    mc = budgeted_block(run.model, tiles)
+    return (run if mc is run.model else replace(run, model=mc)), tiles.source
 
 
 def cpu_optimizer(run: RunConfig, model: torch.nn.Module) -> tuple[object | None, RunConfig]:

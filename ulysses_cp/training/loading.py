@@ -45,6 +45,7 @@ import torch
 
 from ..config import HFModelConfig, RunConfig
 from ..core.log import get_logger
+from ..core.tiles import TilePlan
 from ..core.topology import Topology
 from ..models import hf
 from .engine import SequenceParallelMPU, deepspeed_part
@@ -260,13 +261,19 @@ def _cast_partitions(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def build_partitioned(
-    run: RunConfig, topo: Topology, *, backend: str | None = None, layout: str | None = None
+    run: RunConfig,
+    topo: Topology,
+    *,
+    backend: str | None = None,
+    layout: str | None = None,
+    tiles: TilePlan | None = None,
 ) -> torch.nn.Module:
     """The run's Hugging Face model (``run.model``) built under ZeRO-3 without a whole
     copy on any rank (module docstring), wrapped as :class:`~ulysses_cp.models.hf.HFCausalLM`
     and not yet probed (:func:`~ulysses_cp.training.engine.initialize` probes it). Falls
     back to :func:`ulysses_cp.models.hf.build_model` (whole, then partitioned), with a
-    warning, for checkpoints it cannot stream."""
+    warning, for checkpoints it cannot stream. ``tiles``: the run's tile plan (None: the
+    block's)."""
     from transformers import initialization
 
     mc = run.model
@@ -292,7 +299,7 @@ def build_partitioned(
         if why is not None:
             log.warning(f"model.hf_weights: loading whole on every rank: {why}")
             del model
-            return hf.build_model(topo, mc, backend=backend, layout=layout)
+            return hf.build_model(topo, mc, backend=backend, layout=layout, tiles=tiles)
         stream_weights(model, folder)
         model.eval()  # as from_pretrained returns it
     elif own := _own_initializers(model):
@@ -301,4 +308,4 @@ def build_partitioned(
             f"partitions; build this model with ZeRO stage 0-2, or give model.hf_weights"
         )
     _cast_partitions(model, _train_dtype(deepspeed_part(run), dtype))
-    return hf.wrap(model, topo, mc, layout=layout)
+    return hf.wrap(model, topo, mc, layout=layout, tiles=tiles)

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from ...core.tiles import with_budget
 from ...models.hf import HFCausalLM
 from ...models.log_probs import OUTPUTS, sequence_log_probs
 from .run import SequenceParallelRun
@@ -168,7 +167,7 @@ def _fused(
         cu_seqlens=local.get("cu_seqlens"),
         temperature=temperature,
         outputs=OUTPUTS,
-        tiles=with_budget("auto", wrapper.memory_budget_gb),  # the model block's budget
+        tiles=wrapper.tiles.under_budget("auto"),  # the run's tile plan's budget
     )
     n = mask.shape[1]  # the end padding the shard added, and the last token (no target), cut
     out = {name: _restored(x[:, :n], lead, s).masked_fill(~mask, 0) for name, x in full.items()}

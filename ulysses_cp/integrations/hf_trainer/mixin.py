@@ -7,8 +7,10 @@ warnings a user can do nothing about (:func:`ulysses_cp.core.log.quiet_third_par
 With one:
 
 - ``__init__``: builds the topology (:class:`.run.SequenceParallelRun`), switches the
-  model's attention to ``"ulysses_cp"`` and gives its RMSNorms the lean forward (unless
-  the DeepSpeed config says ``"model": {"lean_norms": false}``);
+  model's attention to ``"ulysses_cp"`` and applies the memory features of the DeepSpeed
+  config's ``"model"`` block through the one model recipe (``models.recipe.adopt``):
+  lean RMSNorms (unless ``"lean_norms": false``), ``tiled_mlp``,
+  ``activation_checkpointing`` and ``offload_activations``;
 - ``_get_dataloader``: the data-parallel replicas get distinct batches, the SP ranks of
   one replica the same (Accelerate's batch sampler shards over the replicas, not over
   every process);
@@ -81,9 +83,10 @@ class SequenceParallelMixin:
         self.sequence_parallel: SequenceParallelRun | None = None
         if block is None:
             return
-        lean, budget = model_block_options(self.args.deepspeed)
+        checkpointing = bool(getattr(self.args, "gradient_checkpointing", False))
+        model_block = model_block_options(self.args.deepspeed, gradient_checkpointing=checkpointing)
         self.sequence_parallel = SequenceParallelRun.from_block(block)
-        self.sequence_parallel.attach(self.model, lean=lean, memory_budget_gb=budget)
+        self.sequence_parallel.attach(self.model, model_block)
         self.gather_function = self._gather_for_metrics
         ds_config = getattr(getattr(self.args, "hf_deepspeed_config", None), "config", None)
         zero = zero_bytes_per_step(

@@ -23,16 +23,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...config import SequenceParallelConfig
+from ...config import HFModelConfig, SequenceParallelConfig
 from ...core.batch import shard_batch
 from ...core.log import get_logger
 from ...core.options import reduction_grad_scale
 from ...core.process import set_cpu_threads
 from ...core.sharding import gather_sequence, pad_batch, sequence_multiple
-from ...core.tiles import check_memory_budget, gpu_budget_gb
+from ...core.tiles import TilePlan, device_memory, plan_tiles
 from ...core.topology import Topology, init_topology, validate_degrees
 from ...core.varlen import cu_seqlens_from_position_ids
-from ...models.hf import HFCausalLM, register_attention
+from ...models.hf import HFCausalLM
 from ...models.hf_attention import KEY
 from ...models.hf_vision import (
     VISION_KEYS,
@@ -41,12 +41,13 @@ from ...models.hf_vision import (
     vision_attention,
     vision_batch,
 )
-from ...models.lean_norm import lean_norms
 from ...models.loss import local_loss_term, sequence_parallel_loss_from_sums
-from ...schema import block_values
+from ...models.recipe import adopt
+from ...schema import from_block
 
 __all__ = [
     "IGNORED_KEYS",
+    "NOT_UNDER_TRAINER",
     "SequenceParallelRun",
     "model_block_options",
     "sequence_parallel_block",
@@ -99,28 +100,41 @@ def sequence_parallel_block(deepspeed: Any) -> dict | None:
     return block
 
 
-def model_block_options(deepspeed: Any) -> tuple[bool, float | None]:
-    """``"model": {"lean_norms": ..., "memory_budget_gb": ...}`` of ``args.deepspeed``: the
-    keys of ``train.py``'s model block a Trainer run reads (lean norms default true; the
-    per-rank budget that sizes the fused log-prob head's "auto" tiles, default None: on a
-    GPU, its free memory at start less a margin). Any other key there is refused, since the
-    Trainer builds the model itself and would silently skip it."""
+# train.py's model keys about building the model or its loss: the Trainer trains the model
+# it is handed, through that model's forward and logits (its log-prob head tiles "auto")
+NOT_UNDER_TRAINER = ("hf_config", "hf_weights", "dtype", "compile", "tiled_loss", "fused_loss")
+HANDED = "(the model handed to the Trainer)"  # the block's hf_config under the Trainer
+
+
+def model_block_options(deepspeed: Any, *, gradient_checkpointing: bool = False) -> HFModelConfig:
+    """The ``"model"`` block of ``args.deepspeed`` as a Trainer run reads it: the memory
+    features of train.py's model block (lean norms, default true; the tiled MLP;
+    activation checkpointing and its offload; the per-rank budget of "auto" tiles),
+    applied to the model the Trainer is handed (``models.recipe.adopt``). The keys in
+    :data:`NOT_UNDER_TRAINER` are refused by name, and so is activation checkpointing
+    beside ``TrainingArguments(gradient_checkpointing=True)``, which already checkpoints
+    every layer."""
     block = _deepspeed_config(deepspeed).get("model", {})
     if not isinstance(block, dict):
         raise ValueError(f"the DeepSpeed config's model must be an object, got {block!r}")
-    other = sorted(k for k in block if k not in ("lean_norms", "memory_budget_gb"))
+    taken = [k for k in HFModelConfig.__dataclass_fields__ if k not in NOT_UNDER_TRAINER]
+    other = sorted(k for k in block if k in NOT_UNDER_TRAINER)
     if other:
         raise ValueError(
             f"under SequenceParallelTrainer the DeepSpeed config's model block takes only "
-            f"lean_norms and memory_budget_gb; it also has {other}, which train.py reads but "
-            f"the Trainer does not (it trains the model it is given: use TrainingArguments' "
-            f"own options, e.g. gradient_checkpointing): remove them"
+            f"{', '.join(taken)}; it also has {other}, which train.py reads but the Trainer "
+            f"does not (it trains the model it is given, through its own forward and "
+            f"logits): remove them"
         )
-    # the types as train.py's model block checks them, then the budget's value
-    values = block_values(block, {"lean_norms": bool, "memory_budget_gb": float | None}, "model")
-    budget = values.get("memory_budget_gb")
-    check_memory_budget(budget)
-    return values.get("lean_norms", True), None if budget is None else float(budget)
+    mc = from_block(HFModelConfig, {**block, "hf_config": HANDED}, "model")
+    if mc.activation_checkpointing and gradient_checkpointing:
+        raise ValueError(
+            "the DeepSpeed config's model block sets activation_checkpointing and "
+            "TrainingArguments sets gradient_checkpointing=True: every layer would be "
+            "checkpointed twice; keep one (the model block's can also offload the saved "
+            "inputs: offload_activations)"
+        )
+    return mc
 
 
 def sequence_parallel_loss(
@@ -163,7 +177,7 @@ class SequenceParallelRun:
     original_attention: str | None = None
     wrapper: HFCausalLM | None = field(default=None, repr=False)
     vision: LanguageModelShard | None = field(default=None, repr=False)
-    memory_budget_gb: float | None = None  # sizes the fused log-prob head's "auto" tiles
+    tiles: TilePlan = field(default_factory=TilePlan)  # the run's, resolved at attach
 
     @classmethod
     def from_block(cls, block: dict) -> SequenceParallelRun:
@@ -192,36 +206,30 @@ class SequenceParallelRun:
 
     # ------------------------------------------------------------ the model
 
-    def attach(
-        self, model: Any, *, lean: bool = True, memory_budget_gb: float | None = None
-    ) -> None:
+    def attach(self, model: Any, block: HFModelConfig | None = None, *, lean: bool = True) -> None:
         """Switch a transformers model (a PEFT model's base model included) to ulysses_cp
-        attention and wrap it; ``lean``: its RMSNorms keep only their input for backward
-        (:func:`~ulysses_cp.models.lean_norm.lean_norms`). The guard and the probe run at
-        :meth:`probe`. ``memory_budget_gb``: the per-rank budget of "auto" tiles (None:
-        on a GPU its free memory at start less a margin, on CPU none)."""
-        self.memory_budget_gb = _budget(memory_budget_gb)
+        attention and wrap it with the memory features of ``block`` (the DeepSpeed JSON's
+        ``"model"`` block, :func:`model_block_options`; None: lean norms as ``lean`` says,
+        nothing else), through the one recipe (``models.recipe.adopt``). The run's tiles
+        are resolved here, once (``core.tiles.plan_tiles``: the block's budget, else on a
+        GPU its free memory at start less a margin). The guard and the probe run at
+        :meth:`probe`."""
+        if block is None:
+            block = model_block_options({"model": {"lean_norms": lean}})
+        self.tiles = plan_tiles(block, gpu_memory=device_memory())
         base = _transformers_model(model)
-        if lean:
-            lean_norms(base)
         self.original_attention = base.config._attn_implementation
-        self.wrapper = self.wrap_model(base)
+        self.wrapper = adopt(base, self.topo, block, tiles=self.tiles)
         lm = language_model(base)
         if lm is not None:  # a VLM: its vision tower keeps its attention (whole images)
             vision_attention(base, _plain(self.original_attention))
             self.vision = LanguageModelShard(lm, self.topo, self.wrapper.layout)
 
     def wrap_model(self, model: Any) -> HFCausalLM:
-        """A transformers model switched to ulysses_cp attention on this run's topology and
-        wrapped (not probed yet): the policy's :meth:`attach`, and a second model (a
-        reference model) run under the same topology."""
-        register_attention(self.topo)
-        model.set_attn_implementation(KEY)
-        if model.config._attn_implementation != KEY:
-            # a family that cannot switch (its attention bypasses the interface, as
-            # Bloom's): named anyway, so that the probe gives the Hugging Face path's refusal
-            model.config._attn_implementation = KEY
-        return HFCausalLM(model, topo=self.topo, memory_budget_gb=self.memory_budget_gb)
+        """A second model (a reference model) switched to ulysses_cp attention on this
+        run's topology and wrapped with the run's tile plan, without memory features (it
+        runs without gradients); not probed yet."""
+        return adopt(model, self.topo, None, tiles=self.tiles)
 
     def probe(self) -> None:
         """The guard and the probe of :mod:`ulysses_cp.models.hf_guard`, once, collective
@@ -327,14 +335,6 @@ class SequenceParallelRun:
 
 
 _USED_KEYS = frozenset({"input_ids", "labels", "shift_labels", "position_ids"})
-
-
-def _budget(given: float | None) -> float | None:
-    """The budget as given; else on a GPU its free memory at start less a margin
-    (``core.tiles.gpu_budget_gb``, as train.py takes it); else (CPU) None."""
-    if given is not None or not torch.cuda.is_available():
-        return given
-    return gpu_budget_gb(*torch.cuda.mem_get_info())
 
 
 def _plain(implementation: str | None) -> str:
