@@ -1,12 +1,5 @@
-"""SequenceParallelGRPOTrainer (and SequenceParallelRLOOTrainer) against one-process
-``trl.GRPOTrainer`` (``trl.RLOOTrainer``) runs (the same tiny model, prompts, reward
-functions and global batch, float32, SGD at a large learning rate so that a wrong gradient
-scale shows): every training and eval loss and every metric TRL logs (``reward``, ``kl``,
-``entropy``, clip ratios, completion lengths, ``num_tokens``) within 1e-5 relative
-(tests/launcher/test_dpo.py's comparison). Completions come from a deterministic ``rollout_func``
-or from the model's own sampling (``generate``), which must draw the one-process
-completions. Each case runs tests/support/grpo_worker.py: torchrun for the sequence-parallel run,
-plain python for the reference, side by side.
+"""SequenceParallelGRPOTrainer's checks, without a run: the generation batch counts the
+replicas; batches that split prompt groups and generation backends not run are refused.
 
 The unit-tier tests; the launcher-tier ones and the shared helpers are in
 tests/launcher/test_grpo.py.

@@ -104,28 +104,23 @@ def test_the_planner_finds_the_count_the_host_can_take():
     assert split is not None and 0 < split["offload_activations"] < 8
     assert split["max_seq_len"] > written["max_seq_len"] > 0
     host_budget = hw.host_mem_gb * GiB / hw.gpus_per_node
-    over = predict(
-        model_shape(run.model),
-        base_run(run),
-        seq_len=split["max_seq_len"],
-        batch=4,
-        micro_steps=1,
-        world=4,
-        hw=hw,
-        zero_knobs=ZeroKnobs.of(raw["zero_optimization"]),
-    )
+
+    def at(run_cfg):  # the predicted bytes at the split's longest sequence
+        return predict(
+            model_shape(run.model),
+            run_cfg,
+            seq_len=split["max_seq_len"],
+            batch=4,
+            micro_steps=1,
+            world=4,
+            hw=hw,
+            zero_knobs=ZeroKnobs.of(raw["zero_optimization"]),
+        )
+
+    over = at(base_run(run))
     assert over["host_bytes_per_rank"] > host_budget  # every layer offloaded: too much
     n = replace(base_run(run), offload_activations=split["offload_activations"])
-    p = predict(
-        model_shape(run.model),
-        n,
-        seq_len=split["max_seq_len"],
-        batch=4,
-        micro_steps=1,
-        world=4,
-        hw=hw,
-        zero_knobs=ZeroKnobs.of(raw["zero_optimization"]),
-    )
+    p = at(n)
     assert p["peak_bytes_per_rank"] <= hw.gpu_mem_gb * GiB
     assert p["host_bytes_per_rank"] <= host_budget
     assert f'"offload_activations": {split["offload_activations"]} (the inputs' in table(got)

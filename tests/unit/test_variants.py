@@ -17,6 +17,19 @@ from ulysses_cp.kernels.dispatch import KernelCall, attn_backward, attn_forward,
 from ulysses_cp.kernels.spec import AttentionSpec
 
 
+def _flash_matches_float64(q, k, v, dout, flash: KernelCall, math: KernelCall) -> None:
+    """flash-attn's call (fp16) against the math path's in float64: the same empty rows,
+    output and gradients within fp16's error."""
+    out, lse = attn_forward(q, k, v, flash)
+    w_out, w_lse = attn_forward(*(t.double() for t in (q, k, v)), math)
+    assert torch.equal(torch.isinf(lse), torch.isinf(w_lse))  # the same empty rows
+    assert float((out.double() - w_out).abs().max()) < 2e-3
+    grads = attn_backward(dout, q, k, v, out, lse, flash)
+    want = attn_backward(*(t.double() for t in (dout, q, k, v, w_out)), w_lse, math)
+    for g, w in zip(grads, want):
+        assert float((g.double() - w).abs().max()) < 5e-3 * max(1.0, float(w.abs().max()))
+
+
 def test_sinks_and_softcap_are_off_by_default():
     q, k, v, _ = make_qkv(seed=3, b=1, s=16, hq=2, hkv=2, d=8)
     plain = local_attention(q, k, v, backend="math")
@@ -91,14 +104,7 @@ def test_flash_attn_takes_windows(release, offset):
         q, k, v, dout = make_qkv(seed=9, b=1, s=16, hq=4, hkv=2, d=16, dtype=torch.float16)
         spec = AttentionSpec(causal=True, window=(10, -1))
         flash, math = (KernelCall(spec, b, offset=offset) for b in ("flash_attn", "math"))
-        got_out, got_lse = attn_forward(q, k, v, flash)
-        want_out, want_lse = attn_forward(*(t.double() for t in (q, k, v)), math)
-        assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse))  # the same empty rows
-        assert float((got_out.double() - want_out).abs().max()) < 2e-3
-        grads = attn_backward(dout, q, k, v, got_out, got_lse, flash)
-        want = attn_backward(*(t.double() for t in (dout, q, k, v, want_out)), want_lse, math)
-        for g, w in zip(grads, want):
-            assert float((g.double() - w).abs().max()) < 5e-3 * max(1.0, float(w.abs().max()))
+        _flash_matches_float64(q, k, v, dout, flash, math)
 
 
 def test_window_split_picks_pieces_near_the_window():
@@ -133,14 +139,7 @@ def test_flash_attn_takes_windows_in_packed_rows(chunk_offset):
         spec = AttentionSpec(causal=True, window=(6, -1))
         where = dict(cu_q=cu, cu_k=cu, chunk_offset=chunk_offset)
         flash, math = (KernelCall(spec, b, **where) for b in ("flash_attn", "math"))
-        out, lse = attn_forward(q, k, v, flash)
-        w_out, w_lse = attn_forward(*(t.double() for t in (q, k, v)), math)
-        assert torch.equal(torch.isinf(lse), torch.isinf(w_lse))
-        assert float((out.double() - w_out).abs().max()) < 2e-3
-        grads = attn_backward(dout, q, k, v, out, lse, flash)
-        want = attn_backward(*(t.double() for t in (dout, q, k, v, w_out)), w_lse, math)
-        for g, w in zip(grads, want):
-            assert float((g.double() - w).abs().max()) < 5e-3 * max(1.0, float(w.abs().max()))
+        _flash_matches_float64(q, k, v, dout, flash, math)
 
 
 def test_work_counts_only_the_document_groups_computed():
