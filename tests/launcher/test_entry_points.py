@@ -102,18 +102,18 @@ def test_train_entry_points_report_a_config_typo(tmp_path, command):
     assert "Traceback" not in out
 
 
-@ENTRY_POINTS
-def test_one_process_trains_without_a_launcher(tmp_path, monkeypatch, command):
-    """``python -m ulysses_cp.train`` and ``ulysses-cp-train`` with a 1 x 1 config and no
-    launcher in the environment: the process makes itself a world of one and trains (it
-    stopped on DeepSpeed's MPI search, ``No module named 'mpi4py'``)."""
+def test_one_process_trains_without_a_launcher(tmp_path, monkeypatch):
+    """``ulysses-cp-train`` with a 1 x 1 config and no launcher in the environment: the
+    process makes itself a world of one and trains (it stopped on DeepSpeed's MPI search,
+    ``No module named 'mpi4py'``). ``python -m ulysses_cp.train`` runs the same
+    ``run_main`` (the typo and launcher tests run both entry points): one training run."""
     for key in LAUNCHER_ENV:
         monkeypatch.delenv(key, raising=False)
     training = {"max_steps": 5, "log_interval": 1}
     config = write_config(tmp_path, run_config(1, 1, **LAUNCH, training=training))
     out = tmp_path / "out"
-    cmd = [*command, "--deepspeed_config", str(config), "--output_dir", str(out)]
-    text = run([*cmd, "--max_steps", "2"])
+    cmd = [str(BIN / "ulysses-cp-train"), "--deepspeed_config", str(config), "--output_dir"]
+    text = run([*cmd, str(out), "--max_steps", "2"])
     assert "world_size': 1" in text, text[-3000:]
     steps = [m["step"] for m in metrics(out) if "loss" in m]
     assert steps == [1, 2], text[-3000:]
