@@ -111,20 +111,20 @@ def _params(engine):
 def _resume(rank, opt, stage_a, stage_b, out, precision="fp32", force_portable=False, **run_b):
     """Loss of step 3 uninterrupted and resumed (after saving at step 2 under
     ``stage_a`` and loading under ``stage_b`` and the ``run_b`` changes), the largest
-    parameter difference after it, and the loss scales (fp16) at the end of both runs."""
+    parameter difference after it, and the loss scales (fp16) at the end of both runs.
+    The uninterrupted run is the one that saved: it goes on to step 3 from its live state
+    (one engine fewer; a save that changed the live state otherwise than what it wrote
+    shows as a difference)."""
     os.environ.setdefault("LOCAL_RANK", str(rank))
     fused = run_b.pop("fused", False)
     engine, current = _engine(stage_a, opt, precision, fused=fused)
     full = _train(engine, current, range(2))
     _mark_scaler(engine)
+    checkpoint.save(engine, out, 2)
     if run_b:  # step 3 under the other split and layout, as the resumed run takes it
         current[0] = topology_for(_config(stage_a, precision, **run_b))
     full += _train(engine, current, [2])
     expected, scaler = _params(engine), _scaler_state(engine)
-    engine, current = _engine(stage_a, opt, precision, fused=fused)
-    _train(engine, current, range(2))
-    _mark_scaler(engine)
-    checkpoint.save(engine, out, 2)
     engine, current = _engine(stage_b, opt, precision, fused=fused, **run_b)
     topo = current[0]
 
