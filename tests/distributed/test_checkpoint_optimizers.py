@@ -204,7 +204,10 @@ def test_fp16_resume_keeps_masters_and_the_loss_scaler(pools, tmp_path, stage, f
             assert err < 1e-7, f"fp16 portable={portable}: masters differ by {err}"
 
 
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+# plain SGD (no optimizer state) and AdamW (two moments and a step count): the split and
+# layout never reach the optimizer's state; every optimizer's state is checked above, across
+# stages in fp32 and on the same stage in bf16 (momentum SGD, AdamW)
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
 @pytest.mark.parametrize(
     "precision,stage_a,stage_b",
     [
