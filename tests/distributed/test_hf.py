@@ -7,6 +7,8 @@ import torch
 
 from tests.support.helpers import (
     HF_TINY,
+    HF_TOL,
+    assert_same_loss_and_grads,
     hf_loss_and_grads,
     hf_packed_loss_and_grads,
     hf_pair,
@@ -16,8 +18,6 @@ from tests.support.helpers import (
 transformers = pytest.importorskip("transformers")
 from ulysses_cp.core.batch import shard_batch  # noqa: E402
 from ulysses_cp.models import hf  # noqa: E402
-
-TOL = dict(rtol=1e-9, atol=1e-10)
 
 
 def tiny_config(family: str, **extra):
@@ -41,9 +41,9 @@ def _equal_to_single_process(rank, u, r, family):
     errs = {"loss": abs(loss.item() - ref_loss.item())}
     worst = 0.0
     for name, (grad, want) in grads.items():
-        torch.testing.assert_close(grad, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(grad, want, **HF_TOL, msg=lambda m, n=name: f"{n}: {m}")
         worst = max(worst, (grad - want).abs().max().item())
-    torch.testing.assert_close(loss, ref_loss, **TOL)
+    torch.testing.assert_close(loss, ref_loss, **HF_TOL)
     errs["grad"] = worst
     return errs
 
@@ -114,9 +114,7 @@ def _packed(rank):
     g = torch.Generator().manual_seed(2)
     docs = [torch.randint(96, (n,), generator=g) for n in (5, 9, 3, 20)]
     loss, ref_loss, grads = hf_packed_loss_and_grads(sp, ref, topo, docs)
-    torch.testing.assert_close(loss, ref_loss, **TOL)
-    for grad, want in grads.values():
-        torch.testing.assert_close(grad, want, **TOL)
+    assert_same_loss_and_grads(loss, ref_loss, grads)
 
 
 def test_hf_packed_documents_under_hybrid_sp(pools):

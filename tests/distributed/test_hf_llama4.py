@@ -9,6 +9,7 @@ import torch
 
 from tests.support.helpers import (
     HF_TINY,
+    assert_same_loss_and_grads,
     hf_loss_and_grads,
     hf_packed_loss_and_grads,
     hf_pair,
@@ -19,8 +20,6 @@ from ulysses_cp.core.varlen import doc_layout_indices
 
 transformers = pytest.importorskip("transformers")
 from ulysses_cp.models import hf  # noqa: E402
-
-TOL = dict(rtol=1e-9, atol=1e-10)
 
 
 def llama4_config(**extra):
@@ -53,9 +52,7 @@ def _rows(rank, u, r, layout):
     sp, ref = _models(topo)
     ids = torch.randint(96, (2, 64), generator=torch.Generator().manual_seed(1))
     loss, ref_loss, grads = hf_loss_and_grads(sp, ref, topo, ids)
-    torch.testing.assert_close(loss, ref_loss, **TOL)
-    for g, want in grads.values():
-        torch.testing.assert_close(g, want, **TOL)
+    assert_same_loss_and_grads(loss, ref_loss, grads)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -75,9 +72,7 @@ def _packed(rank, u, r, packing="document"):
     lengths = (24, 40) if packing == "document" else (21, 37)
     docs = [torch.randint(96, (n,), generator=g) for n in lengths]
     loss, ref_loss, grads = hf_packed_loss_and_grads(sp, ref, topo, docs)
-    torch.testing.assert_close(loss, ref_loss, **TOL)
-    for grad, want in grads.values():
-        torch.testing.assert_close(grad, want, **TOL)
+    assert_same_loss_and_grads(loss, ref_loss, grads)
 
 
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2)], ids=str)

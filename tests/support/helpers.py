@@ -454,6 +454,17 @@ def hf_pair(cfg, topo, backend="math", reference_attention="sdpa", dtype=torch.f
     return sp, ref
 
 
+HF_TOL = dict(rtol=1e-9, atol=1e-10)  # a float64 HF model under SP against one process
+
+
+def assert_same_loss_and_grads(loss, ref_loss, grads: dict) -> None:
+    """The SP loss and every parameter's gradient (``{name: (grad, want)}``, as
+    :func:`hf_loss_and_grads` returns them) equal the one-process model's (``HF_TOL``)."""
+    torch.testing.assert_close(loss, ref_loss, **HF_TOL)
+    for name, (grad, want) in grads.items():
+        torch.testing.assert_close(grad, want, **HF_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def hf_loss_and_grads(sp, ref, topo, ids: torch.Tensor, dtype=torch.float64, **loss_kwargs):
     """The SP model's loss of ``ids`` (sharded by ``ucp.shard_batch``) and the reference's
     (one process, the whole rows), both backward: ``(loss, ref_loss, grads)`` with
