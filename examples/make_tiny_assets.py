@@ -13,8 +13,8 @@ image processor (``DIR/vlm``), four small PNGs of different sizes (``DIR/images`
 per line).
 
 The model learns nothing useful: it stands in for a real checkpoint so that the examples
-and their tests (tests/test_examples_hf.py, tests/test_examples_trl.py) run in seconds on
-CPU ranks.
+and their tests (tests/launcher/test_examples_hf.py, tests/launcher/test_examples_trl.py)
+run in seconds on CPU ranks.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ GPU, e.g. a one-GPU test machine), gloo with CUDA tensors, said in one log line.
 
 The scripts make no ``torch.distributed`` collective themselves: they call
 :func:`gather_floats`, :func:`max_over_ranks`, :func:`barrier` and :func:`sync` with the
-device ``run_ranks`` gave them (``tests/test_scripts_devices.py`` checks this).
+device ``run_ranks`` gave them (``tests/unit/test_scripts_devices.py`` checks this).
 """
 
 from __future__ import annotations

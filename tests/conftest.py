@@ -1,14 +1,17 @@
 """Test tiers and the shared process pools.
 
-Every test belongs to exactly one tier (docs/development/tests.md, docs/architecture/index.md):
+Every test belongs to exactly one tier, and the tier is its folder (tests/README.md):
 
-- ``unit``: starts no process. Marked here, automatically, for every test that is neither
-  of the others; a guard fails a unit test that starts one (a ``multiprocessing`` process,
-  a subprocess, a fork), naming the tiers to choose from.
-- ``distributed``: runs on the process pool (:class:`tests.distributed.DistPool`, the
-  ``pools`` fixture, marked here) or starts worker processes of its own (marked in the file).
-- ``launcher``: runs programs as a user would (``deepspeed``/``torchrun`` launches, scripts,
-  ``python -m``), marked in the file.
+- ``tests/unit``: starts no process. A guard fails a unit test that starts one (a
+  ``multiprocessing`` process, a subprocess, a fork), naming the tiers to choose from.
+- ``tests/distributed``: runs on the process pool (:class:`tests.support.distributed.DistPool`,
+  the ``pools`` fixture) or starts worker processes of its own (marked in the file).
+- ``tests/launcher``: runs programs as a user would (``deepspeed``/``torchrun`` launches,
+  scripts, ``python -m``), marked in the file.
+
+The folder adds the tier's marker (``-m unit`` and the others select by folder). A test whose
+own markers say another tier (a ``distributed`` or ``launcher`` marker, or the ``pools``
+fixture; none of them means unit) fails collection, naming the folder to move it to.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import DistPool
+from tests.support.distributed import DistPool
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 # The tests' tensors are tiny: one thread per process (as in the pool's ranks). OpenMP's
@@ -29,10 +33,11 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 torch.set_num_threads(1)
 
 TIERS = ("unit", "distributed", "launcher")
+HERE = Path(__file__).resolve().parent
 
 
 def tier_of(item: pytest.Item) -> str:
-    """The tier a collected test belongs to: its own marker, the pool fixture, else unit."""
+    """The tier a test's own markers say: its marker, the pool fixture, else unit."""
     marked = [t for t in ("distributed", "launcher") if item.get_closest_marker(t)]
     if len(marked) > 1:
         raise pytest.UsageError(f"{item.nodeid}: marked {marked}; a test has one tier")
@@ -41,7 +46,28 @@ def tier_of(item: pytest.Item) -> str:
     return "distributed" if "pools" in getattr(item, "fixturenames", ()) else "unit"
 
 
+def folder_of(item: pytest.Item) -> str | None:
+    """The tier folder a test's file is in (tests/<tier>/...), or None outside them."""
+    parts = item.path.relative_to(HERE).parts
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+
+
+def misplaced(item: pytest.Item) -> str | None:
+    """Why a test is in the wrong folder, naming the one to move it to; None when it is not."""
+    folder, tier = folder_of(item), tier_of(item)
+    if folder == tier:
+        return None
+    where = f"tests/{folder}/" if folder else "tests/ (no tier folder)"
+    return (
+        f"{item.nodeid}: its markers say the {tier} tier, but it is in {where}; "
+        f"move it to tests/{tier}/ (tests/README.md)"
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wrong = [why for item in items if (why := misplaced(item))]
+    if wrong:
+        raise pytest.UsageError("tests in the wrong tier folder:\n" + "\n".join(wrong))
     for item in items:
         item.add_marker(tier_of(item))
 

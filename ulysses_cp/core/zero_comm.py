@@ -3,7 +3,7 @@ planner (``plan.comm.zero_bytes``) predicts with and that ``metrics.jsonl`` logs
 
 DeepSpeed's own communication is not counted live (its comms logger slows every collective
 and records message sizes, not what a rank sends); the formula below was checked against
-that logger's message bytes on CPU (``scripts/plan_vs_measured.py``, ``tests/test_plan.py``).
+that logger's message bytes on CPU (``scripts/plan_vs_measured.py``, ``tests/unit/test_plan.py``).
 
 As DeepSpeed issues the collectives with this package's mpu (ZeRO partitions over all
 ``n`` ranks, data x sequence parallel): ZeRO-1/2 all-reduce the gradients (``S = psi *

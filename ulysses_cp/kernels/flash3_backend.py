@@ -6,7 +6,7 @@ folder, installed as the distribution ``flash_attn_3`` with the top-level module
 We call its internal ``_flash_attn_forward`` / ``_flash_attn_backward``, which return and
 take the log-sum-exp ring attention merges; one function serves dense rows ``(b, s, h, d)``
 and packed rows ``(total, h, d)`` with ``cu_seqlens_q/k``. What differs between releases
-(read from ``hopper/flash_attn_interface.py`` and pinned by ``tests/test_flash34_contract.py``
+(read from ``hopper/flash_attn_interface.py`` and pinned by ``tests/unit/test_flash34_contract.py``
 against stand-ins that copy each interface):
 
 ==============  ====================================  =====================================

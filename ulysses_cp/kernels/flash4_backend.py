@@ -7,7 +7,7 @@ distribution ``flash-attn-4`` (``pip install flash-attn-4``; CUDA 13 wants the
 ``flash_attn.cute.interface._flash_attn_fwd`` (with ``return_lse=True``) and
 ``_flash_attn_bwd``; one function serves dense rows ``(b, s, h, d)`` and packed rows
 ``(total, h, d)`` with ``cu_seqlens_q/k``. Read at tags fa4-v4.0.0.beta0, beta10, beta18,
-beta19, beta20 and beta27 and pinned by ``tests/test_flash34_contract.py`` against
+beta19, beta20 and beta27 and pinned by ``tests/unit/test_flash34_contract.py`` against
 stand-ins that copy beta18's and beta27's interfaces:
 
 - the forward returns ``(out, lse)`` up to beta18, ``(out, lse, p, row_max)`` from beta19;

@@ -3,7 +3,7 @@
 We call flash-attn's internal ``_flash_attn_forward/_backward`` (and the varlen pair)
 because they return and take the log-sum-exp that ring attention merges. Their contract
 changed between releases; every difference below was read from each release's
-``flash_attn/flash_attn_interface.py`` and is pinned by ``tests/test_flash_contract.py``
+``flash_attn/flash_attn_interface.py`` and is pinned by ``tests/unit/test_flash_contract.py``
 against stand-ins that copy those interfaces:
 
 ============  =====================================  ======================================

@@ -11,7 +11,7 @@ of its own tokens' share of the loss; summed over the SP group, as every paramet
 gradient is, it is the whole gradient.
 
 Only the families below are accepted with images: each is pinned against the one-process
-model (``tests/test_hf_vlm_images.py``). Others train on text and refuse image batches.
+model (``tests/distributed/test_hf_vlm_images.py``). Others train on text and refuse image batches.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 # the model types whose image batches train exactly (their language model is causal and
-# takes the merged embeddings; pinned in tests/test_hf_vlm_images.py)
+# takes the merged embeddings; pinned in tests/distributed/test_hf_vlm_images.py)
 IMAGE_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 # the keys of an image or video batch (Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3, InternVL...)
 VISION_KEYS = ("pixel_values", "image_", "video_", "second_per_grid", "image_sizes", "batch_num")

@@ -4,7 +4,7 @@ The GPU plan (:mod:`.memory`) moves some bytes off the device; they land here. P
 with ``part = ceil(psi / n)`` parameters in the rank's ZeRO partition (``n``: all ranks):
 
 - ``optimizer`` (``offload_optimizer``, as DeepSpeed 0.19 allocates it, measured by
-  ``tests/test_plan_host.py``): the fp32 master partition and its fp32 gradient (4 + 4
+  ``tests/unit/test_plan_host.py``): the fp32 master partition and its fp32 gradient (4 + 4
   bytes per element), Adam's two fp32 moments (8); ZeRO-3 also keeps its flat gradient
   partition buffer in the gradient-accumulation dtype (the model's: ``B``) on the host,
   16 + B bytes per element in all;

@@ -126,7 +126,7 @@ def attention_activation(
     are put together. The forward's working set (one chunk's inbound and outbound
     all-to-all buffers, the ring's fp32 output) is smaller and is not counted. Ring only:
     nothing kept, staging the ring's over all heads. Checked against measured peaks of one
-    layer (``scripts/plan_vs_measured.py --attention``, ``tests/test_plan_attention.py``)."""
+    layer (``scripts/plan_vs_measured.py --attention``, ``tests/unit/test_plan_attention.py``)."""
     B, t = shape.dtype_bytes, batch * s_local
     acc = 8 if B == 8 else FP32  # the ring's accumulators
     u, r = ulysses, ring
@@ -289,7 +289,7 @@ def activation_bytes(
         # (the MLP's intermediates when untiled, the second norm's input and output and
         # the MLP output: about half of the layer's hidden-size tensors) are gone, so the
         # attention's working set meets the layer less them; the gradients' term stays
-        # whole (matched at P = 1, where there is no staging: tests/test_plan.py)
+        # whole (matched at P = 1, where there is no staging: tests/unit/test_plan.py)
         fold = _mlp_norm_fold(shape, tiles["mlp"])  # the MLP's pieces run the second norm
         after = ((3 - lean - fold) * D + (0 if tiles["mlp"] > 1 else 4 * F)) * B * t
         in_layers = max(layer + grads, layer + attn["staging"] - after)

@@ -20,7 +20,7 @@ shape (:class:`_Replay`, at torch's dispatch level):
   parameters, the whole module on every rank (exact; its memory as before), with a warning
   naming the op.
 
-Why the blocks equal one call (torch's CPU kernels, checked by ``tests/test_loading.py``):
+Why the blocks equal one call (torch's CPU kernels, checked by ``tests/unit/test_loading.py``):
 ``uniform_`` draws element by element, so any split gives the same numbers; ``normal_`` on
 a contiguous tensor of n >= 16 elements draws n uniforms, turns each group of 16 into
 normals (Box-Muller), and, when 16 does not divide n, draws 16 more for the last 16

@@ -5,7 +5,7 @@ rules (non-finite loss or gradients, signals) in one place.
 ``training.max_steps`` and returns the :class:`TrainState`. Everything a run chooses comes
 in as arguments (the topology carries the sequence-parallel choices, ``TrainingConfig`` the
 loop's); nothing is read from the environment. Tests inject faults through
-:class:`Hooks` (``tests/faults.py``).
+:class:`Hooks` (``tests/support/faults.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The distributed tier (tests/README.md)."""

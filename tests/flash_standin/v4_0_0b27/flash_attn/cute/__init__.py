@@ -1,1 +1,0 @@
-"""Stand-in for FlashAttention-4 4.0.0b27 (tests.flash_standin): flash_attn.cute."""

@@ -1,0 +1,1 @@
+"""The launcher tier (tests/README.md)."""
