@@ -11,9 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .schema import at_least, from_block
+from .core.tiles import check_memory_budget
+from .schema import at_least, block_values, from_block
 
-__all__ = ["DataConfig", "EvalConfig", "OnNonfinite", "Task", "TrainingConfig"]
+__all__ = [
+    "DataConfig",
+    "EvalConfig",
+    "OnNonfinite",
+    "Task",
+    "TrainerModelConfig",
+    "TrainingConfig",
+]
 
 Task = Literal["kv_recall", "text", "dataset"]
 OnNonfinite = Literal["skip", "stop"]
@@ -218,3 +226,38 @@ class TrainingConfig:
                 raise ValueError(f"training.{n} must be an integer >= 0, got {getattr(self, n)!r}")
         if self.log_interval < 1:
             raise ValueError(f"training.log_interval must be >= 1, got {self.log_interval}")
+
+
+# ---------------------------------------------------------------- the Trainer's model
+
+
+@dataclass(frozen=True)
+class TrainerModelConfig:
+    """The ``"model"`` block of a Hugging Face Trainer run's DeepSpeed JSON: the Trainer
+    trains the model it is given, so only these keys of train.py's block apply."""
+
+    lean_norms: bool = True
+    """RMSNorms keep only their input for the backward and recompute the rest, as in
+    train.py's Hugging Face block."""
+    memory_budget_gb: float | None = None
+    """GiB per rank that sizes the fused log-prob head's `"auto"` tiles. `null`: the GPU's
+    free memory at start less a margin; on a CPU, the fixed caps."""
+
+    @classmethod
+    def from_dict(cls, block: dict | None) -> TrainerModelConfig:
+        if block is not None and not isinstance(block, dict):
+            raise ValueError(f"the DeepSpeed config's model must be an object, got {block!r}")
+        other = sorted(k for k in block or {} if k not in ("lean_norms", "memory_budget_gb"))
+        if other:
+            raise ValueError(
+                f"under SequenceParallelTrainer the DeepSpeed config's model block takes only "
+                f"lean_norms and memory_budget_gb; it also has {other}, which train.py reads "
+                f"but the Trainer does not (it trains the model it is given: use "
+                f"TrainingArguments' own options, e.g. gradient_checkpointing): remove them"
+            )
+        values = block_values(
+            block, {"lean_norms": bool, "memory_budget_gb": float | None}, "model"
+        )
+        budget = values.get("memory_budget_gb")
+        check_memory_budget(budget)
+        return cls(values.get("lean_norms", True), None if budget is None else float(budget))

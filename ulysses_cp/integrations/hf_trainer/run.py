@@ -14,7 +14,6 @@ its gradient (not its value) by P (:func:`sequence_parallel_loss`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...config import SequenceParallelConfig
+from ...config import RunConfig, SequenceParallelConfig
 from ...core.batch import shard_batch
 from ...core.log import get_logger
 from ...core.options import reduction_grad_scale
 from ...core.process import set_cpu_threads
 from ...core.sharding import gather_sequence, pad_batch, sequence_multiple
-from ...core.tiles import check_memory_budget, gpu_budget_gb
+from ...core.tiles import gpu_budget_gb
 from ...core.topology import Topology, init_topology, validate_degrees
 from ...core.varlen import cu_seqlens_from_position_ids
 from ...models.hf import HFCausalLM, register_attention
@@ -43,7 +42,7 @@ from ...models.hf_vision import (
 )
 from ...models.lean_norm import lean_norms
 from ...models.loss import local_loss_term, sequence_parallel_loss_from_sums
-from ...schema import block_values
+from ...run_blocks import TrainerModelConfig
 
 __all__ = [
     "IGNORED_KEYS",
@@ -51,6 +50,7 @@ __all__ = [
     "model_block_options",
     "sequence_parallel_block",
     "sequence_parallel_loss",
+    "trainer_config",
 ]
 
 IGNORE = -100
@@ -74,53 +74,37 @@ IGNORED_KEYS = frozenset(
 )
 
 
-def _deepspeed_config(deepspeed: Any) -> dict:
-    """``args.deepspeed`` (a JSON path or a dict) as a dict; empty without one."""
+def trainer_config(deepspeed: Any) -> RunConfig | None:
+    """``args.deepspeed`` (a JSON path or a dict) read by :meth:`RunConfig.load` as
+    train.py reads its config (an error names the file, the line and the key, with the
+    closest valid keys), its ``"model"`` block the Trainer's
+    (:class:`~ulysses_cp.run_blocks.TrainerModelConfig`); None without a DeepSpeed config
+    or when the file is missing (the Trainer reports that itself)."""
     if deepspeed is None or deepspeed is False:
-        return {}
-    if isinstance(deepspeed, dict):
-        return deepspeed
-    path = Path(deepspeed)
-    if not path.is_file():
-        return {}  # the Trainer reports a missing DeepSpeed config itself
-    return json.loads(path.read_text())
-
-
-def sequence_parallel_block(deepspeed: Any) -> dict | None:
-    """The ``"sequence_parallel"`` block of ``args.deepspeed`` (a JSON path or a dict), or
-    None when there is none (or no DeepSpeed config at all)."""
-    block = _deepspeed_config(deepspeed).get("sequence_parallel")
-    if block is None:
         return None
-    if not isinstance(block, dict):
-        raise ValueError(
-            f"the DeepSpeed config's sequence_parallel must be an object, got {block!r}"
-        )
-    return block
+    if not isinstance(deepspeed, dict) and not Path(deepspeed).is_file():
+        return None
+    return RunConfig.load(deepspeed, trainer=True)
 
 
-def model_block_options(deepspeed: Any) -> tuple[bool, float | None]:
+def sequence_parallel_block(deepspeed: Any | RunConfig) -> dict | None:
+    """The ``"sequence_parallel"`` block of ``args.deepspeed`` (a JSON path, a dict or its
+    :func:`trainer_config`) as written, or None when there is none (or no DeepSpeed
+    config at all)."""
+    run = deepspeed if isinstance(deepspeed, RunConfig) else trainer_config(deepspeed)
+    return None if run is None else run.block("sequence_parallel")
+
+
+def model_block_options(deepspeed: Any | RunConfig) -> tuple[bool, float | None]:
     """``"model": {"lean_norms": ..., "memory_budget_gb": ...}`` of ``args.deepspeed``: the
     keys of ``train.py``'s model block a Trainer run reads (lean norms default true; the
     per-rank budget that sizes the fused log-prob head's "auto" tiles, default None: on a
-    GPU, its free memory at start less a margin). Any other key there is refused, since the
-    Trainer builds the model itself and would silently skip it."""
-    block = _deepspeed_config(deepspeed).get("model", {})
-    if not isinstance(block, dict):
-        raise ValueError(f"the DeepSpeed config's model must be an object, got {block!r}")
-    other = sorted(k for k in block if k not in ("lean_norms", "memory_budget_gb"))
-    if other:
-        raise ValueError(
-            f"under SequenceParallelTrainer the DeepSpeed config's model block takes only "
-            f"lean_norms and memory_budget_gb; it also has {other}, which train.py reads but "
-            f"the Trainer does not (it trains the model it is given: use TrainingArguments' "
-            f"own options, e.g. gradient_checkpointing): remove them"
-        )
-    # the types as train.py's model block checks them, then the budget's value
-    values = block_values(block, {"lean_norms": bool, "memory_budget_gb": float | None}, "model")
-    budget = values.get("memory_budget_gb")
-    check_memory_budget(budget)
-    return values.get("lean_norms", True), None if budget is None else float(budget)
+    GPU, its free memory at start less a margin). Any other key there is refused
+    (:class:`~ulysses_cp.run_blocks.TrainerModelConfig`), since the Trainer builds the
+    model itself and would silently skip it."""
+    run = deepspeed if isinstance(deepspeed, RunConfig) else trainer_config(deepspeed)
+    block = TrainerModelConfig() if run is None or run.trainer_model is None else run.trainer_model
+    return block.lean_norms, block.memory_budget_gb
 
 
 def sequence_parallel_loss(
@@ -168,7 +152,11 @@ class SequenceParallelRun:
     @classmethod
     def from_block(cls, block: dict) -> SequenceParallelRun:
         """Validate the block against the world and build the groups (collective)."""
-        config = SequenceParallelConfig.from_dict(block)
+        return cls.from_config(SequenceParallelConfig.from_dict(block))
+
+    @classmethod
+    def from_config(cls, config: SequenceParallelConfig) -> SequenceParallelRun:
+        """The parsed block validated against the world, and the groups built (collective)."""
         config.check()
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
