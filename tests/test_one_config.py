@@ -143,6 +143,10 @@ def test_the_settings_are_deepspeeds_keys_parsed_once(tmp_path):
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}}, indent=2))
     run = RunConfig.load(path)
     assert run.deepspeed.zero_stage == 2
+    # from a file, the error names the file and the key's line (4: "stage" in its block)
+    path.write_text(json.dumps({"bf16": {}, "zero_optimization": {"stage": "2"}}, indent=2))
+    with pytest.raises(ValueError, match=rf"^{path}:4: zero_optimization.stage must be"):
+        RunConfig.load(path)
 
 
 BAD_TRAINER_JSON = """{

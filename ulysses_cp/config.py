@@ -7,11 +7,16 @@ Each field's docstring is its key's entry in the generated config reference.
 :meth:`RunConfig.load` reads the file (:func:`read_config`: JSON syntax errors with the
 line, unknown top-level keys, relative paths resolved against the file's folder) and parses
 every block (``ulysses_cp.schema.from_block``: unknown keys and values of the wrong type
-refused naming the key; each block's ``check()`` adds the rules between fields).
+refused naming the key; each block's ``check()`` adds the rules between fields; from a
+file, the error names the file and the key's line), and the DeepSpeed keys a run acts on
+(``ulysses_cp.deepspeed_block.DeepSpeedSettings``: ``run.deepspeed``). The Hugging Face
+Trainer subclasses load their DeepSpeed JSON here too (``trainer=True``).
 Everything after takes the parsed :class:`RunConfig`; the DeepSpeed part is handed on
-unchanged (``ulysses_cp.training.engine.deepspeed_part``). A leaf of the import graph but
-for ``core.options``, ``schema`` and ``run_blocks``: the head and vocabulary counts of
-a Hugging Face config are asked from ``ulysses_cp.models.hf`` by the code that needs them.
+unchanged (``ulysses_cp.training.engine.deepspeed_part``), and nothing else reads ``raw``
+but the tracker's copy and the planner's writer (``tests/test_one_config.py``). A leaf of
+the import graph but for ``core``, ``schema``, ``run_blocks`` and ``deepspeed_block``: the
+head and vocabulary counts of a Hugging Face config are asked from ``ulysses_cp.models.hf``
+by the code that needs them.
 """
 
 from __future__ import annotations
