@@ -152,7 +152,8 @@ def _load(rank, world, job, device):
         )
         model = hf.wrap(whole, topo, mc)
         mpu = engine.SequenceParallelMPU(topo)
-        engine._partition_over_all_ranks(model, mpu, engine.deepspeed_part(run))
+        ds_config, dtype = engine.deepspeed_part(run), run.deepspeed.dtype
+        engine._partition_over_all_ranks(model, mpu, ds_config, dtype)
     seconds = time.perf_counter() - start
     peak, after = _status("VmHWM"), _status("VmRSS")
     local = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())

@@ -7,26 +7,34 @@ Each field's docstring is its key's entry in the generated config reference.
 :meth:`RunConfig.load` reads the file (:func:`read_config`: JSON syntax errors with the
 line, unknown top-level keys, relative paths resolved against the file's folder) and parses
 every block (``ulysses_cp.schema.from_block``: unknown keys and values of the wrong type
-refused naming the key; each block's ``check()`` adds the rules between fields).
+refused naming the key; each block's ``check()`` adds the rules between fields; from a
+file, the error names the file and the key's line), and the DeepSpeed keys a run acts on
+(``ulysses_cp.deepspeed_block.DeepSpeedSettings``: ``run.deepspeed``). The Hugging Face
+Trainer subclasses load their DeepSpeed JSON here too (``trainer=True``).
 Everything after takes the parsed :class:`RunConfig`; the DeepSpeed part is handed on
-unchanged (``ulysses_cp.training.engine.deepspeed_part``). A leaf of the import graph but
-for ``core.options``, ``schema`` and ``run_blocks``: the head and vocabulary counts of
-a Hugging Face config are asked from ``ulysses_cp.models.hf`` by the code that needs them.
+unchanged (``ulysses_cp.training.engine.deepspeed_part``), and nothing else reads ``raw``
+but the tracker's copy and the planner's writer (``tests/test_one_config.py``). A leaf of
+the import graph but for ``core``, ``schema``, ``run_blocks`` and ``deepspeed_block``: the
+head and vocabulary counts of a Hugging Face config are asked from ``ulysses_cp.models.hf``
+by the code that needs them.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from .core.offload import check_offload, offloaded_layers
 from .core.options import CONFIG_KEYS, RunOptions
 from .core.tiles import check_memory_budget, check_tiles
-from .run_blocks import DataConfig, EvalConfig, TrainingConfig
+from .deepspeed_block import DeepSpeedSettings
+from .run_blocks import DataConfig, EvalConfig, TrainerModelConfig, TrainingConfig
 from .schema import at_least, block_values, check_top_level_keys, from_block, resolve_paths
 
 __all__ = [
@@ -263,8 +271,10 @@ def model_config(block: dict | None) -> ModelConfig | HFModelConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """A config file read once: our blocks parsed, and the whole dict (``raw``: paths
-    resolved, unknown top-level keys refused) for DeepSpeed and the tracker."""
+    """A config file read once: our blocks and the DeepSpeed settings we read parsed, and
+    the whole dict (``raw``: paths resolved, unknown top-level keys refused), which only
+    the DeepSpeed hand-off (``training.engine.deepspeed_part``) and the tracker's copy of
+    the file read."""
 
     raw: dict
     sequence_parallel: SequenceParallelConfig
@@ -273,26 +283,86 @@ class RunConfig:
     training: TrainingConfig
     eval: EvalConfig = field(default_factory=EvalConfig)
     path: Path | None = None
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
+    trainer_model: TrainerModelConfig | None = None
 
     @classmethod
-    def load(cls, config: RunConfig | str | Path | dict) -> RunConfig:
-        """Read and parse a config file (path) or dict; a ``RunConfig`` is returned as is."""
+    def load(cls, config: RunConfig | str | Path | dict, *, trainer: bool = False) -> RunConfig:
+        """Read and parse a config file (path) or dict; a ``RunConfig`` is returned as is.
+        From a file, an error in a block names the file and the line of the key.
+        ``trainer``: the DeepSpeed JSON of a Hugging Face Trainer run, whose ``"model"``
+        block is :class:`~ulysses_cp.run_blocks.TrainerModelConfig` (``trainer_model``)."""
         if isinstance(config, RunConfig):
             return config
         raw = read_config(config)
-        data = DataConfig.from_dict(raw.get("data"))
-        ev = EvalConfig.from_dict(raw.get("eval"))
+
+        def parse(name: str, parser: Callable, *args):
+            try:
+                return parser(*args)
+            except ValueError as exc:
+                if isinstance(config, dict):
+                    raise
+                line = _line_of(Path(config).read_text(), name, str(exc))
+                raise ValueError(f"{config}:{line}: {exc}") from None
+
+        if trainer:
+            for name in ("sequence_parallel", "model"):
+                if raw.get(name) is not None and not isinstance(raw[name], dict):
+                    got = raw[name]
+                    raise ValueError(
+                        f"the DeepSpeed config's {name} must be an object, got {got!r}"
+                    )
+        data = parse("data", DataConfig.from_dict, raw.get("data"))
+        ev = parse("eval", EvalConfig.from_dict, raw.get("eval"))
         if ev.enabled and data.task != "dataset":
-            raise ValueError(
+            msg = (
                 f'the "eval" block evaluates held-out tokenized data: it needs data.task '
                 f'"dataset", got {data.task!r} (set eval.interval to 0 or drop the block)'
             )
+            parse("eval", _raise, msg)
+        block = raw.get("model")
         return cls(
             raw=raw,
-            sequence_parallel=SequenceParallelConfig.from_dict(raw.get("sequence_parallel")),
-            model=model_config(raw.get("model")),
+            sequence_parallel=parse(
+                "sequence_parallel", SequenceParallelConfig.from_dict, raw.get("sequence_parallel")
+            ),
+            model=ModelConfig() if trainer else parse("model", model_config, block),
+            trainer_model=parse("model", TrainerModelConfig.from_dict, block) if trainer else None,
             data=data,
-            training=TrainingConfig.from_dict(raw.get("training")),
+            training=parse("training", TrainingConfig.from_dict, raw.get("training")),
             eval=ev,
             path=None if isinstance(config, dict) else Path(config),
+            deepspeed=parse("zero_optimization", DeepSpeedSettings.from_dict, raw),
         )
+
+    def block(self, name: str) -> dict | None:
+        """A copy of one of our blocks as written (None when absent), for a log of the run."""
+        if name not in OUR_BLOCKS:
+            raise ValueError(f"{name!r} is not one of our blocks {OUR_BLOCKS}")
+        return copy.deepcopy(self.raw.get(name))
+
+    def without_optimizer(self) -> RunConfig:
+        """This config with no DeepSpeed ``optimizer`` block (the caller builds the optimizer
+        and hands it to DeepSpeed, which then must accept it)."""
+        raw = {k: v for k, v in self.raw.items() if k != "optimizer"}
+        raw["zero_allow_untested_optimizer"] = True
+        return replace(self, raw=raw, deepspeed=replace(self.deepspeed, optimizer=None))
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+def _line_of(text: str, block: str, message: str) -> int:
+    """The line of the file ``text`` an error about ``block`` points at: the first key the
+    message names (quoted, or as ``block.key``) found after the block's own key, else the
+    block's key, else line 1."""
+    start = re.search(rf'"{re.escape(block)}"\s*:', text)
+    if start is None:
+        return 1
+    names = [n for pair in re.findall(r"'(\w+)'|\w+\.(\w+)", message) for n in pair if n]
+    for name in names:
+        hit = re.compile(rf'"{re.escape(name)}"\s*:').search(text, start.start())
+        if hit is not None:
+            return text.count("\n", 0, hit.start()) + 1
+    return text.count("\n", 0, start.start()) + 1

@@ -11,9 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .core.offload import check_offload
+from .core.tiles import check_memory_budget, check_tiles
 from .schema import at_least, from_block
 
-__all__ = ["DataConfig", "EvalConfig", "OnNonfinite", "Task", "TrainingConfig"]
+__all__ = [
+    "NOT_UNDER_TRAINER",
+    "DataConfig",
+    "EvalConfig",
+    "OnNonfinite",
+    "Task",
+    "TrainerModelConfig",
+    "TrainingConfig",
+]
 
 Task = Literal["kv_recall", "text", "dataset"]
 OnNonfinite = Literal["skip", "stop"]
@@ -218,3 +228,54 @@ class TrainingConfig:
                 raise ValueError(f"training.{n} must be an integer >= 0, got {getattr(self, n)!r}")
         if self.log_interval < 1:
             raise ValueError(f"training.log_interval must be >= 1, got {self.log_interval}")
+
+
+# ---------------------------------------------------------------- the Trainer's model
+
+
+# train.py's model keys about building the model or its loss: the Trainer trains the model
+# it is handed, through that model's forward and logits (its log-prob head tiles "auto")
+NOT_UNDER_TRAINER = ("hf_config", "hf_weights", "dtype", "compile", "tiled_loss", "fused_loss")
+
+
+@dataclass(frozen=True)
+class TrainerModelConfig:
+    """The ``"model"`` block of a Hugging Face Trainer run's DeepSpeed JSON. The Trainer
+    trains the model it is given, so only the memory features of train.py's block apply
+    (``models.recipe.adopt``); the keys that build the model or its loss are refused."""
+
+    lean_norms: bool = True
+    """RMSNorms keep only their input for the backward and recompute the rest, as in
+    train.py's Hugging Face block."""
+    memory_budget_gb: float | None = None
+    """GiB per rank that sizes `"auto"` tiles (the tiled MLP, the fused log-prob head).
+    `null`: the GPU's free memory at start less a margin; on a CPU, the fixed caps."""
+    tiled_mlp: int | Literal["auto"] = 0
+    """Run each MLP in this many pieces of the sequence (`"auto"`: sized by bytes); 0 or 1:
+    whole. The parameters keep their names, so the saved model loads as the plain one."""
+    activation_checkpointing: bool = False
+    """Checkpoint every decoder layer. Not beside `TrainingArguments(gradient_checkpointing=
+    True)`, which checkpoints them already."""
+    offload_activations: bool | int = False
+    """With activation_checkpointing: keep the checkpointed layer inputs on the CPU, for
+    every layer (`true`) or the first this many."""
+
+    @classmethod
+    def from_dict(cls, block: dict | None) -> TrainerModelConfig:
+        if block is not None and not isinstance(block, dict):
+            raise ValueError(f"the DeepSpeed config's model must be an object, got {block!r}")
+        taken = list(cls.__dataclass_fields__)
+        other = sorted(k for k in block or {} if k in NOT_UNDER_TRAINER)
+        if other:
+            raise ValueError(
+                f"under SequenceParallelTrainer the DeepSpeed config's model block takes only "
+                f"{', '.join(taken)}; it also has {other}, which train.py reads but the Trainer "
+                f"does not (it trains the model it is given, through its own forward and "
+                f"logits): remove them"
+            )
+        return from_block(cls, block, "model")
+
+    def check(self) -> None:
+        check_tiles(self.tiled_mlp, "model.tiled_mlp")
+        check_memory_budget(self.memory_budget_gb)
+        check_offload(self.offload_activations, self.activation_checkpointing)

@@ -183,7 +183,8 @@ def train(
     )
     trainer.flop_shape, trainer.peak_tflops = trainer_speed
     trainer.zero_bytes_per_step = zero_wire_bytes(
-        ds_run.raw,
+        stage=ds_run.deepspeed.zero_stage,
+        max_live_parameters=ds_run.deepspeed.stage3_max_live_parameters,
         params=n_params,
         world=topo.world_size,
         element_bytes=next(engine.module.parameters()).element_size(),

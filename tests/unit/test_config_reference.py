@@ -49,6 +49,8 @@ def test_the_blocks_are_found_from_the_run_config():
         "DataConfig",
         "EvalConfig",
         "TrainingConfig",
+        "DeepSpeedSettings",
+        "TrainerModelConfig",
     }
 
 

@@ -19,6 +19,7 @@ FLOORS = ["core", "config", "kernels", "modes", "models", "integrations", "train
 TOP_LEVEL = {
     "config.py": "config",
     "run_blocks.py": "config",
+    "deepspeed_block.py": "config",
     "schema.py": "config",
     "train.py": "entry",
     "check_attention.py": "entry",

@@ -58,17 +58,23 @@ def zero_collectives(
 
 
 def zero_wire_bytes(
-    raw: dict, *, params: int, element_bytes: int, world: int, micro_steps: int
+    *,
+    stage: int,
+    max_live_parameters: float | None,
+    params: int,
+    element_bytes: int,
+    world: int,
+    micro_steps: int,
 ) -> int:
-    """Bytes this rank sends per step in ZeRO's collectives for a DeepSpeed config ``raw``
-    (its ``zero_optimization`` stage and ``stage3_max_live_parameters``)."""
-    zero = raw.get("zero_optimization") or {}
+    """Bytes this rank sends per step in ZeRO's collectives at ZeRO ``stage`` with
+    ``stage3_max_live_parameters`` (None: ``"auto"``, DeepSpeed's 1e9), as the config's
+    parsed DeepSpeed settings give them (``ulysses_cp.deepspeed_block``)."""
     ops = zero_collectives(
         params=params,
         element_bytes=element_bytes,
-        stage=int(zero.get("stage", 0)),
+        stage=stage,
         world=world,
         micro_steps=micro_steps,
-        max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
+        max_live_parameters=1e9 if max_live_parameters is None else max_live_parameters,
     )
     return sum(v["wire"] for v in ops.values())

@@ -43,8 +43,7 @@ KEYS = (
 
 def base_run(run: RunConfig) -> Run:
     """The config as written, as a :class:`Run`."""
-    sp, mc, zero = run.sequence_parallel, run.model, run.raw.get("zero_optimization") or {}
-    off = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
+    sp, mc, ds = run.sequence_parallel, run.model, run.deepspeed
     chunks = 1  # what the run asks for (0: the automatic rule, resolved per sequence length)
     if sp.ulysses_degree > 1:
         hq, hkv = (mc.n_heads, mc.n_kv_heads) if isinstance(mc, ModelConfig) else _hf_heads(mc)
@@ -54,13 +53,13 @@ def base_run(run: RunConfig) -> Run:
         ulysses=sp.ulysses_degree,
         ring=sp.ring_degree,
         layout=sp.options.layout,
-        zero_stage=int(zero.get("stage", 0)),
+        zero_stage=ds.zero_stage,
         head_chunks=chunks,
         activation_checkpointing=mc.activation_checkpointing,
         offload_activations=mc.offload_activations,
         tiled_mlp=mc.tiled_mlp,
         tiled_loss=mc.tiled_loss,
-        offload_optimizer=off,
+        offload_optimizer=ds.offloads_optimizer,
         kv_exchange=sp.options.kv_exchange,
         redo_all_to_all=sp.options.redo_all_to_all,
     )
@@ -72,11 +71,9 @@ def _hf_heads(mc) -> tuple[int, int]:
     return hf.heads(hf.load_config(mc.hf_config))
 
 
-def _dtype_bytes(raw: dict) -> int | None:
-    for key in ("bf16", "fp16"):
-        if (raw.get(key) or {}).get("enabled"):
-            return 2
-    return None
+def _dtype_bytes(run: RunConfig) -> int | None:
+    """2 when DeepSpeed trains in bf16 or fp16, else None (the model's own dtype)."""
+    return 2 if run.deepspeed.dtype in ("bfloat16", "float16") else None
 
 
 def _describe(run: Run) -> dict:
@@ -99,8 +96,7 @@ def plan(
     ``candidates`` and picks ``chosen`` (:data:`~ulysses_cp.plan.ranking.GOALS`)."""
     if goal not in GOALS:
         raise ValueError(f"--goal {goal!r}: choose one of {', '.join(GOALS)}")
-    raw = run_config.raw
-    shape = model_shape(run_config.model, dtype_bytes=_dtype_bytes(raw))
+    shape = model_shape(run_config.model, dtype_bytes=_dtype_bytes(run_config))
     base = base_run(run_config)
     N = seq_len or run_config.data.seq_len
     validate_degrees(world, base.ulysses, base.ring)
@@ -111,9 +107,8 @@ def plan(
             f"--seq-len {N} must be a multiple of {m} for u{base.ulysses} x r{base.ring} in "
             f"the {base.layout!r} layout; try {N // m * m or m} or {(N // m + 1) * m}"
         )
-    batch = int(raw.get("train_micro_batch_size_per_gpu", 1))
-    gas = int(raw.get("gradient_accumulation_steps", 1))
-    knobs = ZeroKnobs.of(raw.get("zero_optimization") or {})
+    batch, gas = run_config.deepspeed.micro_batch, run_config.deepspeed.micro_steps
+    knobs = ZeroKnobs.from_settings(run_config.deepspeed)
     budget = usable(hw.gpu_mem_gb * GiB)  # the headroom the run keeps
     shape = replace(shape, weights_file_bytes=_largest_weights_file(run_config.model))
     if shape.budget_bytes is None:  # "auto" tiles as the run on such a GPU sizes them

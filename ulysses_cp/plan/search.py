@@ -23,6 +23,7 @@ from ..core.flops import model_flops
 from ..core.sharding import sequence_multiple
 from ..core.tiles import gpu_budget_gb
 from ..core.topology import validate_degrees
+from ..deepspeed_block import DeepSpeedSettings
 from ..modes.ulysses import head_chunk_choices, kv_replication, resolve_head_chunks
 from .comm import attention_bytes, split_nodes, zero_bytes
 from .host import host_bytes
@@ -63,12 +64,25 @@ class ZeroKnobs:
 
     @classmethod
     def of(cls, zero: dict) -> ZeroKnobs:
-        """From a config's ``zero_optimization`` block."""
+        """From a config's ``zero_optimization`` block (parsed by
+        :class:`~ulysses_cp.deepspeed_block.DeepSpeedSettings`)."""
+        return cls.from_settings(DeepSpeedSettings.from_dict({"zero_optimization": zero}))
+
+    @classmethod
+    def from_settings(cls, ds: DeepSpeedSettings) -> ZeroKnobs:
+        """From a config's parsed DeepSpeed settings (``"auto"``: DeepSpeed's default)."""
+        default = cls()
         return cls(
-            max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
-            reduce_bucket_size=float(zero.get("reduce_bucket_size", 5e8)),
-            persistence_threshold=float(zero.get("stage3_param_persistence_threshold", 1e5)),
+            max_live_parameters=_or(ds.stage3_max_live_parameters, default.max_live_parameters),
+            reduce_bucket_size=_or(ds.reduce_bucket_size, default.reduce_bucket_size),
+            persistence_threshold=_or(
+                ds.stage3_param_persistence_threshold, default.persistence_threshold
+            ),
         )
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ SEQUENCE_PARALLEL = ("ulysses_degree", "ring_degree", "layout", "kv_exchange", "
 MODEL = ("activation_checkpointing", "offload_activations", "tiled_mlp", "tiled_loss")
 
 
-def planned_config(raw: dict, chosen: dict, *, world: int) -> dict:
-    """``raw`` (the config's JSON) with ``chosen``'s settings (a row of the planner's
-    ``candidates``) for ``world`` ranks; an explicit ``train_batch_size`` follows the new
-    data-parallel degree."""
-    cfg = copy.deepcopy(raw)
+def planned_config(run: RunConfig, chosen: dict, *, world: int) -> dict:
+    """The JSON of ``run`` (the whole file, to write again) with ``chosen``'s settings (a
+    row of the planner's ``candidates``) for ``world`` ranks; an explicit
+    ``train_batch_size`` follows the new data-parallel degree."""
+    cfg = copy.deepcopy(run.raw)  # the file as written: only set here, never read
     sp = cfg.setdefault("sequence_parallel", {})
     sp.update({k: chosen[k] for k in SEQUENCE_PARALLEL})
     if chosen["ulysses_degree"] > 1:
@@ -34,13 +34,12 @@ def planned_config(raw: dict, chosen: dict, *, world: int) -> dict:
     zero = cfg.setdefault("zero_optimization", {})
     zero["stage"] = chosen["zero_stage"]
     if chosen["offload_optimizer"]:
-        zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": "cpu"}
+        zero.setdefault("offload_optimizer", {})["device"] = "cpu"  # its other keys kept
     else:
         zero.pop("offload_optimizer", None)
     if "train_batch_size" in cfg:
         dp = world // (chosen["ulysses_degree"] * chosen["ring_degree"])
-        micro = int(cfg.get("train_micro_batch_size_per_gpu", 1))
-        cfg["train_batch_size"] = micro * int(cfg.get("gradient_accumulation_steps", 1)) * dp
+        cfg["train_batch_size"] = run.deepspeed.micro_batch * run.deepspeed.micro_steps * dp
     return cfg
 
 
@@ -83,7 +82,7 @@ def write_config(result: dict, run: RunConfig, out: str | Path) -> str:
             f"--seq-len or more --gpu-mem-gb)"
         )
     out = Path(out)
-    cfg = planned_config(run.raw, chosen, world=result["inputs"]["world"])
+    cfg = planned_config(run, chosen, world=result["inputs"]["world"])
     cfg = relocate_paths(cfg, out.parent, run.path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -7,7 +7,6 @@ launcher).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -143,7 +142,7 @@ def cpu_optimizer(run: RunConfig, model: torch.nn.Module) -> tuple[object | None
     (DeepSpeed would JIT-compile a fused CPU Adam, minutes on 2 cores), returned with a
     config whose DeepSpeed part has no such block; otherwise ``(None, run)`` and DeepSpeed
     builds the optimizer from the block. The given config is never changed."""
-    block = run.raw.get("optimizer")
+    block = run.deepspeed.optimizer
     if (
         torch.cuda.is_available()
         or not block
@@ -153,7 +152,4 @@ def cpu_optimizer(run: RunConfig, model: torch.nn.Module) -> tuple[object | None
     params = dict(block.get("params", {}))
     params.pop("torch_adam", None)
     params.pop("adam_w_mode", None)
-    raw = copy.deepcopy(run.raw)
-    del raw["optimizer"]
-    raw["zero_allow_untested_optimizer"] = True
-    return torch.optim.AdamW(model.parameters(), **params), replace(run, raw=raw)
+    return torch.optim.AdamW(model.parameters(), **params), run.without_optimizer()

@@ -232,20 +232,19 @@ class SequenceParallelMPU:
 
 
 def _zero_stage(run: RunConfig) -> int:
-    return int((run.raw.get("zero_optimization") or {}).get("stage", 0))
+    return run.deepspeed.zero_stage
 
 
 def zero_grad_scale(run: RunConfig) -> float:
     """ZeRO-3's reduce-scatter averages over dp x sp ranks; the others over dp only: the
     SP degree under ZeRO-3 (with its reduce-scatter), else 1."""
-    zero = run.raw.get("zero_optimization") or {}
     sp = run.sequence_parallel
-    averages = _zero_stage(run) == 3 and bool(zero.get("reduce_scatter", True))
+    averages = _zero_stage(run) == 3 and run.deepspeed.reduce_scatter
     return reduction_grad_scale(sp.ulysses_degree * sp.ring_degree, averages_over_sp=averages)
 
 
 def _partition_over_all_ranks(
-    model: torch.nn.Module, mpu: SequenceParallelMPU, ds_config: dict
+    model: torch.nn.Module, mpu: SequenceParallelMPU, ds_config: dict, train_dtype: str
 ) -> None:
     """ZeRO-3 would partition parameters over ``mpu.get_data_parallel_group()`` (replicas
     only) but reduce-scatters gradients over every rank: partition over every rank first,
@@ -255,10 +254,8 @@ def _partition_over_all_ranks(
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         return  # built under zero.Init already
     dtype = next(model.parameters()).dtype
-    if (ds_config.get("bf16") or {}).get("enabled"):
-        dtype = torch.bfloat16
-    elif (ds_config.get("fp16") or {}).get("enabled"):
-        dtype = torch.float16
+    if train_dtype in ("bfloat16", "float16"):  # the config's bf16/fp16 (deepspeed_block)
+        dtype = getattr(torch, train_dtype)
     # DeepSpeed casts the model to bf16/fp16 itself only when it partitions it: cast here,
     # or the partitions stay fp32 and the whole run silently trains in fp32
     model.to(dtype)
@@ -315,7 +312,7 @@ def initialize(
     mpu = SequenceParallelMPU(topo)
     ds_config = deepspeed_part(run)
     if _zero_stage(run) == 3 and topo.sp_world_size > 1:
-        _partition_over_all_ranks(model, mpu, ds_config)
+        _partition_over_all_ranks(model, mpu, ds_config, run.deepspeed.dtype)
     # DeepSpeed's warmup schedulers ask for their learning rate in their own constructor
     # and warn, on every rank, that they "have not started": noise at every start
     quiet = _Drop("get learning rate from scheduler before it has started")

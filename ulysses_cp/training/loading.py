@@ -47,6 +47,7 @@ from ..config import HFModelConfig, RunConfig
 from ..core.log import get_logger
 from ..core.tiles import TilePlan
 from ..core.topology import Topology
+from ..deepspeed_block import DeepSpeedSettings, with_train_dtype
 from ..models import hf
 from .engine import SequenceParallelMPU, deepspeed_part
 from .partitioned_init import partitioned_initialize, slice_bounds
@@ -65,8 +66,7 @@ SINGLE = "model.safetensors"
 
 def partitioned_build(run: RunConfig) -> bool:
     """Whether ``run`` builds its Hugging Face model partitioned: ZeRO stage 3."""
-    zero = run.raw.get("zero_optimization") or {}
-    return isinstance(run.model, HFModelConfig) and int(zero.get("stage", 0)) == 3
+    return isinstance(run.model, HFModelConfig) and run.deepspeed.zero_stage == 3
 
 
 def checkpoint_files(folder: str | Path) -> dict[str, Path]:
@@ -84,12 +84,10 @@ def checkpoint_files(folder: str | Path) -> dict[str, Path]:
     return {}
 
 
-def _train_dtype(ds_config: dict, dtype: torch.dtype) -> torch.dtype:
+def _train_dtype(settings: DeepSpeedSettings, dtype: torch.dtype) -> torch.dtype:
     """The dtype DeepSpeed trains in: bf16/fp16 when enabled, else the model's."""
-    if (ds_config.get("bf16") or {}).get("enabled"):
-        return torch.bfloat16
-    if (ds_config.get("fp16") or {}).get("enabled"):
-        return torch.float16
+    if settings.dtype in ("bfloat16", "float16"):
+        return getattr(torch, settings.dtype)
     return dtype
 
 
@@ -117,9 +115,7 @@ def _zero_init(run: RunConfig, topo: Topology, dtype: torch.dtype):
     mpu = SequenceParallelMPU(topo)
     # zero.Init takes its dtype from the config's bf16/fp16 blocks when given none (its
     # ``dtype=`` argument is overridden by the accelerator's choice on CPU, deepspeed 0.19.8)
-    ds_config = deepspeed_part(run)
-    ds_config["bf16"] = {**(ds_config.get("bf16") or {}), "enabled": dtype == torch.bfloat16}
-    ds_config["fp16"] = {**(ds_config.get("fp16") or {}), "enabled": dtype == torch.float16}
+    ds_config = with_train_dtype(deepspeed_part(run), str(dtype).removeprefix("torch."))
     init = deepspeed.zero.Init(
         data_parallel_group=mpu.get_sequence_data_parallel_group(),
         config_dict_or_path=ds_config,
@@ -153,8 +149,7 @@ def _own_initializers(model: torch.nn.Module) -> list[str]:
 
 def _streamable(folder: Path, model_names: set[str], run: RunConfig) -> str | None:
     """Why the checkpoint cannot be streamed into partitions (None: it can)."""
-    zero = run.raw.get("zero_optimization") or {}
-    if int(zero.get("zero_hpz_partition_size", 1)) > 1:
+    if run.deepspeed.zero_hpz_partition_size > 1:
         return "zero_hpz_partition_size > 1 keeps secondary partitions this loader does not fill"
     files = checkpoint_files(folder)
     if not files:
@@ -307,5 +302,5 @@ def build_partitioned(
             f"{own} override initialize_weights, which would run on empty ZeRO-3 "
             f"partitions; build this model with ZeRO stage 0-2, or give model.hf_weights"
         )
-    _cast_partitions(model, _train_dtype(deepspeed_part(run), dtype))
+    _cast_partitions(model, _train_dtype(run.deepspeed, dtype))
     return hf.wrap(model, topo, mc, layout=layout, tiles=tiles)

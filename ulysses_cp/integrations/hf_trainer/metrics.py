@@ -32,6 +32,7 @@ from ...core.log import get_logger
 from ...core.metrics import attention_bytes_sent, largest_peak_memory_mb, topology_info
 from ...core.topology import Topology
 from ...core.zero_comm import full_numel, zero_wire_bytes
+from ...deepspeed_block import DeepSpeedSettings
 
 __all__ = [
     "RUN_ID_FILE",
@@ -45,14 +46,18 @@ log = get_logger(__name__)
 RUN_ID_FILE = "wandb_run.json"  # {"id": ...} in a checkpoint folder
 
 
-def zero_bytes_per_step(model: Any, deepspeed_config: dict, *, world: int, micro_steps: int):
-    """ZeRO's bytes this rank sends per optimizer step (``core.zero_comm``), or None
-    when some parameters are frozen (LoRA): the formula counts every parameter."""
+def zero_bytes_per_step(
+    model: Any, settings: DeepSpeedSettings, *, world: int, micro_steps: int
+) -> int | None:
+    """ZeRO's bytes this rank sends per optimizer step (``core.zero_comm``) under the
+    config's DeepSpeed ``settings``, or None when some parameters are frozen (LoRA): the
+    formula counts every parameter."""
     params = list(model.parameters())
     if not params or not all(p.requires_grad for p in params):
         return None
     return zero_wire_bytes(
-        deepspeed_config,
+        stage=settings.zero_stage,
+        max_live_parameters=settings.stage3_max_live_parameters,
         params=full_numel(params),
         element_bytes=params[0].element_size(),
         world=world,

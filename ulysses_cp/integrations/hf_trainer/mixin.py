@@ -51,6 +51,7 @@ from .run import (
     model_block_options,
     sequence_parallel_block,
     sequence_parallel_loss,
+    trainer_config,
 )
 
 __all__ = ["SequenceParallelMixin"]
@@ -72,26 +73,27 @@ class SequenceParallelMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         quiet_third_party()  # deprecations of DeepSpeed's and TRL's own calls, every rank
         given = _training_arguments(args, kwargs)
-        block = sequence_parallel_block(getattr(given, "deepspeed", None))
+        run = trainer_config(getattr(given, "deepspeed", None))  # once, as train.py reads
+        block = sequence_parallel_block(run) if run is not None else None
         if block is not None:
             # before the parent builds models under ZeRO-3's zero.Init (TRL's reference, a
             # policy given as a path): DeepSpeed's comm must know the world
             _deepspeed_comm()
         super().__init__(*args, **kwargs)
         if given is None:  # the parent made its own arguments
-            block = sequence_parallel_block(getattr(self.args, "deepspeed", None))
+            run = trainer_config(getattr(self.args, "deepspeed", None))
+            block = sequence_parallel_block(run) if run is not None else None
         self.sequence_parallel: SequenceParallelRun | None = None
-        if block is None:
+        if block is None or run is None:
             return
         checkpointing = bool(getattr(self.args, "gradient_checkpointing", False))
-        model_block = model_block_options(self.args.deepspeed, gradient_checkpointing=checkpointing)
-        self.sequence_parallel = SequenceParallelRun.from_block(block)
+        model_block = model_block_options(run, gradient_checkpointing=checkpointing)
+        self.sequence_parallel = SequenceParallelRun.from_config(run.sequence_parallel)
         self.sequence_parallel.attach(self.model, model_block)
         self.gather_function = self._gather_for_metrics
-        ds_config = getattr(getattr(self.args, "hf_deepspeed_config", None), "config", None)
         zero = zero_bytes_per_step(
             self.model,
-            ds_config or {},
+            run.deepspeed,
             world=self.args.world_size,
             micro_steps=self.args.gradient_accumulation_steps,
         )

@@ -14,7 +14,6 @@ its gradient (not its value) by P (:func:`sequence_parallel_loss`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...config import HFModelConfig, SequenceParallelConfig
+from ...config import HFModelConfig, RunConfig, SequenceParallelConfig
 from ...core.batch import shard_batch
 from ...core.log import get_logger
 from ...core.options import reduction_grad_scale
@@ -43,15 +42,15 @@ from ...models.hf_vision import (
 )
 from ...models.loss import local_loss_term, sequence_parallel_loss_from_sums
 from ...models.recipe import adopt
-from ...schema import from_block
+from ...run_blocks import TrainerModelConfig
 
 __all__ = [
     "IGNORED_KEYS",
-    "NOT_UNDER_TRAINER",
     "SequenceParallelRun",
     "model_block_options",
     "sequence_parallel_block",
     "sequence_parallel_loss",
+    "trainer_config",
 ]
 
 IGNORE = -100
@@ -75,58 +74,46 @@ IGNORED_KEYS = frozenset(
 )
 
 
-def _deepspeed_config(deepspeed: Any) -> dict:
-    """``args.deepspeed`` (a JSON path or a dict) as a dict; empty without one."""
+def trainer_config(deepspeed: Any) -> RunConfig | None:
+    """``args.deepspeed`` (a JSON path or a dict) read by :meth:`RunConfig.load` as
+    train.py reads its config (an error names the file, the line and the key, with the
+    closest valid keys), its ``"model"`` block the Trainer's
+    (:class:`~ulysses_cp.run_blocks.TrainerModelConfig`); None without a DeepSpeed config
+    or when the file is missing (the Trainer reports that itself)."""
     if deepspeed is None or deepspeed is False:
-        return {}
-    if isinstance(deepspeed, dict):
-        return deepspeed
-    path = Path(deepspeed)
-    if not path.is_file():
-        return {}  # the Trainer reports a missing DeepSpeed config itself
-    return json.loads(path.read_text())
-
-
-def sequence_parallel_block(deepspeed: Any) -> dict | None:
-    """The ``"sequence_parallel"`` block of ``args.deepspeed`` (a JSON path or a dict), or
-    None when there is none (or no DeepSpeed config at all)."""
-    block = _deepspeed_config(deepspeed).get("sequence_parallel")
-    if block is None:
         return None
-    if not isinstance(block, dict):
-        raise ValueError(
-            f"the DeepSpeed config's sequence_parallel must be an object, got {block!r}"
-        )
-    return block
+    if not isinstance(deepspeed, dict) and not Path(deepspeed).is_file():
+        return None
+    return RunConfig.load(deepspeed, trainer=True)
 
 
-# train.py's model keys about building the model or its loss: the Trainer trains the model
-# it is handed, through that model's forward and logits (its log-prob head tiles "auto")
-NOT_UNDER_TRAINER = ("hf_config", "hf_weights", "dtype", "compile", "tiled_loss", "fused_loss")
+def sequence_parallel_block(deepspeed: Any | RunConfig) -> dict | None:
+    """The ``"sequence_parallel"`` block of ``args.deepspeed`` (a JSON path, a dict or its
+    :func:`trainer_config`) as written, or None when there is none (or no DeepSpeed
+    config at all)."""
+    run = deepspeed if isinstance(deepspeed, RunConfig) else trainer_config(deepspeed)
+    return None if run is None else run.block("sequence_parallel")
+
+
 HANDED = "(the model handed to the Trainer)"  # the block's hf_config under the Trainer
 
 
-def model_block_options(deepspeed: Any, *, gradient_checkpointing: bool = False) -> HFModelConfig:
-    """The ``"model"`` block of ``args.deepspeed`` as a Trainer run reads it: the memory
-    features of train.py's model block (lean norms, default true; the tiled MLP;
-    activation checkpointing and its offload; the per-rank budget of "auto" tiles),
-    applied to the model the Trainer is handed (``models.recipe.adopt``). The keys in
-    :data:`NOT_UNDER_TRAINER` are refused by name, and so is activation checkpointing
-    beside ``TrainingArguments(gradient_checkpointing=True)``, which already checkpoints
-    every layer."""
-    block = _deepspeed_config(deepspeed).get("model", {})
-    if not isinstance(block, dict):
-        raise ValueError(f"the DeepSpeed config's model must be an object, got {block!r}")
-    taken = [k for k in HFModelConfig.__dataclass_fields__ if k not in NOT_UNDER_TRAINER]
-    other = sorted(k for k in block if k in NOT_UNDER_TRAINER)
-    if other:
-        raise ValueError(
-            f"under SequenceParallelTrainer the DeepSpeed config's model block takes only "
-            f"{', '.join(taken)}; it also has {other}, which train.py reads but the Trainer "
-            f"does not (it trains the model it is given, through its own forward and "
-            f"logits): remove them"
-        )
-    mc = from_block(HFModelConfig, {**block, "hf_config": HANDED}, "model")
+def model_block_options(
+    deepspeed: Any | RunConfig, *, gradient_checkpointing: bool = False
+) -> HFModelConfig:
+    """The ``"model"`` block of ``args.deepspeed`` (a JSON path, a dict or its
+    :func:`trainer_config`) as a Trainer run reads it
+    (:class:`~ulysses_cp.run_blocks.TrainerModelConfig`): the memory features of train.py's
+    model block (lean norms, default true; the tiled MLP; activation checkpointing and its
+    offload; the per-rank budget of "auto" tiles), applied to the model the Trainer is
+    handed (``models.recipe.adopt``). The keys that build the model or its loss are
+    refused by name, and so is activation checkpointing beside
+    ``TrainingArguments(gradient_checkpointing=True)``, which already checkpoints every
+    layer."""
+    run = deepspeed if isinstance(deepspeed, RunConfig) else trainer_config(deepspeed)
+    block = TrainerModelConfig() if run is None or run.trainer_model is None else run.trainer_model
+    mc = HFModelConfig(hf_config=HANDED, **asdict(block))
+    mc.check()
     if mc.activation_checkpointing and gradient_checkpointing:
         raise ValueError(
             "the DeepSpeed config's model block sets activation_checkpointing and "
@@ -182,7 +169,11 @@ class SequenceParallelRun:
     @classmethod
     def from_block(cls, block: dict) -> SequenceParallelRun:
         """Validate the block against the world and build the groups (collective)."""
-        config = SequenceParallelConfig.from_dict(block)
+        return cls.from_config(SequenceParallelConfig.from_dict(block))
+
+    @classmethod
+    def from_config(cls, config: SequenceParallelConfig) -> SequenceParallelRun:
+        """The parsed block validated against the world, and the groups built (collective)."""
         config.check()
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
