@@ -18,11 +18,12 @@ from tests.support.helpers import ROOT, run
 def test_deepspeed_step_within_two_percent(tmp_path):
     """DeepSpeed ZeRO-1 and ZeRO-2 steps (bf16, one rank, torch's AdamW): the forward, the
     backward with the gradients and ZeRO's copy of them, and the optimizer step's fp32
-    gradient partition with Adam's temporaries, against ``deepspeed_peak``."""
+    gradient partition with Adam's temporaries, against ``deepspeed_peak``. The first three
+    shapes: a peak in each of the loss, the backward (tiled) and the backward's end."""
     script = ROOT / "scripts" / "plan_phases.py"
-    run([sys.executable, str(script), "--out", str(tmp_path)], timeout=600)
+    run([sys.executable, str(script), "--shapes", "3", "--out", str(tmp_path)], timeout=600)
     rows = json.loads((tmp_path / "plan_phases.json").read_text())
-    assert len(rows) == 5
+    assert [row["phase"] for row in rows] == ["loss", "backward", "backward_end"], rows
     for row in rows:
         for stage in ("zero1", "zero2"):
             assert 0.98 <= row[f"{stage}_predicted"] / row[stage] <= 1.05, row
@@ -33,10 +34,10 @@ def test_deepspeed_reduce_bucket_counted(tmp_path):
     """ZeRO-1/2's reduce bucket at DeepSpeed's default size (5e8 elements, 1 GB in bf16),
     made in the backward: it holds these small models' peak."""
     script = ROOT / "scripts" / "plan_phases.py"
-    cmd = [sys.executable, str(script), "--shapes", "2", "--bucket", "500000000"]
+    cmd = [sys.executable, str(script), "--shapes", "1", "--bucket", "500000000"]
     run([*cmd, "--out", str(tmp_path)], timeout=600)
     rows = json.loads((tmp_path / "plan_phases.json").read_text())
-    assert len(rows) == 2
+    assert len(rows) == 1
     for row in rows:
         for stage in ("zero1", "zero2"):
             assert row[stage] > 2**30 * 0.9  # the bucket is there
