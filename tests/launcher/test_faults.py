@@ -187,7 +187,8 @@ def test_bad_config_fails_on_every_rank_before_training(tmp_path):
     t0 = time.monotonic()
     results = finish_each(start_ranks(cfg, tmp_path / "out", 2), timeout=60)
     assert time.monotonic() - t0 < 60
-    message = "error: unknown keys in the \"training\" block: ['on_nonfinte']"
+    # the file and the key's line, then the message (as the config's other errors)
+    message = f"error: {cfg}:1: unknown keys in the \"training\" block: ['on_nonfinte']"
     check_one_line(results, message)
     cfg = config(tmp_path, "cfg2", data={"seq_len": 66})
     results = finish_each(start_ranks(cfg, tmp_path / "out", 2), timeout=60)
