@@ -21,7 +21,7 @@ from ulysses_cp.core.tiles import (
     with_budget,
 )
 from ulysses_cp.plan.memory import tile_counts
-from ulysses_cp.training.build import with_memory_budget
+from ulysses_cp.training.build import tile_plan
 
 GIB = 2**30
 BUDGETS = [64 * 2**20, 160 * 2**20, GIB, 16 * GIB, 80 * GIB]
@@ -73,22 +73,22 @@ def test_a_bad_budget_names_the_value_and_the_fix(bad):
     assert block.memory_budget_gb == 0.25
 
 
-def _run(**model) -> RunConfig:
-    return RunConfig.load({"train_micro_batch_size_per_gpu": 1, "model": model})
+def _plan(**model):
+    return tile_plan(RunConfig.load({"train_micro_batch_size_per_gpu": 1, "model": model}).model)
 
 
 def test_the_run_says_where_its_budget_comes_from(monkeypatch):
-    assert with_memory_budget(_run(tiled_loss=4)) == (_run(tiled_loss=4), None)
-    run, line = with_memory_budget(_run(tiled_loss="auto", memory_budget_gb=0.5))
-    assert run.model.memory_budget_gb == 0.5 and "0.5 GiB per rank" in line
+    assert _plan(tiled_loss=4).source is None
+    plan = _plan(tiled_loss="auto", memory_budget_gb=0.5)
+    assert plan.budget_bytes == 0.5 * GIB and "0.5 GiB per rank" in plan.source
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    run, line = with_memory_budget(_run(tiled_mlp="auto"))
-    assert run.model.memory_budget_gb is None and "memory_budget_gb" in line
+    plan = _plan(tiled_mlp="auto")
+    assert plan.budget_bytes is None and "memory_budget_gb" in plan.source
     # a GPU: 70 of 80 GiB free -> 70 - max(2, 8) = 62 GiB
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (70 * GIB, 80 * GIB))
-    run, line = with_memory_budget(_run(tiled_loss="auto"))
-    assert run.model.memory_budget_gb == 62.0 and "70.0 GiB" in line
+    plan = _plan(tiled_loss="auto")
+    assert plan.budget_bytes == 62 * GIB and "70.0 GiB" in plan.source
 
 
 def test_the_planner_resolves_the_budget_by_the_same_rule():

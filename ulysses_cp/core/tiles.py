@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, Protocol
 
 __all__ = [
     "LOSS_SHARE",
@@ -49,7 +49,6 @@ __all__ = [
     "TileKind",
     "TilePlan",
     "TileSetting",
-    "budgeted_block",
     "check_memory_budget",
     "check_tiles",
     "device_memory",
@@ -260,14 +259,3 @@ def plan_tiles(
         f'"memory_budget_gb" to the memory each rank may use for tiles sized to it'
     )
     return TilePlan(mlp, loss, source=line)
-
-
-B = TypeVar("B")
-
-
-def budgeted_block(block: B, plan: TilePlan) -> B:
-    """``block`` (a ``"model"`` dataclass) with ``plan``'s budget written in, for code
-    that reads the block rather than the plan (``training.build.with_memory_budget``)."""
-    if plan.budget_bytes is None or block.memory_budget_gb is not None:  # type: ignore[attr-defined]
-        return block
-    return dataclasses.replace(block, memory_budget_gb=plan.budget_bytes / 2**30)  # type: ignore[type-var]

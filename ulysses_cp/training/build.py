@@ -7,7 +7,6 @@ launcher).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch.distributed as dist
 
 from ..config import HFModelConfig, ModelConfig, RunConfig
 from ..core.sharding import sequence_multiple
-from ..core.tiles import TilePlan, budgeted_block, device_memory, plan_tiles
+from ..core.tiles import TilePlan, device_memory, plan_tiles
 from ..core.topology import Topology, validate_degrees
 from ..models import recipe
 from ..modes.ulysses import kv_replication
@@ -30,7 +29,6 @@ __all__ = [
     "model_counts",
     "tile_plan",
     "validate",
-    "with_memory_budget",
 ]
 
 
@@ -126,15 +124,6 @@ def build_model(
         if loading.partitioned_build(run):
             partitioned = partial(loading.build_partitioned, run, topo, tiles=tiles)
     return recipe.build(mc, topo, tiles=tiles, partitioned=partitioned)
-
-
-def with_memory_budget(run: RunConfig) -> tuple[RunConfig, str | None]:
-    """The run with its tile plan's budget (:func:`tile_plan`) written into its model
-    block, and the line that says where it came from (None when no tile is ``"auto"``),
-    for code that reads the block; train.py hands the plan itself to the model."""
-    tiles = tile_plan(run.model)
-    mc = budgeted_block(run.model, tiles)
-    return (run if mc is run.model else replace(run, model=mc)), tiles.source
 
 
 def cpu_optimizer(run: RunConfig, model: torch.nn.Module) -> tuple[object | None, RunConfig]:
