@@ -38,7 +38,9 @@ from .run_blocks import DataConfig, EvalConfig, TrainerModelConfig, TrainingConf
 from .schema import at_least, block_values, check_top_level_keys, from_block, resolve_paths
 
 __all__ = [
+    "ENGINES",
     "OUR_BLOCKS",
+    "OUR_KEYS",
     "HFDtype",
     "HFModelConfig",
     "ModelConfig",
@@ -50,6 +52,9 @@ __all__ = [
 ]
 
 OUR_BLOCKS = ("sequence_parallel", "model", "data", "eval", "training")
+# "engine": which engine train.py runs the config under (a string, not a block)
+ENGINES = ("deepspeed", "fsdp2")
+OUR_KEYS = (*OUR_BLOCKS, "engine")
 
 HFDtype = Literal["float32", "bfloat16", "float64"]
 
@@ -63,7 +68,7 @@ def read_config(config: str | Path | dict) -> dict:
     in our blocks resolve against the file's folder (:func:`resolve_paths`)."""
     if isinstance(config, dict):
         config = copy.deepcopy(config)
-        check_top_level_keys(config, OUR_BLOCKS, "the config")
+        check_top_level_keys(config, OUR_KEYS, "the config")
         return config
     path = Path(config)
     if not path.is_file():
@@ -78,7 +83,7 @@ def read_config(config: str | Path | dict) -> dict:
         raise ValueError(
             f"{path}: a DeepSpeed config is a JSON object, got {type(config).__name__}"
         )
-    check_top_level_keys(config, OUR_BLOCKS, str(path))
+    check_top_level_keys(config, OUR_KEYS, str(path))
     return resolve_paths(config, path.parent)
 
 
@@ -285,6 +290,9 @@ class RunConfig:
     path: Path | None = None
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
     trainer_model: TrainerModelConfig | None = None
+    engine: str = "deepspeed"
+    """The top-level ``"engine"`` key: ``"deepspeed"`` (the default) or ``"fsdp2"``
+    (PyTorch's ``fully_shard`` under ``torchrun``; see docs/fsdp2.md)."""
 
     @classmethod
     def load(cls, config: RunConfig | str | Path | dict, *, trainer: bool = False) -> RunConfig:
@@ -333,6 +341,7 @@ class RunConfig:
             eval=ev,
             path=None if isinstance(config, dict) else Path(config),
             deepspeed=parse("zero_optimization", DeepSpeedSettings.from_dict, raw),
+            engine=parse("engine", _engine, raw.get("engine", "deepspeed")),
         )
 
     def block(self, name: str) -> dict | None:
@@ -347,6 +356,12 @@ class RunConfig:
         raw = {k: v for k, v in self.raw.items() if k != "optimizer"}
         raw["zero_allow_untested_optimizer"] = True
         return replace(self, raw=raw, deepspeed=replace(self.deepspeed, optimizer=None))
+
+
+def _engine(value: object) -> str:
+    if value not in ENGINES:
+        raise ValueError(f'"engine" must be one of {list(ENGINES)}, got {value!r}')
+    return str(value)
 
 
 def _raise(message: str) -> None:

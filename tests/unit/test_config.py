@@ -103,3 +103,19 @@ def test_deepspeeds_keys_are_read_without_importing_it():
     names = vars(ds_constants).items()
     imported = {v for n, v in names if n.isupper() and isinstance(v, str) and v.isidentifier()}
     assert set(_deepspeed_constants()) == imported and len(imported) > 50
+
+
+def test_engine_key_is_read_and_checked():
+    from ulysses_cp.config import RunConfig
+
+    assert RunConfig.load({}).engine == "deepspeed"
+    assert RunConfig.load({"engine": "fsdp2"}).engine == "fsdp2"
+    with pytest.raises(
+        ValueError, match=r"\"engine\" must be one of \['deepspeed', 'fsdp2'\], got 'fsdp'"
+    ):
+        RunConfig.load({"engine": "fsdp"})
+    from ulysses_cp.training.engine import deepspeed_part
+
+    assert "engine" not in deepspeed_part(
+        RunConfig.load({"engine": "fsdp2", "gradient_clipping": 1.0})
+    )

@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 
 from tests.support.helpers import ROOT
-from ulysses_cp.config import OUR_BLOCKS, RunConfig
+from ulysses_cp.config import OUR_KEYS, RunConfig
 
 griffe = pytest.importorskip("griffe")
 PAGE = ROOT / "docs" / "reference" / "config.md"
@@ -72,4 +72,4 @@ def test_every_block_is_rendered_under_its_json_key():
     expected = {f"{c.__module__}.{c.__qualname__}" for c in block_classes()}
     assert expected <= rendered, sorted(expected - rendered)
     headings = re.findall(r'^## "(\w+)"', page, re.M)
-    assert set(headings) == set(OUR_BLOCKS), headings
+    assert set(headings) == set(OUR_KEYS), headings

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import OUR_BLOCKS, RunConfig
+from ..config import OUR_KEYS, RunConfig
 from ..core.log import get_logger
 from ..core.options import RunOptions, reduction_grad_scale
 from ..core.process import one_process_rendezvous
@@ -47,7 +47,7 @@ __all__ = [
 
 # the standard "wandb" block is honoured by training/tracking.py (one run, our step
 # numbers), not by DeepSpeed's monitor, which would open a second run logging at sample counts
-NOT_FOR_DEEPSPEED = (*OUR_BLOCKS, "wandb")
+NOT_FOR_DEEPSPEED = (*OUR_KEYS, "wandb")
 
 
 def deepspeed_part(run: RunConfig) -> dict:
