@@ -16,9 +16,10 @@ from tests.support.helpers import ROOT, TINY, offloaded_inputs
 from ulysses_cp.config import HFModelConfig, ModelConfig, RunConfig
 from ulysses_cp.core.offload import offloaded_layers
 from ulysses_cp.models.decoder import Decoder
-from ulysses_cp.plan.cli import base_run, plan, table
+from ulysses_cp.plan.cli import plan, table
 from ulysses_cp.plan.search import GiB, Hardware, ZeroKnobs, predict
 from ulysses_cp.plan.shapes import model_shape
+from ulysses_cp.plan.written import base_run
 
 
 def test_settings_and_refusals_name_the_numbers():

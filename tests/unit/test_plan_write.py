@@ -15,7 +15,7 @@ from tests.support.helpers import ROOT, small_bucket_config
 from ulysses_cp.config import RunConfig
 from ulysses_cp.plan.cli import main, plan
 from ulysses_cp.plan.search import Hardware
-from ulysses_cp.plan.write import MODEL, SEQUENCE_PARALLEL
+from ulysses_cp.plan.written import SETTINGS, row_key
 from ulysses_cp.schema import PATH_FIELDS
 
 CFG = str(ROOT / "configs" / "tiny_cpu_zero2_u2r2.json")
@@ -35,11 +35,10 @@ def test_the_written_config_holds_the_chosen_plan(tmp_path, capsys):
     result, written = _write(tmp_path, capsys)
     chosen = result["chosen"]
     assert not result["chosen_is_config"]  # something to write
-    for key in SEQUENCE_PARALLEL:
-        assert written["sequence_parallel"][key] == chosen[key], key
-    for key in MODEL:
-        assert written["model"][key] == chosen[key], key
+    for name, (block, key, _) in SETTINGS.items():
+        assert written[block][key] == chosen[row_key(name)], key
     assert written["zero_optimization"]["stage"] == chosen["zero_stage"]
+    assert "engine" not in written  # planned under the config's own engine
     raw = json.loads((ROOT / "configs" / "tiny_cpu_zero2_u2r2.json").read_text())
     assert written["data"] == {**raw["data"], **written["data"]}  # the rest as written
     # planned again: the config as written is now the chosen plan

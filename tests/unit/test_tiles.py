@@ -187,9 +187,9 @@ def test_the_8b_config_is_predicted_to_reach_the_goals(config, gib, goal):
     of 27 of the 32 layers: every layer's would not fit the host at 9M tokens)."""
     pytest.importorskip("transformers")
     from ulysses_cp.config import RunConfig
-    from ulysses_cp.plan.cli import base_run
     from ulysses_cp.plan.search import GiB, filled, longest
     from ulysses_cp.plan.shapes import model_shape
+    from ulysses_cp.plan.written import base_run
 
     run = RunConfig.load(ROOT / "configs" / config)
     assert run.model.tiled_mlp == run.model.tiled_loss == "auto"

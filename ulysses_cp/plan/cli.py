@@ -16,19 +16,20 @@ import sys
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
-from ..config import ModelConfig, RunConfig
+from ..config import ENGINES, RunConfig
 from ..core.commands import DefaultsHelp, program_name
 from ..core.log import configure_logging
 from ..core.sharding import sequence_multiple
 from ..core.topology import validate_degrees
-from ..modes.ulysses import kv_replication, resolve_head_chunks
+from ..modes.ulysses import kv_replication
 from .phases import PHASE_NAMES
 from .ranking import GOALS, changes, rank, versus
 from .search import GiB, Hardware, Run, ZeroKnobs, candidates, filled, longest, predict, usable
 from .shapes import model_shape
 from .write import write_config
+from .written import base_run, describe
 
-__all__ = ["base_run", "breakdown", "main", "parse_args", "plan", "plan_for_launch", "table"]
+__all__ = ["breakdown", "main", "parse_args", "plan", "plan_for_launch", "table"]
 
 DESCRIPTION = """Predict a run's memory, communication and step time before launch, for the
 config as written and for every valid alternative; --write-config writes the chosen one."""
@@ -41,45 +42,9 @@ KEYS = (
 )
 
 
-def base_run(run: RunConfig) -> Run:
-    """The config as written, as a :class:`Run`."""
-    sp, mc, ds = run.sequence_parallel, run.model, run.deepspeed
-    chunks = 1  # what the run asks for (0: the automatic rule, resolved per sequence length)
-    if sp.ulysses_degree > 1:
-        hq, hkv = (mc.n_heads, mc.n_kv_heads) if isinstance(mc, ModelConfig) else _hf_heads(mc)
-        resolve_head_chunks(sp.options.head_chunks, hq, hkv, sp.ulysses_degree, sp.ring_degree > 1)
-        chunks = sp.options.head_chunks
-    return Run(
-        ulysses=sp.ulysses_degree,
-        ring=sp.ring_degree,
-        layout=sp.options.layout,
-        zero_stage=ds.zero_stage,
-        head_chunks=chunks,
-        activation_checkpointing=mc.activation_checkpointing,
-        offload_activations=mc.offload_activations,
-        tiled_mlp=mc.tiled_mlp,
-        tiled_loss=mc.tiled_loss,
-        offload_optimizer=ds.offloads_optimizer,
-        kv_exchange=sp.options.kv_exchange,
-        redo_all_to_all=sp.options.redo_all_to_all,
-    )
-
-
-def _hf_heads(mc) -> tuple[int, int]:
-    from ..models import hf
-
-    return hf.heads(hf.load_config(mc.hf_config))
-
-
 def _dtype_bytes(run: RunConfig) -> int | None:
     """2 when DeepSpeed trains in bf16 or fp16, else None (the model's own dtype)."""
     return 2 if run.deepspeed.dtype in ("bfloat16", "float16") else None
-
-
-def _describe(run: Run) -> dict:
-    d = asdict(run)
-    d.pop("extra")
-    return {"ulysses_degree": d.pop("ulysses"), "ring_degree": d.pop("ring"), **d}
 
 
 def plan(
@@ -91,13 +56,15 @@ def plan(
     seq_step: int = 1024,
     max_candidates: int | None = None,
     goal: str = "longest",
+    engine: str | None = None,
 ) -> dict:
     """The planner's JSON for a loaded config (see the module docstring); ``goal`` orders
-    ``candidates`` and picks ``chosen`` (:data:`~ulysses_cp.plan.ranking.GOALS`)."""
+    ``candidates`` and picks ``chosen`` (:data:`~ulysses_cp.plan.ranking.GOALS`);
+    ``engine`` (``--engine``) plans under that engine instead of the config's."""
     if goal not in GOALS:
         raise ValueError(f"--goal {goal!r}: choose one of {', '.join(GOALS)}")
     shape = model_shape(run_config.model, dtype_bytes=_dtype_bytes(run_config))
-    base = base_run(run_config)
+    base = base_run(run_config, engine)
     N = seq_len or run_config.data.seq_len
     validate_degrees(world, base.ulysses, base.ring)
     kv_replication(shape.hq, shape.hkv, base.ulysses)
@@ -124,7 +91,7 @@ def plan(
         unit = math.lcm(sequence_multiple(r.sp, r.layout), seq_step)
         peak = lambda n: filled(at(r, n), hw)  # noqa: E731
         return {
-            **_describe(r),
+            **describe(r),
             "fits": filled(pred, hw) <= budget,
             "max_seq_len": longest(peak, unit, budget),
             **pred,
@@ -151,6 +118,7 @@ def plan(
         "ranked_by": GOALS[goal].format(n=N),
         "inputs": {
             "deepspeed_config": str(run_config.path),
+            "engine": base.engine,
             "world": world,
             "seq_len": N,
             "micro_batch": batch,
@@ -231,7 +199,8 @@ def table(result: dict, top: int = 10) -> str:
             seen.add(key)
             fit.append(c)
     lines = [
-        f"PREDICTED, not measured. plan: {i['deepspeed_config']}  world {i['world']} "
+        f"PREDICTED, not measured. plan: {i['deepspeed_config']}  engine {i['engine']}  "
+        f"world {i['world']} "
         f"({hw['gpus_per_node']} per node), "
         f"seq_len {i['seq_len']}, {i['model_params'] / 1e9:.3g}B params, "
         f"{hw['gpu_mem_gb']:g} GiB per GPU, {hw['host_mem_gb']:g} GiB host per node; "
@@ -306,6 +275,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=hw.host_mem_gb,
         help="GiB of host memory per node (offloaded optimizer and activations)",
     )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=None,
+        help="plan under this engine (fsdp2: ZeRO-3 reshards after forward, 0-2 do not); "
+        'default: the config\'s "engine"',
+    )
     p.add_argument("--seq-len", type=int, default=None, help="default: the config's data.seq_len")
     p.add_argument("--seq-step", type=int, default=1024, help="search step of max_seq_len")
     p.add_argument(
@@ -374,6 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
             seq_len=args.seq_len,
             seq_step=args.seq_step,
             goal=args.goal,
+            engine=args.engine,
         )
         written = write_config(result, run, args.write_config) if args.write_config else ""
     except ValueError as exc:

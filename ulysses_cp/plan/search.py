@@ -26,6 +26,7 @@ from ..core.topology import validate_degrees
 from ..deepspeed_block import DeepSpeedSettings
 from ..modes.ulysses import head_chunk_choices, kv_replication, resolve_head_chunks
 from .comm import attention_bytes, split_nodes, zero_bytes
+from .fsdp2 import fsdp2_bytes, fsdp2_peak, fsdp2_static_bytes
 from .host import host_bytes
 from .memory import activation_bytes, static_bytes, tile_counts
 from .phases import deepspeed_peak
@@ -101,6 +102,7 @@ class Run:
     offload_optimizer: bool = False
     kv_exchange: str = "ring"
     redo_all_to_all: bool = False
+    engine: str = "deepspeed"  # or "fsdp2": zero_stage 3 reshards after forward, 0-2 not
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -156,6 +158,13 @@ def predict(
 ) -> dict:
     """Memory, communication and step time of ``run`` for one rank."""
     sh = _shape(shape, run)
+    fsdp2 = run.engine == "fsdp2"
+    if fsdp2 and run.offload_optimizer:
+        raise ValueError(
+            "zero_optimization.offload_optimizer is DeepSpeed's: the fsdp2 engine has no "
+            'optimizer offload; remove the key, or plan with "engine": "deepspeed"'
+        )
+    reshard = run.zero_stage == 3  # FSDP2's reshard_after_forward
     static = static_bytes(
         sh,
         zero_stage=run.zero_stage,
@@ -164,6 +173,8 @@ def predict(
         reduce_bucket_size=zero_knobs.reduce_bucket_size,
         persistence_threshold=zero_knobs.persistence_threshold,
     )
+    if fsdp2:
+        static = fsdp2_static_bytes(sh, reshard_after_forward=reshard, world=world)
     chunks = 1  # what the run uses: 0 is the automatic rule
     if run.ulysses > 1:
         head = batch * (seq_len // run.ring) * sh.head_dim * sh.dtype_bytes  # one q head, sharded
@@ -197,6 +208,8 @@ def predict(
         micro_steps=micro_steps,
         max_live_parameters=zero_knobs.max_live_parameters,
     )
+    if fsdp2:
+        zero = fsdp2_bytes(sh, reshard_after_forward=reshard, world=world, micro_steps=micro_steps)
     nodes = split_nodes(
         world=world,
         gpus_per_node=min(hw.gpus_per_node, world),
@@ -215,7 +228,7 @@ def predict(
         world=world,
         tokens=t,
         offload_optimizer=run.offload_optimizer,
-        partitioned_load=run.zero_stage == 3 and sh.family == "hf",
+        partitioned_load=(fsdp2 or run.zero_stage == 3) and sh.family == "hf",
     )
     flops = _flops(sh, run, seq_len, batch) * micro_steps
     step_s = (
@@ -240,6 +253,8 @@ def predict(
         tokens=t,
         optimizer_temp_bytes=zero_knobs.optimizer_temp_bytes,
     )
+    if fsdp2:
+        phases = fsdp2_peak(sh, act, static, tokens=t)
     return {
         "peak_bytes_per_rank": phases["peak"],
         "peak_phase": phases["phase"],
@@ -303,6 +318,7 @@ def candidates(shape: ModelShape, base: Run, *, world: int, seq_len: int) -> lis
     (``"auto"``) / the config's own tile counts, and with a Ulysses degree above 1 the
     head-sharded copies kept or the all-to-all redone in backward (``redo_all_to_all``)."""
     out = [base]
+    stages = (2, 3) if base.engine == "fsdp2" else (1, 2, 3)  # FSDP2: ZeRO 1 is 2
     tiles: list[int | str] = [0, "auto"]
     for own in (base.tiled_mlp, base.tiled_loss):
         if own != "auto" and int(own) > 1 and own not in tiles:
@@ -320,7 +336,7 @@ def candidates(shape: ModelShape, base: Run, *, world: int, seq_len: int) -> lis
             mem = ((False, False), (True, False), (True, True))
             redos = (False, True) if u > 1 else (base.redo_all_to_all,)
             for layout, stage, c, (ck, off), tl, redo in itertools.product(
-                layouts, (1, 2, 3), chunks, mem, tiles, redos
+                layouts, stages, chunks, mem, tiles, redos
             ):
                 if seq_len % sequence_multiple(sp, layout):
                     continue
@@ -337,6 +353,7 @@ def candidates(shape: ModelShape, base: Run, *, world: int, seq_len: int) -> lis
                     base.offload_optimizer,
                     base.kv_exchange,
                     redo,
+                    base.engine,
                 )
                 if run != base:
                     out.append(run)

@@ -1,6 +1,6 @@
 """``python -m ulysses_cp.plan ... --write-config OUT.json``: the config as written, with
 the settings of the plan the planner chose (degrees, layout, head chunks, KV exchange,
-checkpointing, offload, tiles, ZeRO stage and optimizer offload), ready for ``train.py``
+checkpointing, offload, tiles, ZeRO stage, optimizer offload and the engine), ready for ``train.py``
 and the Trainer subclasses as it is. The files the config names (``schema.PATH_FIELDS``)
 are written relative to the written file's folder, as the loader reads them."""
 
@@ -13,11 +13,9 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..schema import PATH_FIELDS
+from .written import SETTINGS, row_key
 
 __all__ = ["planned_config", "relocate_paths", "write_config"]
-
-SEQUENCE_PARALLEL = ("ulysses_degree", "ring_degree", "layout", "kv_exchange", "redo_all_to_all")
-MODEL = ("activation_checkpointing", "offload_activations", "tiled_mlp", "tiled_loss")
 
 
 def planned_config(run: RunConfig, chosen: dict, *, world: int) -> dict:
@@ -25,14 +23,13 @@ def planned_config(run: RunConfig, chosen: dict, *, world: int) -> dict:
     row of the planner's ``candidates``) for ``world`` ranks; an explicit
     ``train_batch_size`` follows the new data-parallel degree."""
     cfg = copy.deepcopy(run.raw)  # the file as written: only set here, never read
-    sp = cfg.setdefault("sequence_parallel", {})
-    sp.update({k: chosen[k] for k in SEQUENCE_PARALLEL})
+    for name, (block, key, _) in SETTINGS.items():  # where base_run read them
+        cfg.setdefault(block, {})[key] = chosen[row_key(name)]
     if chosen["ulysses_degree"] > 1:
-        sp["head_chunks"] = chosen["head_chunks"]
-    model = cfg.setdefault("model", {})
-    model.update({k: chosen[k] for k in MODEL})
+        cfg["sequence_parallel"]["head_chunks"] = chosen["head_chunks"]
+    if chosen["engine"] != run.engine:  # planned under --engine
+        cfg["engine"] = chosen["engine"]
     zero = cfg.setdefault("zero_optimization", {})
-    zero["stage"] = chosen["zero_stage"]
     if chosen["offload_optimizer"]:
         zero.setdefault("offload_optimizer", {})["device"] = "cpu"  # its other keys kept
     else:
