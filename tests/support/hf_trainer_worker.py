@@ -3,6 +3,8 @@ sequence-parallel runs) or plain python (the one-process reference). Argument: a
 file with the run's settings; writes ``<out>/result.json`` (training and eval losses).
 
 Optional spec keys: ``zero`` (DeepSpeed stage), ``sp`` (the sequence_parallel block),
+``fsdp`` (FSDP2 instead of DeepSpeed: the block in a file given as
+``sequence_parallel_config=``),
 ``lora`` (peft LoRA on q/v), ``save`` (save_model's folder: the adapter under LoRA),
 ``model_block`` (the DeepSpeed config's ``"model"`` block), ``ragged`` (Trainer rows of
 different lengths, padded on the right by the collator), ``predict`` (``trainer.predict``
@@ -65,6 +67,21 @@ def deepspeed_config(spec: dict) -> dict | None:
     return ds_config
 
 
+def fsdp_options(spec: dict) -> tuple[dict, dict]:
+    """The ``TrainingArguments`` and the trainer keywords of an FSDP2 spec (``fsdp``): FSDP2
+    on, and the sequence_parallel (and model) block written to ``<out>/sp.json`` for
+    ``sequence_parallel_config=`` (also tests/support/dpo_worker.py's); empty otherwise."""
+    if not spec.get("fsdp"):
+        return {}, {}
+    block = {"sequence_parallel": {**spec["sp"], "attention_backend": "torch"}}
+    if spec.get("model_block") is not None:
+        block["model"] = spec["model_block"]
+    path = Path(spec["out"]) / f"sp_{os.environ.get('RANK', '0')}.json"
+    path.write_text(json.dumps(block))
+    args = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
+    return args, {"sequence_parallel_config": str(path)}
+
+
 def training_arguments(spec: dict) -> dict:
     """The TrainingArguments every run of a spec shares (also tests/support/dpo_worker.py's):
     SGD at a constant rate with no clipping, float32, one log line a step, one evaluation
@@ -91,6 +108,7 @@ def training_arguments(spec: dict) -> dict:
         deepspeed=deepspeed_config(spec),
         dataloader_drop_last=False,
         disable_tqdm=True,
+        **fsdp_options(spec)[0],
     )
 
 
@@ -119,6 +137,7 @@ def scale_gradients(trainer, spec: dict) -> None:
 def make_trainer(trainer_class, spec: dict, model, args, train, evals, **extra):
     """``trainer_class`` on ``model`` and the train and eval datasets (every worker's), its
     gradient scale set by :func:`scale_gradients`."""
+    extra = {**extra, **fsdp_options(spec)[1]}
     trainer = trainer_class(
         model=model, args=args, train_dataset=train, eval_dataset=evals, **extra
     )
@@ -193,6 +212,8 @@ def main(spec_path: str) -> None:
         "loss": [h["loss"] for h in history if "loss" in h],
         "eval_loss": [h["eval_loss"] for h in history if "eval_loss" in h],
         "sp": trainer.sequence_parallel is not None,
+        # the model fully_shard-ed (FSDP2), and over how many ranks
+        "fsdp2_ranks": fsdp2_ranks(trainer.model),
         # the RMSNorms that took the lean forward (models/lean_norm.py)
         "lean_norms": sum("_lean_forms" in vars(m) for m in model.modules()),
         # the model block's memory features as the recipe applied them (models/recipe.py)
@@ -218,6 +239,16 @@ def main(spec_path: str) -> None:
         (out / f"batches_{rank}.json").write_text(json.dumps(seen))
     if rank == 0:
         (out / "result.json").write_text(json.dumps(result))
+
+
+def fsdp2_ranks(model) -> int:
+    """The size of the shard group of a model sharded by ``fully_shard`` (0: not sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if isinstance(p, DTensor)]
+    if not params or len(params) != len(list(model.parameters())):
+        return 0
+    return params[0].device_mesh.size()
 
 
 def checkpointed_layers(model) -> dict[str, int]:

@@ -6,7 +6,10 @@ Every override is the parent's own method when the DeepSpeed config has no
 warnings a user can do nothing about (:func:`ulysses_cp.core.log.quiet_third_party`).
 With one:
 
-- ``__init__``: builds the topology (:class:`.run.SequenceParallelRun`), switches the
+- ``__init__``: reads the block from ``args.deepspeed`` or, under FSDP2, from the file of
+  the ``sequence_parallel_config=`` keyword (:mod:`.fsdp`: the model is then sharded with
+  ``fully_shard`` over ``fsdp_mesh``'s mesh, and ``save_model`` gathers it);
+  builds the topology (:class:`.run.SequenceParallelRun`), switches the
   model's attention to ``"ulysses_cp"`` and applies the memory features of the DeepSpeed
   config's ``"model"`` block through the one model recipe (``models.recipe.adopt``):
   lean RMSNorms (unless ``"lean_norms": false``), ``tiled_mlp``,
@@ -37,8 +40,17 @@ from typing import Any
 
 import torch
 
+from ...config import RunConfig
 from ...core.comm import stats as comm_stats
 from ...core.log import quiet_third_party
+from ..fsdp2 import FSDPMesh
+from .fsdp import (
+    check_fsdp_arguments,
+    check_parallelism_config,
+    deferred_reduction,
+    shard_model,
+    sp_fsdp_mesh,
+)
 from .metrics import (
     SequenceParallelCallback,
     StepMeter,
@@ -70,37 +82,81 @@ class SequenceParallelMixin:
     state: Any
     add_callback: Any
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, sequence_parallel_config: Any = None, **kwargs: Any) -> None:
         quiet_third_party()  # deprecations of DeepSpeed's and TRL's own calls, every rank
         given = _training_arguments(args, kwargs)
-        run = trainer_config(getattr(given, "deepspeed", None))  # once, as train.py reads
+        fsdp = sequence_parallel_config is not None  # FSDP2: the block in its own file
+        run: RunConfig | None
+        if fsdp:
+            run = _fsdp_run_config(given, sequence_parallel_config)
+        else:
+            run = trainer_config(getattr(given, "deepspeed", None))  # once, as train.py reads
         block = sequence_parallel_block(run) if run is not None else None
-        if block is not None:
+        if block is not None and not fsdp:
             # before the parent builds models under ZeRO-3's zero.Init (TRL's reference, a
             # policy given as a path): DeepSpeed's comm must know the world
             _deepspeed_comm()
         super().__init__(*args, **kwargs)
-        if given is None:  # the parent made its own arguments
+        if given is None and fsdp:
+            _fsdp_run_config(self.args, sequence_parallel_config)
+        elif given is None:  # the parent made its own arguments
             run = trainer_config(getattr(self.args, "deepspeed", None))
             block = sequence_parallel_block(run) if run is not None else None
         self.sequence_parallel: SequenceParallelRun | None = None
+        self._fsdp_mesh: FSDPMesh | None = None
         if block is None or run is None:
             return
         checkpointing = bool(getattr(self.args, "gradient_checkpointing", False))
         model_block = model_block_options(run, gradient_checkpointing=checkpointing)
-        self.sequence_parallel = SequenceParallelRun.from_config(run.sequence_parallel)
+        mesh = sp_fsdp_mesh(run) if fsdp else None  # the one gradient rule: fsdp_mesh's
+        self._fsdp_mesh = mesh
+        if mesh is not None:
+            self.sequence_parallel = SequenceParallelRun(
+                topo=mesh.topology, config=run.sequence_parallel
+            )
+        else:
+            self.sequence_parallel = SequenceParallelRun.from_config(run.sequence_parallel)
         self.sequence_parallel.attach(self.model, model_block)
         self.gather_function = self._gather_for_metrics
-        zero = zero_bytes_per_step(
-            self.model,
-            run.deepspeed,
-            world=self.args.world_size,
-            micro_steps=self.args.gradient_accumulation_steps,
-        )
+        zero = None  # FSDP2: no ZeRO formula
+        if mesh is None:
+            zero = zero_bytes_per_step(
+                self.model,
+                run.deepspeed,
+                world=self.args.world_size,
+                micro_steps=self.args.gradient_accumulation_steps,
+            )
+        else:
+            with comm_stats.set_aside():  # the guard and the probe read whole weights
+                self.sequence_parallel.probe()
+            shard_model(self.model, mesh, self.args)
+            # transformers' path for a model that owns its sharding: no DDP, no re-shard
+            self.is_distributed_loading_by_transformers = True
         self._meter = StepMeter(
             self.sequence_parallel.topo, device=self.args.device, zero_bytes=zero
         )
         self.add_callback(SequenceParallelCallback(self.sequence_parallel.topo, self._meter, block))
+
+    def _defer_fsdp_gradient_reduction(self) -> Any:
+        """FSDP2's no_sync for the micro steps of an accumulation but the last."""
+        if self._fsdp_mesh is None:
+            return super()._defer_fsdp_gradient_reduction()  # type: ignore[misc]
+        return deferred_reduction(self.model)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Under FSDP2 the full state dict is gathered on every rank (collective) and the
+        writer saves it as a plain Hugging Face folder."""
+        if self._fsdp_mesh is None:
+            return super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        if self.args.should_save:
+            self._save(output_dir or self.args.output_dir, state_dict=state)
 
     # ------------------------------------------------------------ data
 
@@ -287,6 +343,35 @@ def _training_arguments(args: tuple, kwargs: dict) -> Any:
         if hasattr(value, "deepspeed") and hasattr(value, "output_dir"):
             return value
     return None
+
+
+def _fsdp_run_config(args: Any, source: Any) -> RunConfig:
+    """The ``sequence_parallel_config=`` file (or dict) read by ``RunConfig.load`` (the
+    one door, as ``deepspeed=``'s JSON), checked against the ``TrainingArguments`` (None:
+    the parent's own, checked after it made them)."""
+    run = RunConfig.load(source, trainer=True)
+    if run.block("sequence_parallel") is None:
+        raise ValueError(
+            f"sequence_parallel_config={source!r} has no sequence_parallel block: add one "
+            f'(e.g. {{"sequence_parallel": {{"ulysses_degree": 2}}}})'
+        )
+    if args is None:
+        return run
+    if getattr(args, "deepspeed", None):
+        raise ValueError(
+            "both TrainingArguments(deepspeed=...) and sequence_parallel_config= were given: "
+            "under DeepSpeed the sequence_parallel block goes in the deepspeed JSON; "
+            "sequence_parallel_config= is for FSDP2 runs"
+        )
+    check_fsdp_arguments(args, run)
+    config = run.sequence_parallel
+    check_parallelism_config(
+        getattr(args, "parallelism_config", None),
+        int(args.world_size),
+        config.ulysses_degree,
+        config.ring_degree,
+    )
+    return run
 
 
 def _deepspeed_comm() -> None:

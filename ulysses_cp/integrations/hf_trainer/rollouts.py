@@ -55,6 +55,12 @@ class RolloutTrainerMixin(LogProbTrainerMixin):
     _metrics: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("sequence_parallel_config") is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not run under FSDP2 yet (sequence_parallel_config="
+                f"): its generation from sharded weights is not checked against one process; "
+                f"run it under DeepSpeed, with the sequence_parallel block in the deepspeed= JSON"
+            )
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         block = sequence_parallel_block(getattr(config, "deepspeed", None))
         if block is not None:

@@ -1,0 +1,110 @@
+"""The refusals of the Trainer subclasses' FSDP2 path (ulysses_cp/integrations/hf_trainer/
+fsdp.py), with no processes: Accelerate's ParallelismConfig sizes beside our degrees, the
+FSDP settings this path does not apply, and the file given as sequence_parallel_config=."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ulysses_cp.config import RunConfig
+from ulysses_cp.integrations.hf_trainer.fsdp import (
+    check_fsdp_arguments,
+    check_parallelism_config,
+)
+from ulysses_cp.integrations.hf_trainer.mixin import _fsdp_run_config
+
+RUN = RunConfig.load({"sequence_parallel": {"ulysses_degree": 2}}, trainer=True)
+
+
+def pc(**sizes):
+    """A stand-in for accelerate's ParallelismConfig (its size attributes)."""
+    base = dict(dp_replicate_size=1, dp_shard_size=1, tp_size=1, cp_size=1, sp_size=1)
+    return SimpleNamespace(**{**base, **sizes})
+
+
+def args(**kw):
+    base = dict(fsdp=True, fsdp_config={"version": 2}, save_strategy="no", save_only_model=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("config", [None, pc(), pc(dp_shard_size=4)])
+def test_parallelism_config_consistent_with_ours_is_honoured(config):
+    check_parallelism_config(config, 4, 2, 1)  # no error
+
+
+@pytest.mark.parametrize(
+    "sizes, words",
+    [
+        ({"cp_size": 2}, ["cp_size=2", "ulysses(2) * ring(1) = 2", "set cp_size=1"]),
+        ({"sp_size": 2}, ["sp_size=2", "set sp_size=1"]),
+        ({"tp_size": 2}, ["tp_size=2", "tensor parallelism"]),
+        ({"dp_replicate_size": 2}, ["dp_replicate_size=2", "HSDP", "dp_shard_size=4"]),
+        ({"dp_shard_size": 2}, ["dp_shard_size=2", "on 4 ranks", "must be 4"]),
+    ],
+)
+def test_parallelism_config_refused_by_name(sizes, words):
+    with pytest.raises(ValueError) as err:
+        check_parallelism_config(pc(**sizes), 4, 2, 1)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+@pytest.mark.parametrize(
+    "given, words",
+    [
+        ({"fsdp": None}, ["fsdp=", "deepspeed= JSON"]),
+        ({"fsdp_config": {"version": 1}}, ['"version"] is 1', "FSDP2 only"]),
+        ({"fsdp_config": {"version": 2, "cpu_offload": True}}, ["cpu_offload"]),
+        (
+            {"fsdp_config": {"version": 2, "activation_checkpointing": True}},
+            ["activation_checkpointing", "model block"],
+        ),
+        ({"save_strategy": "steps"}, ["save_strategy='steps'", "save_only_model=True"]),
+    ],
+)
+def test_fsdp_arguments_refused_by_name(given, words):
+    with pytest.raises(ValueError) as err:
+        check_fsdp_arguments(args(**given), RUN)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_fsdp_arguments_accepted():
+    check_fsdp_arguments(args(), RUN)
+    check_fsdp_arguments(args(save_strategy="steps", save_only_model=True), RUN)
+
+
+def test_a_zero_block_in_the_fsdp_file_is_refused():
+    run = RunConfig.load(
+        {"sequence_parallel": {"ulysses_degree": 2}, "zero_optimization": {"stage": 2}},
+        trainer=True,
+    )
+    with pytest.raises(ValueError, match=r"has DeepSpeed settings \(zero_stage\): FSDP2"):
+        check_fsdp_arguments(args(), run)
+
+
+def test_the_file_is_read_through_the_one_door(tmp_path):
+    """A typo in the file is reported as train.py reports it (file, line, did-you-mean);
+    a file without the block, and a DeepSpeed JSON beside it, are refused."""
+    path = tmp_path / "sp.json"
+    path.write_text('{\n  "sequence_parallel": {\n    "ulysses_degre": 2\n  }\n}\n')
+    with pytest.raises(ValueError, match=r"sp\.json:3:.*ulysses_degree"):
+        _fsdp_run_config(None, str(path))
+    path.write_text('{"model": {"lean_norms": false}}')
+    with pytest.raises(ValueError, match="has no sequence_parallel block"):
+        _fsdp_run_config(None, str(path))
+    with pytest.raises(ValueError, match=r"both TrainingArguments\(deepspeed=\.\.\.\)"):
+        _fsdp_run_config(args(deepspeed={"zero_optimization": {}}), RUN)
+
+
+@pytest.mark.parametrize("name", ["SequenceParallelGRPOTrainer", "SequenceParallelRLOOTrainer"])
+def test_rollout_trainers_refused_under_fsdp2_by_name(name):
+    """GRPO and RLOO are not checked under FSDP2: refused before anything is built."""
+    pytest.importorskip("trl")
+    from ulysses_cp.integrations import hf_trainer
+
+    cls = getattr(hf_trainer, name)
+    with pytest.raises(ValueError, match=f"{name} does not run under FSDP2 yet"):
+        cls(model=None, args=None, sequence_parallel_config="sp.json")
