@@ -92,3 +92,14 @@ def test_a_non_persistent_buffer_no_init_recomputes_is_named():
     assert init_buffers(hf) == ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
     ref = _model(meta=False)
     assert torch.equal(hf.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+
+
+def test_a_wrapper_is_read_through_its_hf_model_and_its_own_tensors_are_refused(saved):
+    ref, folder = saved
+    wrapper = torch.nn.Module()
+    wrapper.model = _model()  # HFCausalLM's layout: names start with "model."
+    load_safetensors_sharded(wrapper, folder)
+    assert torch.equal(wrapper.model.lm_head.weight, ref.lm_head.weight)
+    wrapper.bias = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\['bias'\] lie outside the Hugging Face model"):
+        load_safetensors_sharded(wrapper, folder)

@@ -149,11 +149,12 @@ def load_safetensors_sharded(model: torch.nn.Module, folder: str | Path) -> int:
     safetensors checkpoint in ``folder`` (``model.safetensors``, or shards with their
     ``model.safetensors.index.json``): each DTensor parameter's local shard from its own
     rows, plain tensors whole, cast to the dtype each has in the model; then
-    :func:`init_buffers`. Every rank calls it; no collective runs. Returns how many
-    tensors were read.
+    :func:`init_buffers`. Every rank calls it; it runs no collective of its own.
+    Returns how many tensors were read.
 
     Raises:
-        ValueError: tensors still on the meta device (``to_empty`` not called);
+        ValueError: tensors still on the meta device (``to_empty`` not called), or
+            outside the Hugging Face model inside ``model``;
             ``folder`` holds no safetensors checkpoint; tensors the checkpoint
             lacks (parameters, persistent buffers) or has beyond the model's, or a shape
             that differs, naming them.
@@ -174,6 +175,17 @@ def load_safetensors_sharded(model: torch.nn.Module, folder: str | Path) -> int:
             f"model.hf_weights: {folder} holds neither model.safetensors nor "
             f"model.safetensors.index.json: save the weights with "
             f"save_pretrained(safe_serialization=True)"
+        )
+    inside = {id(t) for t in [*root.parameters(), *root.buffers()]}
+    outside = [
+        n
+        for n, t in [*model.named_parameters(), *_persistent_buffers(model)]
+        if id(t) not in inside
+    ]
+    if outside:
+        raise ValueError(
+            f"load_safetensors_sharded: {outside[:6]} lie outside the Hugging Face model "
+            f"the checkpoint is for ({type(root).__name__}); no file fills them"
         )
     todo = match_checkpoint(root, files, folder)
     known = {n for n, _ in root.named_parameters(remove_duplicate=False)}
