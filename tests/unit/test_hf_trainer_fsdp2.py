@@ -99,12 +99,44 @@ def test_the_file_is_read_through_the_one_door(tmp_path):
         _fsdp_run_config(args(deepspeed={"zero_optimization": {}}), RUN)
 
 
+def rollout_args(**kw):
+    """A stand-in for GRPOConfig under FSDP2 (the fields the rollout mixin reads first)."""
+    base = dict(
+        world_size=4,
+        per_device_train_batch_size=2,
+        steps_per_generation=2,
+        per_device_eval_batch_size=2,
+        num_generations_eval=None,
+        eval_strategy="steps",
+        use_vllm=False,
+        use_transformers_continuous_batching=False,
+        num_generations=4,
+        generation_batch_size=16,
+        deepspeed=None,
+        output_dir="out",
+    )
+    return SimpleNamespace(**{**base, **kw})
+
+
 @pytest.mark.parametrize("name", ["SequenceParallelGRPOTrainer", "SequenceParallelRLOOTrainer"])
-def test_rollout_trainers_refused_under_fsdp2_by_name(name):
-    """GRPO and RLOO are not checked under FSDP2: refused before anything is built."""
+def test_rollout_trainers_read_the_fsdp2_file(name):
+    """Under FSDP2 the rollout trainers read the block of ``sequence_parallel_config=``:
+    the generation batch counts the replicas, and vLLM and a batch that does not split
+    into whole prompt groups are refused by name, before anything is built."""
     pytest.importorskip("trl")
     from ulysses_cp.integrations import hf_trainer
 
     cls = getattr(hf_trainer, name)
-    with pytest.raises(ValueError, match=f"{name} does not run under FSDP2 yet"):
-        cls(model=None, args=None, sequence_parallel_config="sp.json")
+    block = {"sequence_parallel": {"ulysses_degree": 2}}
+    with pytest.raises(ValueError, match="use_vllm=True is not supported"):
+        cls(model=None, args=rollout_args(use_vllm=True), sequence_parallel_config=block)
+    with pytest.raises(
+        ValueError, match=r"\(1\) x dp replicas \(2\) x steps_per_generation \(1\) = 2"
+    ):
+        small = rollout_args(per_device_train_batch_size=1, steps_per_generation=1)
+        cls(model=None, args=small, sequence_parallel_config=block)
+    given = rollout_args(model_init=None)
+    # the rollout checks pass; the mixin then refuses these arguments (no fsdp=) by name
+    with pytest.raises(ValueError, match="is the sequence-parallel file of an FSDP2 run"):
+        cls(model=None, args=given, sequence_parallel_config=block)
+    assert given.generation_batch_size == 2 * 2 * 2  # the replicas' rows, not the processes'

@@ -150,7 +150,8 @@ def shard_model(model: torch.nn.Module, mesh: FSDPMesh, args: Any) -> None:
     """``fully_shard`` each decoder layer (the classes of the model's
     ``_no_split_modules``) and then the whole model over ``mesh.shard_mesh``;
     ``reshard_after_forward`` from ``fsdp_config`` (default true), bf16 compute with fp32
-    reduction under ``TrainingArguments(bf16=True)``."""
+    reduction under ``TrainingArguments(bf16=True)``. Models that generate are marked
+    FSDP-managed for transformers' ``generate`` (``synced_gpus``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     fsdp_config = getattr(args, "fsdp_config", None) or {}
@@ -164,6 +165,12 @@ def shard_model(model: torch.nn.Module, mesh: FSDPMesh, args: Any) -> None:
         if type(module).__name__ in classes and module is not model:
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    for module in model.modules():
+        if hasattr(module, "generate"):  # the model, and a PEFT model's transformers model
+            # transformers' marker of an FSDP2 model (its own apply_fsdp2 sets it): generate
+            # then runs with synced_gpus, so a rank whose rows end early keeps calling
+            # forward (FSDP2 all-gathers per forward) until every rank's rows have ended
+            module._is_fsdp_managed_module = True  # type: ignore[assignment]
 
 
 @contextmanager
