@@ -3,7 +3,8 @@ fsdp_config={"version": 2})``, the sequence_parallel block given as
 ``sequence_parallel_config=``) against one-process runs of their parents: 2 CPU ranks
 (gloo) at Ulysses 2, so both ranks are in FSDP2's shard group and its mean divides by 2.
 Trainer (tiny Llama, the saved folder too), SFTTrainer (packed, tiny Qwen3), DPOTrainer,
-GRPOTrainer and RLOOTrainer (one launch, sampling with ``generate``, final weights too):
+GRPOTrainer and RLOOTrainer (one launch, sampling with ``generate``, final weights too),
+and the Trainer's logged ``comm_bytes_per_step`` against FSDP2's counted collectives:
 3 steps with gradient accumulation 2, SGD at a large rate so that a wrong gradient scale
 shows, training and eval losses within 1e-5 relative. Seen failing: the same Trainer run
 with its gradient scale doubled."""
@@ -35,6 +36,20 @@ RL_RUNS = [
 ]
 
 
+def assert_logged_fsdp2_bytes(result: dict, *, micro_steps: int) -> None:
+    """The logged ``comm_bytes_per_step`` less the attention's is what FSDP2's collectives
+    sent in the training steps (counted by the worker), per step: gathered forward and
+    backward every micro step, reduce-scattered once a step (the deferred reduction)."""
+    sent = result["fsdp2_sent"]
+    assert sent["reduce_scatter"] > 0
+    assert sent["all_gather"] == 2 * micro_steps * sent["reduce_scatter"]
+    per_step = (sent["all_gather"] + sent["reduce_scatter"]) / len(result["loss"])
+    lines = [h for h in result["history"] if "loss" in h]
+    for line in lines:
+        logged = line["comm_bytes_per_step"] - line["attention_comm_bytes_per_step"]
+        assert abs(logged / per_step - 1) < 0.02, (logged, per_step)
+
+
 def assert_same_params(ref: list[dict], sp: list[dict]) -> None:
     """Each run's final weights (norm and a random projection per parameter, FSDP2's
     shards gathered) equal the one-process run's."""
@@ -62,6 +77,7 @@ def test_trainer_fsdp2_u2_equals_one_process(assets, tmp_path):
     ref_result, sp_result = side_by_side(tmp_path / "trainer", ref, sp, nproc=2)
     assert_same_losses(ref_result, sp_result)
     assert sp_result["fsdp2_ranks"] == 2 and ref_result["fsdp2_ranks"] == 0
+    assert_logged_fsdp2_bytes(sp_result, micro_steps=2)
     assert_plain_folders(tmp_path / "trainer" / "ref_model", tmp_path / "trainer" / "sp_model")
 
     only = dict(FSDP, model_block={"lean_norms": False})

@@ -140,3 +140,27 @@ def test_rollout_trainers_read_the_fsdp2_file(name):
     with pytest.raises(ValueError, match="is the sequence-parallel file of an FSDP2 run"):
         cls(model=None, args=given, sequence_parallel_config=block)
     assert given.generation_batch_size == 2 * 2 * 2  # the replicas' rows, not the processes'
+
+
+def test_fsdp2_bytes_per_step_by_hand():
+    """FSDP2's bytes per step for the Trainer (metrics.fsdp2_bytes_per_step) against the
+    count by hand: on 2 ranks each rank sends its half of the gathered parameters and of
+    the reduced gradients; gathered forward and backward (reshard_after_forward) every
+    micro step, reduced once a step; bf16 gathers 2 bytes an element and reduces 4."""
+    import torch
+
+    from ulysses_cp.integrations.hf_trainer.metrics import fsdp2_bytes_per_step
+
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 3, bias=False))
+    half = -(-(110 + 30) // 2)  # a rank's share, padded up
+    kw = dict(world=2, micro_steps=3)
+    got = fsdp2_bytes_per_step(model, reshard_after_forward=True, bf16=False, **kw)
+    assert got == 3 * 2 * half * 4 + half * 4
+    got = fsdp2_bytes_per_step(model, reshard_after_forward=False, bf16=False, **kw)
+    assert got == 3 * half * 4 + half * 4
+    got = fsdp2_bytes_per_step(model, reshard_after_forward=True, bf16=True, **kw)
+    assert got == 3 * 2 * half * 2 + half * 4
+    one = dict(reshard_after_forward=True, bf16=False, micro_steps=3)
+    assert fsdp2_bytes_per_step(model, world=1, **one) == 0
+    model[1].weight.requires_grad_(False)  # frozen (LoRA): the formula does not apply
+    assert fsdp2_bytes_per_step(model, reshard_after_forward=True, bf16=False, **kw) is None
