@@ -2,7 +2,9 @@
 fsdp_config={"version": 2})``, the sequence_parallel block given as
 ``sequence_parallel_config=``) against one-process runs of their parents: 2 CPU ranks
 (gloo) at Ulysses 2, so both ranks are in FSDP2's shard group and its mean divides by 2.
-Trainer (tiny Llama, the saved folder too), SFTTrainer (packed, tiny Qwen3) and DPOTrainer:
+Trainer (tiny Llama, the saved folder too), SFTTrainer (packed, tiny Qwen3), DPOTrainer,
+GRPOTrainer and RLOOTrainer (one launch, sampling with ``generate``, final weights too),
+and the Trainer's logged ``comm_bytes_per_step`` against FSDP2's counted collectives:
 3 steps with gradient accumulation 2, SGD at a large rate so that a wrong gradient scale
 shows, training and eval losses within 1e-5 relative. Seen failing: the same Trainer run
 with its gradient scale doubled."""
@@ -10,8 +12,9 @@ with its gradient scale doubled."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.launcher import test_dpo
+from tests.launcher import test_dpo, test_grpo
 from tests.launcher.test_hf_trainer import (
     U2,
     assert_plain_folders,
@@ -26,6 +29,39 @@ pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 FSDP = dict(fsdp=True, sp=U2)
+# GRPO (loss grpo) and RLOO, each generation used twice; KL to TRL's reference (beta 0.1)
+RL_RUNS = [
+    {"num_iterations": 2, "loss_type": "grpo"},
+    {"trainer": "rloo", "num_iterations": 2},
+]
+
+
+def assert_logged_fsdp2_bytes(result: dict, *, micro_steps: int) -> None:
+    """The logged ``comm_bytes_per_step`` less the attention's is what FSDP2's collectives
+    sent in the training steps (counted by the worker), per step: gathered forward and
+    backward every micro step, reduce-scattered once a step (the deferred reduction)."""
+    sent = result["fsdp2_sent"]
+    assert sent["reduce_scatter"] > 0
+    assert sent["all_gather"] == 2 * micro_steps * sent["reduce_scatter"]
+    per_step = (sent["all_gather"] + sent["reduce_scatter"]) / len(result["loss"])
+    lines = [h for h in result["history"] if "loss" in h]
+    for line in lines:
+        logged = line["comm_bytes_per_step"] - line["attention_comm_bytes_per_step"]
+        assert abs(logged / per_step - 1) < 0.02, (logged, per_step)
+
+
+def assert_same_params(ref: list[dict], sp: list[dict]) -> None:
+    """Each run's final weights (norm and a random projection per parameter, FSDP2's
+    shards gathered) equal the one-process run's."""
+    assert len(ref) == len(sp) and ref
+    for ref_run, sp_run in zip(ref, sp, strict=True):
+        assert ref_run.keys() == sp_run.keys()
+        torch.testing.assert_close(
+            torch.tensor(list(sp_run.values()), dtype=torch.float64),
+            torch.tensor(list(ref_run.values()), dtype=torch.float64),
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +71,13 @@ def assets(tmp_path_factory) -> dict[str, str]:
 
 def test_trainer_fsdp2_u2_equals_one_process(assets, tmp_path):
     """Trainer, tiny Llama: losses, eval loss and the saved folder (gathered from the
-    shards) equal the one-process Trainer's; the SFT and DPO subclasses' losses too."""
+    shards) equal the one-process Trainer's; the SFT and DPO subclasses' losses too; GRPO's
+    and RLOO's losses, metrics, completions and final weights."""
     ref, sp = ref_and_sp("trainer", "llama", assets, tmp_path / "trainer", FSDP, save=True)
     ref_result, sp_result = side_by_side(tmp_path / "trainer", ref, sp, nproc=2)
     assert_same_losses(ref_result, sp_result)
     assert sp_result["fsdp2_ranks"] == 2 and ref_result["fsdp2_ranks"] == 0
+    assert_logged_fsdp2_bytes(sp_result, micro_steps=2)
     assert_plain_folders(tmp_path / "trainer" / "ref_model", tmp_path / "trainer" / "sp_model")
 
     only = dict(FSDP, model_block={"lean_norms": False})
@@ -49,6 +87,17 @@ def test_trainer_fsdp2_u2_equals_one_process(assets, tmp_path):
     ref = test_dpo.spec(assets, tmp_path / "dpo" / "ref")
     sp = test_dpo.spec(assets, tmp_path / "dpo" / "sp", **FSDP)
     test_dpo.assert_same_logs(*test_dpo.side_by_side(tmp_path / "dpo", ref, sp, nproc=2))
+
+    # GRPO then RLOO in one launch, sampling with generate; SP rank 1's rows end after 2
+    # tokens, so it keeps calling forward (FSDP2's all-gathers) while rank 0 generates
+    kw = {"rollout": "generate", "grpo": RL_RUNS}
+    ref = test_grpo.spec(assets, tmp_path / "rl" / "ref", **kw)
+    sp = test_grpo.spec(assets, tmp_path / "rl" / "sp", skew=True, **FSDP, **kw)
+    ref_result, sp_result = test_grpo.side_by_side(tmp_path / "rl", ref, sp, nproc=2)
+    test_grpo.assert_same_logs(ref_result, sp_result, runs=len(RL_RUNS))
+    assert_same_params(ref_result["params"], sp_result["params"])
+    drawn = test_grpo.completions(ref["out"], 0)  # RLOO's, the last run's
+    assert test_grpo.completions(sp["out"], 0) == test_grpo.completions(sp["out"], 1) == drawn
 
 
 def test_trainer_fsdp2_seen_failing_with_a_doubled_gradient_scale(assets, tmp_path):

@@ -11,7 +11,8 @@ Spec keys: those of tests/support/dpo_worker.py's runs (``model``, ``tokenizer``
 default, or ``"rloo"``: TRL's ``RLOOTrainer``), ``rollout`` (``"func"``: a deterministic
 ``rollout_func``, the default; ``"generate"``: the model's own sampling), ``grpo``
 (GRPOConfig keywords: ``loss_type``, ``beta``, ``num_iterations``, ...), ``skew`` (SP rank
-1's ``rollout_func`` returns other completions), ``no_broadcast`` (the SP ranks keep their
+1's ``rollout_func`` returns other completions; with ``generate``, SP rank 1's rows end
+after 2 tokens), ``no_broadcast`` (the SP ranks keep their
 own completions and rewards: the seen-failing check of the broadcast)."""
 
 from __future__ import annotations
@@ -90,16 +91,19 @@ def main(spec_path: str) -> None:
 
         ucp.init_distributed()
     runs = spec.get("grpo", {})
-    histories = [
+    trained = [
         train(spec, settings, rank) for settings in (runs if isinstance(runs, list) else [runs])
     ]
+    histories = [history for history, _ in trained]
     if rank == 0:
         result = {"sp": sp is not None, "history": histories[0], "histories": histories}
+        result["params"] = [params for _, params in trained]
         (out / "result.json").write_text(json.dumps(result))
 
 
-def train(spec: dict, settings: dict, rank: int) -> list[dict]:
-    """One training run with GRPOConfig ``settings``: its log history."""
+def train(spec: dict, settings: dict, rank: int) -> tuple[list[dict], dict]:
+    """One training run with GRPOConfig ``settings`` (``trainer`` among them: this run's
+    kind, else the spec's): its log history and :func:`param_digest`."""
     import datasets
     import transformers
     import trl
@@ -114,7 +118,8 @@ def train(spec: dict, settings: dict, rank: int) -> list[dict]:
         "temperature": 0.9,
         **settings,
     }
-    kind = spec.get("trainer", "grpo")  # "rloo": TRL's RLOOTrainer (the same arguments)
+    # "rloo": TRL's RLOOTrainer (the same arguments)
+    kind = grpo.pop("trainer", spec.get("trainer", "grpo"))
     config_class = trl.RLOOConfig if kind == "rloo" else trl.GRPOConfig
 
     def policy():
@@ -135,8 +140,8 @@ def train(spec: dict, settings: dict, rank: int) -> list[dict]:
     train_rows = datasets.Dataset.from_list(prompt_rows(spec["n_train"], 1))
     evals = datasets.Dataset.from_list(prompt_rows(spec["n_eval"], 2))
     rollout_func = None
+    sp_rank = rank % (sp["ulysses_degree"] * sp.get("ring_degree", 1)) if sp else 0
     if spec.get("rollout", "func") == "func":
-        sp_rank = rank % (sp["ulysses_degree"] * sp.get("ring_degree", 1)) if sp else 0
         rollout_func = rollout(
             bool(spec.get("skew")) and sp_rank == 1, grpo["max_completion_length"]
         )
@@ -158,6 +163,9 @@ def train(spec: dict, settings: dict, rank: int) -> list[dict]:
     trainer = make_trainer(
         trainer_class, spec, model, args, train_rows, evals, reward_funcs=rewards, **extra
     )
+    if spec.get("skew") and sp_rank == 1 and rollout_func is None:
+        # generate: SP rank 1's rows end after 2 tokens, so it finishes before rank 0
+        trainer.generation_config.max_new_tokens = 2
     seen: list[list[int]] = []
     score = trainer._generate_and_score_completions
 
@@ -169,7 +177,22 @@ def train(spec: dict, settings: dict, rank: int) -> list[dict]:
     trainer._generate_and_score_completions = recorded
     trainer.train()
     (out / f"completions_{rank}.json").write_text(json.dumps(seen))
-    return trainer.state.log_history
+    return trainer.state.log_history, param_digest(trainer.model)
+
+
+def param_digest(model) -> dict[str, list[float]]:
+    """Each parameter's norm and its dot with a fixed random tensor (float64; FSDP2's
+    shards gathered whole, collective): what the final weights are, to compare runs."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        full = full.detach().double()
+        g = torch.Generator().manual_seed(len(out))
+        probe = torch.randn(full.shape, generator=g, dtype=torch.float64)
+        out[name] = [float(full.norm()), float((full * probe).sum())]
+    return out
 
 
 if __name__ == "__main__":

@@ -206,6 +206,7 @@ def main(spec_path: str) -> None:
         trainer = make_trainer(
             SequenceParallelTrainer, spec, model, args, train, evals, data_collator=collator
         )
+    sent = count_fsdp2_bytes(trainer)
     trainer.train(resume_from_checkpoint=spec.get("resume"))  # a checkpoint folder or None
     history = trainer.state.log_history
     result = {
@@ -220,6 +221,7 @@ def main(spec_path: str) -> None:
         "tiled_mlps": sum("_ucp_tiled" in vars(m) for m in model.modules()),
         "checkpointed": checkpointed_layers(model),
         "history": history,
+        "fsdp2_sent": sent,
     }
     if spec.get("wandb") and int(os.environ.get("RANK", "0")) == 0:
         import wandb
@@ -239,6 +241,47 @@ def main(spec_path: str) -> None:
         (out / f"batches_{rank}.json").write_text(json.dumps(seen))
     if rank == 0:
         (out / "result.json").write_text(json.dumps(result))
+
+
+def count_fsdp2_bytes(trainer) -> dict[str, int]:
+    """Bytes this rank sends in FSDP2's collectives inside the training steps (the
+    all-gathers: ``(n-1)`` times the input; the reduce-scatters: ``(n-1)`` times the
+    output; tests/distributed/test_plan_fsdp2.py's count), filled in as training runs."""
+    import torch.distributed as dist
+
+    sent = {"all_gather": 0, "reduce_scatter": 0}
+    if not trainer.args.fsdp or not dist.is_initialized():
+        return sent
+    n, inside = dist.get_world_size(), [False]
+    names = {  # what FSDP2 calls (torch >= 2.13: the *_single names)
+        "all_gather": "all_gather_single"
+        if hasattr(dist, "all_gather_single")
+        else "all_gather_into_tensor",
+        "reduce_scatter": "reduce_scatter_single"
+        if hasattr(dist, "reduce_scatter_single")
+        else "reduce_scatter_tensor",
+    }
+    for op, name in names.items():
+        real = getattr(dist, name)
+
+        def counted(output, input, *args, _op=op, _real=real, **kwargs):
+            if inside[0]:
+                t = input if _op == "all_gather" else output
+                sent[_op] += (n - 1) * t.numel() * t.element_size()
+            return _real(output, input, *args, **kwargs)
+
+        setattr(dist, name, counted)
+    step = trainer.training_step
+
+    def training_step(*args, **kwargs):
+        inside[0] = True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    trainer.training_step = training_step
+    return sent
 
 
 def fsdp2_ranks(model) -> int:

@@ -99,12 +99,68 @@ def test_the_file_is_read_through_the_one_door(tmp_path):
         _fsdp_run_config(args(deepspeed={"zero_optimization": {}}), RUN)
 
 
+def rollout_args(**kw):
+    """A stand-in for GRPOConfig under FSDP2 (the fields the rollout mixin reads first)."""
+    base = dict(
+        world_size=4,
+        per_device_train_batch_size=2,
+        steps_per_generation=2,
+        per_device_eval_batch_size=2,
+        num_generations_eval=None,
+        eval_strategy="steps",
+        use_vllm=False,
+        use_transformers_continuous_batching=False,
+        num_generations=4,
+        generation_batch_size=16,
+        deepspeed=None,
+        output_dir="out",
+    )
+    return SimpleNamespace(**{**base, **kw})
+
+
 @pytest.mark.parametrize("name", ["SequenceParallelGRPOTrainer", "SequenceParallelRLOOTrainer"])
-def test_rollout_trainers_refused_under_fsdp2_by_name(name):
-    """GRPO and RLOO are not checked under FSDP2: refused before anything is built."""
+def test_rollout_trainers_read_the_fsdp2_file(name):
+    """Under FSDP2 the rollout trainers read the block of ``sequence_parallel_config=``:
+    the generation batch counts the replicas, and vLLM and a batch that does not split
+    into whole prompt groups are refused by name, before anything is built."""
     pytest.importorskip("trl")
     from ulysses_cp.integrations import hf_trainer
 
     cls = getattr(hf_trainer, name)
-    with pytest.raises(ValueError, match=f"{name} does not run under FSDP2 yet"):
-        cls(model=None, args=None, sequence_parallel_config="sp.json")
+    block = {"sequence_parallel": {"ulysses_degree": 2}}
+    with pytest.raises(ValueError, match="use_vllm=True is not supported"):
+        cls(model=None, args=rollout_args(use_vllm=True), sequence_parallel_config=block)
+    with pytest.raises(
+        ValueError, match=r"\(1\) x dp replicas \(2\) x steps_per_generation \(1\) = 2"
+    ):
+        small = rollout_args(per_device_train_batch_size=1, steps_per_generation=1)
+        cls(model=None, args=small, sequence_parallel_config=block)
+    given = rollout_args(model_init=None)
+    # the rollout checks pass; the mixin then refuses these arguments (no fsdp=) by name
+    with pytest.raises(ValueError, match="is the sequence-parallel file of an FSDP2 run"):
+        cls(model=None, args=given, sequence_parallel_config=block)
+    assert given.generation_batch_size == 2 * 2 * 2  # the replicas' rows, not the processes'
+
+
+def test_fsdp2_bytes_per_step_by_hand():
+    """FSDP2's bytes per step for the Trainer (metrics.fsdp2_bytes_per_step) against the
+    count by hand: on 2 ranks each rank sends its half of the gathered parameters and of
+    the reduced gradients; gathered forward and backward (reshard_after_forward) every
+    micro step, reduced once a step; bf16 gathers 2 bytes an element and reduces 4."""
+    import torch
+
+    from ulysses_cp.integrations.hf_trainer.metrics import fsdp2_bytes_per_step
+
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 3, bias=False))
+    half = -(-(110 + 30) // 2)  # a rank's share, padded up
+    kw = dict(world=2, micro_steps=3)
+    got = fsdp2_bytes_per_step(model, reshard_after_forward=True, bf16=False, **kw)
+    assert got == 3 * 2 * half * 4 + half * 4
+    got = fsdp2_bytes_per_step(model, reshard_after_forward=False, bf16=False, **kw)
+    assert got == 3 * half * 4 + half * 4
+    got = fsdp2_bytes_per_step(model, reshard_after_forward=True, bf16=True, **kw)
+    assert got == 3 * 2 * half * 2 + half * 4
+    one = dict(reshard_after_forward=True, bf16=False, micro_steps=3)
+    assert fsdp2_bytes_per_step(model, world=1, **one) == 0
+    model[1].weight.requires_grad_(False)  # frozen (LoRA): the formula does not apply
+    assert fsdp2_bytes_per_step(model, reshard_after_forward=True, bf16=False, **kw) is None

@@ -30,6 +30,7 @@ __all__ = [
     "check_parallelism_config",
     "deferred_reduction",
     "fsdp_requested",
+    "reshard_after_forward",
     "shard_model",
     "sp_fsdp_mesh",
 ]
@@ -146,15 +147,22 @@ def _layer_classes(model: Any) -> set[str]:
     return names
 
 
+def reshard_after_forward(args: Any) -> bool:
+    """``fsdp_config["reshard_after_forward"]`` of the ``TrainingArguments`` (default
+    true), given to every ``fully_shard`` call of :func:`shard_model`, the root's too."""
+    fsdp_config = getattr(args, "fsdp_config", None) or {}
+    return str(fsdp_config.get("reshard_after_forward", True)).lower() == "true"
+
+
 def shard_model(model: torch.nn.Module, mesh: FSDPMesh, args: Any) -> None:
     """``fully_shard`` each decoder layer (the classes of the model's
     ``_no_split_modules``) and then the whole model over ``mesh.shard_mesh``;
     ``reshard_after_forward`` from ``fsdp_config`` (default true), bf16 compute with fp32
-    reduction under ``TrainingArguments(bf16=True)``."""
+    reduction under ``TrainingArguments(bf16=True)``. Models that generate are marked
+    FSDP-managed for transformers' ``generate`` (``synced_gpus``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    fsdp_config = getattr(args, "fsdp_config", None) or {}
-    reshard = str(fsdp_config.get("reshard_after_forward", True)).lower() == "true"
+    reshard = reshard_after_forward(args)
     policy = MixedPrecisionPolicy()
     if getattr(args, "bf16", False):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -164,6 +172,12 @@ def shard_model(model: torch.nn.Module, mesh: FSDPMesh, args: Any) -> None:
         if type(module).__name__ in classes and module is not model:
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    for module in model.modules():
+        if hasattr(module, "generate"):  # the model, and a PEFT model's transformers model
+            # transformers' marker of an FSDP2 model (its own apply_fsdp2 sets it): generate
+            # then runs with synced_gpus, so a rank whose rows end early keeps calling
+            # forward (FSDP2 all-gathers per forward) until every rank's rows have ended
+            module._is_fsdp_managed_module = True  # type: ignore[assignment]
 
 
 @contextmanager

@@ -5,7 +5,8 @@
   quantities (``train.py``): ``tokens_per_s`` (all replicas), ``tokens_per_s_per_gpu``,
   ``peak_mem_mb`` (the largest rank's), ``attention_comm_bytes_per_step`` (this rank's
   all-to-all and ring bytes, counted by ``ucp.comm_stats``) and ``comm_bytes_per_step``
-  (plus ZeRO's bytes by the planner's formula). Evaluations stay out of them.
+  (plus ZeRO's or, under FSDP2, FSDP2's bytes by the planner's formulas). Evaluations
+  stay out of them.
 - :class:`SequenceParallelCallback`: the wandb run's config gets the ``topology`` (degrees,
   mode, layout) and each checkpoint folder the run's id (:data:`RUN_ID_FILE`);
   :func:`resumed_wandb_run` makes ``transformers``' ``WandbCallback`` continue that run
@@ -31,13 +32,14 @@ from ...core.comm import stats as comm_stats
 from ...core.log import get_logger
 from ...core.metrics import attention_bytes_sent, largest_peak_memory_mb, topology_info
 from ...core.topology import Topology
-from ...core.zero_comm import full_numel, zero_wire_bytes
+from ...core.zero_comm import fsdp2_wire_bytes, full_numel, zero_wire_bytes
 from ...deepspeed_block import DeepSpeedSettings
 
 __all__ = [
     "RUN_ID_FILE",
     "SequenceParallelCallback",
     "StepMeter",
+    "fsdp2_bytes_per_step",
     "resumed_wandb_run",
     "zero_bytes_per_step",
 ]
@@ -63,6 +65,39 @@ def zero_bytes_per_step(
         world=world,
         micro_steps=micro_steps,
     )
+
+
+def fsdp2_bytes_per_step(
+    model: Any, *, reshard_after_forward: bool, bf16: bool, world: int, micro_steps: int
+) -> int | None:
+    """FSDP2's bytes this rank sends per optimizer step for a model sharded by
+    :func:`.fsdp.shard_model` (``core.zero_comm.fsdp2_wire_bytes``), or None when some
+    parameters are frozen (LoRA: the formula reduces every parameter's gradient).
+
+    ``reshard_after_forward`` is given to every ``fully_shard`` call, the root's too, so
+    nothing is kept for the backward (``kept_params`` 0). ``bf16``: gathered in bfloat16,
+    reduced in float32 (``shard_model``'s policy). The micro steps but the last defer the
+    reduction (:func:`.fsdp.deferred_reduction`): the parameters are gathered every micro
+    step and the gradients reduce-scattered once, so the step's bytes are the gathers of
+    ``micro_steps`` steps (one-step bytes less the one reduction) plus one reduction."""
+    params = list(model.parameters())
+    if not params or not all(p.requires_grad for p in params):
+        return None
+    element = params[0].element_size()
+    counts = dict(params=full_numel(params), world=world)
+    kw = dict(param_bytes=2 if bf16 else element, reduce_bytes=4 if bf16 else element)
+    one = fsdp2_wire_bytes(
+        reshard_after_forward=reshard_after_forward, micro_steps=1, **counts, **kw
+    )
+    # the reduce-scatter alone: the same step with nothing gathered (param_bytes 0)
+    reduce = fsdp2_wire_bytes(
+        reshard_after_forward=reshard_after_forward,
+        micro_steps=1,
+        param_bytes=0,
+        reduce_bytes=kw["reduce_bytes"],
+        **counts,
+    )
+    return (one - reduce) * micro_steps + reduce
 
 
 class StepMeter:

@@ -48,6 +48,7 @@ from .fsdp import (
     check_fsdp_arguments,
     check_parallelism_config,
     deferred_reduction,
+    reshard_after_forward,
     shard_model,
     sp_fsdp_mesh,
 )
@@ -55,6 +56,7 @@ from .metrics import (
     SequenceParallelCallback,
     StepMeter,
     checkpoint_folder,
+    fsdp2_bytes_per_step,
     resumed_wandb_run,
     zero_bytes_per_step,
 )
@@ -118,7 +120,7 @@ class SequenceParallelMixin:
             self.sequence_parallel = SequenceParallelRun.from_config(run.sequence_parallel)
         self.sequence_parallel.attach(self.model, model_block)
         self.gather_function = self._gather_for_metrics
-        zero = None  # FSDP2: no ZeRO formula
+        zero: int | None = None  # the sharding's bytes per step: ZeRO's or FSDP2's
         if mesh is None:
             zero = zero_bytes_per_step(
                 self.model,
@@ -130,6 +132,13 @@ class SequenceParallelMixin:
             with comm_stats.set_aside():  # the guard and the probe read whole weights
                 self.sequence_parallel.probe()
             shard_model(self.model, mesh, self.args)
+            zero = fsdp2_bytes_per_step(  # FSDP2's gathers and reduce-scatters
+                self.model,
+                reshard_after_forward=reshard_after_forward(self.args),
+                bf16=bool(getattr(self.args, "bf16", False)),
+                world=self.args.world_size,
+                micro_steps=self.args.gradient_accumulation_steps,
+            )
             # transformers' path for a model that owns its sharding: no DDP, no re-shard
             self.is_distributed_loading_by_transformers = True
         self._meter = StepMeter(

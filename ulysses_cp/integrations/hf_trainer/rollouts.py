@@ -2,15 +2,17 @@
 reward and collective code) change under sequence parallelism, as one mixin on top of
 :class:`.log_prob_trainer.LogProbTrainerMixin`.
 
-With a ``"sequence_parallel"`` block (without one the class is its parent):
+With a ``"sequence_parallel"`` block (in the DeepSpeed JSON, or under FSDP2 the file of
+``sequence_parallel_config=``; without one the class is its parent):
 
 - **Generation** (the model's ``generate``, or the user's ``rollout_func``, with TRL's
   tool loop) runs outside sequence parallelism: the model's original attention and
-  forward are put back around it. Every SP rank runs it (ZeRO-3's gathers are
-  collective), and SP rank 0's completions, metrics and random streams are broadcast to
-  the other SP ranks of its replica (:mod:`.replicas`): no rank counts on equal random
-  streams, and SP rank 0's streams are those of a one-process run (nothing here draws from
-  them). The rewards are SP rank 0's too.
+  forward are put back around it. Every SP rank runs it (ZeRO-3's gathers and FSDP2's
+  per-forward all-gathers are collective; under FSDP2 ``generate`` runs with
+  ``synced_gpus``, :func:`.fsdp.shard_model`), and SP rank 0's completions, metrics and
+  random streams are broadcast to the other SP ranks of its replica (:mod:`.replicas`):
+  no rank counts on equal random streams, and SP rank 0's streams are those of a
+  one-process run (nothing here draws from them). The rewards are SP rank 0's too.
 - **Scoring and the update** (old, reference and current log-probs, entropies) go through
   the sequence-parallel fused head (:mod:`.log_prob_head`): TRL's own objective then runs
   on full-length per-token values, the same on every SP rank, for every ``loss_type``.
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ...config import SequenceParallelConfig
+from ...config import RunConfig, SequenceParallelConfig
 from . import log_prob_head
 from .log_prob_trainer import LogProbTrainerMixin
 from .replicas import ReplicaAccelerator, broadcast_from_sp_root, random_state, set_random_state
@@ -55,15 +57,13 @@ class RolloutTrainerMixin(LogProbTrainerMixin):
     _metrics: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("sequence_parallel_config") is not None:
-            raise ValueError(
-                f"{type(self).__name__} does not run under FSDP2 yet (sequence_parallel_config="
-                f"): its generation from sharded weights is not checked against one process; "
-                f"run it under DeepSpeed, with the sequence_parallel block in the deepspeed= JSON"
-            )
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        block = sequence_parallel_block(getattr(config, "deepspeed", None))
-        if block is not None:
+        source = kwargs.get("sequence_parallel_config")  # FSDP2: the block in its own file
+        run = RunConfig.load(source, trainer=True) if source is not None else None
+        block = sequence_parallel_block(
+            run if run is not None else getattr(config, "deepspeed", None)
+        )
+        if block is not None and config is not None:
             _check_options(config)
             _replica_batches(config, block)
         super().__init__(*args, **kwargs)
