@@ -142,13 +142,14 @@ def train(
         validate,
     )
     from ulysses_cp.training.data import make_datasets
-    from ulysses_cp.training.engine import init_distributed, initialize, topology_from_config
+    from ulysses_cp.training.engine import initialize, topology_from_config
     from ulysses_cp.training.evaluate import Evaluator
     from ulysses_cp.training.tracking import RUN_ID_KEY, Tracker
     from ulysses_cp.training.trainer import Trainer, TrainingStopped
 
     dc = run.data
-    init_distributed(timeout_s=run.sequence_parallel.collective_timeout_s)
+    fsdp2 = run.engine == "fsdp2"
+    start_processes(run)
     set_cpu_threads(log)  # after the process group: rank 0 logs the choice
     validate(run)
     tiles = tile_plan(run.model)  # the budget and the tiles, resolved once
@@ -159,7 +160,12 @@ def train(
     # missing or short data files fail here, before the engine; task "dataset" tokenizes
     # its files once (rank 0, with a progress bar) into a cache every rank maps
     dataset, held_out = make_datasets(dc, run.eval)
-    topo = topology_from_config(run)
+    fm = None
+    if fsdp2:
+        from ulysses_cp.training.fsdp2_engine import fsdp2_mesh
+
+        fm = fsdp2_mesh(run)  # the topology's grad_scale is sp: FSDP2 divides by dp x sp
+    topo = fm.topology if fm is not None else topology_from_config(run)
     line, warning = describe(gather_groups(topo))  # the groups as built, node by node
     log.info(line)
     if warning:
@@ -167,10 +173,24 @@ def train(
 
     torch.manual_seed(tc.seed)
     mc = run.model
-    model = build_model(mc, topo, run, tiles=tiles)
+    model = build_model(mc, topo, None if fsdp2 else run, tiles=tiles)
     n_params = full_numel(model.parameters())  # every parameter once, at full size
-    optimizer, ds_run = cpu_optimizer(run, model)
-    engine = initialize(model=model, config=ds_run, topo=topo, optimizer=optimizer)
+    if fm is not None:
+        from ulysses_cp.training.fsdp2_engine import fsdp2_initialize, wire_bytes_per_step
+
+        engine = fsdp2_initialize(run, model, fm)
+        zero_bytes = wire_bytes_per_step(engine, n_params)
+    else:
+        optimizer, ds_run = cpu_optimizer(run, model)
+        engine = initialize(model=model, config=ds_run, topo=topo, optimizer=optimizer)
+        zero_bytes = zero_wire_bytes(
+            stage=ds_run.deepspeed.zero_stage,
+            max_live_parameters=ds_run.deepspeed.stage3_max_live_parameters,
+            params=n_params,
+            world=topo.world_size,
+            element_bytes=next(engine.module.parameters()).element_size(),
+            micro_steps=engine.gradient_accumulation_steps(),
+        )
     trainer_speed = speed_counts(model, engine, args.peak_tflops)
     info = topology_info(topo)
     evaluator = None
@@ -182,14 +202,7 @@ def train(
         engine, topo, dataset, tc=tc, out=out, loss_plan=plan, hooks=hooks, evaluator=evaluator
     )
     trainer.flop_shape, trainer.peak_tflops = trainer_speed
-    trainer.zero_bytes_per_step = zero_wire_bytes(
-        stage=ds_run.deepspeed.zero_stage,
-        max_live_parameters=ds_run.deepspeed.stage3_max_live_parameters,
-        params=n_params,
-        world=topo.world_size,
-        element_bytes=next(engine.module.parameters()).element_size(),
-        micro_steps=engine.gradient_accumulation_steps(),
-    )
+    trainer.zero_bytes_per_step = zero_bytes
     start, run_id = 0, None
     if resuming:
         run_id = checkpoint.latest_meta(out).get(RUN_ID_KEY)  # continue its wandb run
@@ -229,6 +242,24 @@ def train(
     tracker.finish(summary)
     log.info(f"done: {summary}, metrics in {out / 'metrics.jsonl'}")
     dist.barrier()
+
+
+def start_processes(run: RunConfig) -> None:
+    """The process group of the run's engine: DeepSpeed's (``training.engine``), or for
+    ``"engine": "fsdp2"`` torch's own (gloo on CPU, nccl on CUDA), once the config has
+    passed the FSDP2 refusals (config only: every rank, before any collective). Either
+    engine runs under torchrun or DeepSpeed's launcher (both set RANK and WORLD_SIZE)."""
+    timeout_s = run.sequence_parallel.collective_timeout_s
+    if run.engine == "fsdp2":
+        from ulysses_cp.training.fsdp2_engine import init_process_group
+        from ulysses_cp.training.fsdp2_settings import check_fsdp2
+
+        check_fsdp2(run)
+        init_process_group(timeout_s=timeout_s)
+    else:
+        from ulysses_cp.training.engine import init_distributed
+
+        init_distributed(timeout_s=timeout_s)
 
 
 def speed_counts(model, engine, peak_tflops: float | None) -> tuple:

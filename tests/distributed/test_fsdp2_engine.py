@@ -1,0 +1,130 @@
+"""train.py's FSDP2 engine (``training.fsdp2_engine``) against one process: 4 gloo ranks,
+float64, the reference decoder, 3 optimizer steps of 2 accumulated micro steps each.
+
+Two set-ups per layout (dp2 x u2, u2 x r2): AdamW under DeepSpeed's WarmupLR with a
+clipping norm that binds (the clip factor needs the whole gradient's norm), and plain SGD
+with a norm that does not bind (a gradient off by a constant factor moves the weights
+differently: Adam and a binding clip would hide it). The reference is one process:
+``torch.optim`` with DeepSpeed's own scheduler class, ``clip_grad_norm_``, each micro
+step's loss divided by 2 as DeepSpeed's engine divides it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ulysses_cp as ucp
+from tests.support.helpers import TINY, run_config, sdpa_attention
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+ROWS, SEQ, GAS, STEPS = 2, 32, 2, 3
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2}}
+SETUPS = {
+    "adamw, clipped": dict(
+        optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        scheduler={**WARMUP, "params": {**WARMUP["params"], "warmup_num_steps": 3}},
+        gradient_clipping=0.3,
+    ),
+    "sgd": dict(optimizer={"type": "SGD", "params": {"lr": 0.5}}, gradient_clipping=100.0),
+}
+_meshes: dict = {}
+
+
+def _reference_optimizer(setup: dict, params):
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    block = setup["optimizer"]
+    opt_cls = torch.optim.AdamW if block["type"] == "AdamW" else torch.optim.SGD
+    opt = opt_cls(params, **block["params"])
+    sched = setup.get("scheduler")
+    return opt, (WarmupLR(opt, **sched["params"]) if sched else None)
+
+
+def _rows(step: int, micro: int, dp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randint(TINY.vocab_size, (dp * ROWS, SEQ), generator=g)
+
+
+def _one_process_loss(ref, ids: torch.Tensor, dp: int) -> torch.Tensor:
+    """The mean over the replicas of each replica's token-mean loss."""
+    losses = []
+    for d in range(dp):
+        x = ids[d * ROWS : (d + 1) * ROWS]
+        logits = ref(x, torch.arange(SEQ).expand_as(x))
+        losses.append(F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()))
+    return sum(losses) / dp
+
+
+def _train(rank, dp: int, u: int, r: int, name: str):
+    from ulysses_cp.config import RunConfig
+    from ulysses_cp.models.decoder import Decoder
+    from ulysses_cp.training.fsdp2_engine import fsdp2_initialize
+
+    setup = SETUPS[name]
+    key = (dp, u, r)
+    if key not in _meshes:  # group creation is collective: once per pool process
+        _meshes[key] = ucp.fsdp_mesh(dp, u, r, backend="math")
+    fm = _meshes[key]
+    topo = fm.topology
+    cfg = run_config(u, r, 3, micro_batch=ROWS, gradient_accumulation_steps=GAS, **setup)
+    run = RunConfig.load({**cfg, "engine": "fsdp2", "model": {}})
+    torch.manual_seed(0)
+    model = Decoder(TINY, ucp.Attention(topo)).double()
+    ref = Decoder(TINY, sdpa_attention).double()
+    ref.load_state_dict(model.state_dict())
+    engine = fsdp2_initialize(run, model, fm)
+    opt, sched = _reference_optimizer(setup, ref.parameters())
+    losses, ref_losses, norms, lrs = [], [], [], []
+    for step in range(STEPS):
+        logged = torch.zeros((), dtype=torch.float64)
+        for m in range(GAS):
+            ids = _rows(step, m, dp)
+            mine = ids[topo.dp_rank * ROWS : (topo.dp_rank + 1) * ROWS]
+            local = ucp.shard_batch({"input_ids": mine, "labels": mine}, topo)
+            logits = engine(local["input_ids"], local["position_ids"], local["batch"])
+            loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], topo)
+            engine.backward(loss)
+            engine.step()
+            logged += loss.detach() / GAS
+            ref_loss = _one_process_loss(ref, ids, dp)
+            (ref_loss / GAS).backward()
+            ref_losses.append(ref_loss.detach())
+        torch.distributed.all_reduce(logged, group=topo.dp_group)
+        losses.append(logged / dp)
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), setup["gradient_clipping"]))
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+        lrs.append((engine.get_lr()[0], opt.param_groups[0]["lr"]))  # for the next step
+    weights = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    per_step = torch.stack(ref_losses).view(STEPS, GAS).mean(dim=1)
+    return dict(
+        losses=torch.stack(losses),
+        ref_losses=per_step,
+        weights=weights,
+        ref=ref.state_dict(),
+        norms=norms,
+        lrs=lrs,
+        counters=(engine.global_steps, engine.global_samples, engine.micro_steps),
+        shards={p.device_mesh.size() for p in model.parameters()},
+    )
+
+
+@pytest.mark.parametrize("layout", ["dp2 x u2", "u2 x r2"])
+def test_engine_steps_equal_one_process(pools, layout):
+    dp, u, r = {"dp2 x u2": (2, 2, 1), "u2 x r2": (1, 2, 2)}[layout]
+    for name, setup in SETUPS.items():
+        for res in pools(4).run(_train, dp, u, r, name):
+            torch.testing.assert_close(res["losses"], res["ref_losses"], **TOL)
+            assert res["losses"][-1] != res["losses"][0]  # the weights moved
+            for param, want in res["ref"].items():
+                got = res["weights"][param]
+                torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{name} {param}: {m}")
+            clip = setup["gradient_clipping"]
+            binds = [float(n) > clip for n in res["norms"]]
+            assert all(binds) if clip < 1 else not any(binds), (name, res["norms"])
+            assert [a for a, _ in res["lrs"]] == [b for _, b in res["lrs"]]  # DeepSpeed's lr
+            assert res["counters"] == (STEPS, STEPS * GAS * ROWS * dp, STEPS * GAS)
+            assert res["shards"] == {4}  # ZeRO-3 asked: sharded over dp x sp
