@@ -128,3 +128,42 @@ def test_engine_steps_equal_one_process(pools, layout):
             assert [a for a, _ in res["lrs"]] == [b for _, b in res["lrs"]]  # DeepSpeed's lr
             assert res["counters"] == (STEPS, STEPS * GAS * ROWS * dp, STEPS * GAS)
             assert res["shards"] == {4}  # ZeRO-3 asked: sharded over dp x sp
+
+
+def _nonfinite(rank):
+    """A NaN gradient on one rank: every rank sees it (its own shard or another's, after
+    the reduction), and the skipped update moves no weight while the counters advance."""
+    from ulysses_cp.config import RunConfig
+    from ulysses_cp.models.decoder import Decoder
+    from ulysses_cp.training.fsdp2_engine import fsdp2_initialize
+    from ulysses_cp.training.nonfinite import any_rank, gradients_finite, skip_update
+
+    if (2, 2, 1) not in _meshes:
+        _meshes[(2, 2, 1)] = ucp.fsdp_mesh(2, 2, 1, backend="math")
+    fm = _meshes[(2, 2, 1)]
+    cfg = run_config(2, 1, 2, micro_batch=ROWS, **SETUPS["adamw, clipped"])
+    run = RunConfig.load({**cfg, "engine": "fsdp2", "model": {}})
+    torch.manual_seed(0)
+    engine = fsdp2_initialize(run, Decoder(TINY, ucp.Attention(fm.topology)).double(), fm)
+    before = {n: p.detach().full_tensor() for n, p in engine.module.named_parameters()}
+    local = ucp.shard_batch({"input_ids": _rows(0, 0, 1), "labels": _rows(0, 0, 1)}, fm.topology)
+    logits = engine(local["input_ids"], local["position_ids"], local["batch"])
+    loss = ucp.sequence_parallel_cross_entropy(logits, local["shift_labels"], fm.topology)
+    engine.backward(loss * (float("nan") if rank == 3 else 1.0))
+    seen = not gradients_finite(engine)
+    agreed = any_rank(seen, engine.device)
+    skip_update(engine)
+    after = {n: p.detach().full_tensor() for n, p in engine.module.named_parameters()}
+    return dict(
+        seen=seen,
+        agreed=agreed,
+        moved=[n for n in before if not torch.equal(before[n], after[n])],
+        steps=engine.global_steps,
+    )
+
+
+def test_a_nonfinite_gradient_is_seen_and_its_update_skipped(pools):
+    results = pools(4).run(_nonfinite)
+    assert all(res["agreed"] for res in results)
+    assert all(res["seen"] for res in results)  # a NaN reaches every shard's reduction
+    assert all(res["moved"] == [] and res["steps"] == 1 for res in results)

@@ -20,7 +20,12 @@ SCHEDULES = [
     ("WarmupCosineLR", {"total_num_steps": 1000, "warmup_num_steps": 50}),
     (
         "WarmupCosineLR",
-        {"total_num_steps": 25, "warmup_num_steps": 6, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05},
+        {
+            "total_num_steps": 25,
+            "warmup_num_steps": 6,
+            "warmup_min_ratio": 0.1,
+            "cos_min_ratio": 0.05,
+        },
     ),
 ]
 
@@ -57,7 +62,9 @@ def test_optimizer_types_map_to_torch_optim():
     assert type(adam) is torch.optim.AdamW  # DeepSpeed's Adam decouples weight decay
     coupled = {"lr": 1e-3, "adam_w_mode": False, "torch_adam": True}
     assert type(fs.make_optimizer({"type": "Adam", "params": coupled}, p)) is torch.optim.Adam
-    assert type(fs.make_optimizer({"type": "AdamW", "params": {"lr": 1e-3}}, p)) is torch.optim.AdamW
+    assert (
+        type(fs.make_optimizer({"type": "AdamW", "params": {"lr": 1e-3}}, p)) is torch.optim.AdamW
+    )
 
 
 def _fsdp2(**blocks) -> RunConfig:
@@ -78,6 +85,8 @@ REFUSED = [
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
     ({"amp": {"enabled": True}}, "amp (a DeepSpeed-only key"),
     ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type 'Lamb'"),
+    ({"gradient_clipping": "auto"}, "gradient_clipping 'auto'"),
+    ({"gradient_clipping": -1.0}, "gradient_clipping -1.0"),
     ({"optimizer": None}, "optimizer missing"),
     ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type 'OneCycle'"),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "total_num_steps missing"),

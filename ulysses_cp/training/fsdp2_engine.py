@@ -231,7 +231,7 @@ def fsdp2_initialize(run: RunConfig, model: nn.Module, fm: FSDPMesh) -> Engine:
     shard(model, fm, zero_stage=ds.zero_stage, dtype=ds.dtype)
     assert ds.optimizer is not None  # check_fsdp2 refused a config without one
     optimizer = settings.make_optimizer(ds.optimizer, model.parameters())
-    scheduler = settings.make_scheduler(run.raw.get("scheduler"), optimizer)
+    scheduler = settings.make_scheduler(ds.scheduler, optimizer)
     engine = FSDP2Engine(model, optimizer, scheduler, cfg=FSDP2Settings.of(run, fm.dp))
     engine.topology = fm.topology
     topo = fm.topology

@@ -91,22 +91,25 @@ def _zero_fix(key: str) -> str:
 
 
 def _refusals(run: RunConfig) -> list[str]:
-    raw, ds = run.raw, run.deepspeed
-    out = []
-    for key in sorted(set(raw) - KEPT - set(OUR_KEYS)):
+    ds, out = run.deepspeed, []
+    top = [k for k in ds.written if "." not in k]
+    for key in sorted(set(top) - KEPT - set(OUR_KEYS)):
         out.append(f"{key} (a DeepSpeed-only key: drop it)")
-    zero = raw.get("zero_optimization") or {}
-    for key in sorted(set(zero) - ZERO_KEPT):
-        out.append(f"zero_optimization.{key} ({_zero_fix(key)})")
+    for dotted in sorted(k for k in ds.written if "." in k):
+        block, key = dotted.split(".", 1)
+        if block == "zero_optimization" and key not in ZERO_KEPT:
+            out.append(f"{dotted} ({_zero_fix(key)})")
+        elif block != "zero_optimization" and key != "enabled":
+            out.append(f"{dotted} (a DeepSpeed precision knob: drop it)")
     if ds.dtype == "float16":
         out.append('fp16.enabled (bf16 only under fsdp2: set "bf16": {"enabled": true})')
     if ds.dtype == "auto":
         out.append('bf16/fp16 "enabled": "auto" (write true or false)')
-    for name, block in (("bf16", raw.get("bf16")), ("fp16", raw.get("fp16"))):
-        for key in sorted(set(block or {}) - {"enabled"}):
-            out.append(f"{name}.{key} (a DeepSpeed precision knob: drop it)")
+    if ds.gradient_clipping is None or ds.gradient_clipping < 0:
+        got = "auto" if ds.gradient_clipping is None else ds.gradient_clipping
+        out.append(f"gradient_clipping {got!r} (write a number >= 0; 0: no clipping)")
     out += _optimizer_refusals(ds.optimizer)
-    out += _scheduler_refusals(raw.get("scheduler"))
+    out += _scheduler_refusals(ds.scheduler)
     return out
 
 
@@ -155,11 +158,9 @@ def check_fsdp2(run: RunConfig) -> None:
 
 
 def clipping(run: RunConfig) -> float:
-    """``gradient_clipping`` (0: none), as DeepSpeed reads it."""
-    value = run.raw.get("gradient_clipping", 0.0)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"gradient_clipping must be a number >= 0, got {value!r}")
-    return float(value)
+    """``gradient_clipping`` (0: none; ``"auto"`` and a negative norm are refused by
+    :func:`check_fsdp2`)."""
+    return run.deepspeed.gradient_clipping or 0.0
 
 
 def make_optimizer(block: dict, params) -> torch.optim.Optimizer:
