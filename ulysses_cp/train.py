@@ -4,13 +4,15 @@
         [--output_dir DIR] [--max_steps K] [--resume [auto]] [--overwrite]
 
 Also ``deepspeed train.py ...`` (the repository's shim), ``python -m ulysses_cp.train``
-(one process) and the ``ulysses-cp-train`` console script. The JSON is a DeepSpeed config
-plus our blocks: "sequence_parallel" (degrees, layout, attention backend), "model" (the
-reference decoder or a Hugging Face model), "data" (task, seq_len, files) and "training"
-(steps, intervals, reliability). See docs/training/index.md. This module only wires the library
-together: the loop is ulysses_cp.training.trainer, the pieces it builds are
-ulysses_cp.training.build. :func:`main` checks the config with light modules only;
-:func:`train` imports torch and DeepSpeed.
+(one process) and the ``ulysses-cp-train`` console script. A config with ``"engine":
+"fsdp2"`` runs under PyTorch's ``fully_shard`` instead of DeepSpeed (``torchrun
+--nproc-per-node N train.py --deepspeed_config ...``; docs/training/fsdp2.md). The JSON is
+a DeepSpeed config plus our blocks: "sequence_parallel" (degrees, layout, attention
+backend), "model" (the reference decoder or a Hugging Face model), "data" (task, seq_len,
+files) and "training" (steps, intervals, reliability). See docs/training/index.md. This
+module only wires the library together: the loop is ulysses_cp.training.trainer, the
+pieces it builds are ulysses_cp.training.build. :func:`main` checks the config with light
+modules only; :func:`train` imports torch (and DeepSpeed, under its engine).
 """
 
 from __future__ import annotations
@@ -41,10 +43,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=program_name("ulysses_cp.train"),
         description="Long-sequence training with sequence parallelism (Ulysses, ring, hybrid) "
-        "under DeepSpeed; one process without a launcher, N ranks under deepspeed or torchrun.",
+        'under DeepSpeed (or FSDP2: the config\'s "engine"); one process without a launcher, '
+        "N ranks under deepspeed or torchrun.",
         formatter_class=DefaultsHelp,
     )
-    p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with our blocks")
+    p.add_argument(
+        "--deepspeed_config",
+        required=True,
+        help='the run\'s JSON: DeepSpeed\'s keys with our blocks (also under "engine": "fsdp2")',
+    )
     p.add_argument("--output_dir", help="metrics and checkpoints (default: runs/<config name>)")
     p.add_argument(
         "--max_steps", type=int, default=None, help="default: the config's training.max_steps"
@@ -277,7 +284,10 @@ def speed_counts(model, engine, peak_tflops: float | None) -> tuple:
     except ValueError as exc:
         log.warning(f"model TFLOP/s and MFU left out of the log: {exc}")
         return None, None
-    dtype = str(next(engine.module.parameters()).dtype).removeprefix("torch.")
+    # the dtype the matmuls run in: FSDP2 under bf16 keeps float32 shards, computes in bf16
+    dtype = getattr(engine, "compute_dtype", None) or str(
+        next(engine.module.parameters()).dtype
+    ).removeprefix("torch.")
     if peak_tflops is not None:
         where = "--peak-tflops"
     elif engine.device.type != "cuda":

@@ -121,7 +121,8 @@ def test_engine_steps_equal_one_process(pools, layout):
             assert res["losses"][-1] != res["losses"][0]  # the weights moved
             for param, want in res["ref"].items():
                 got = res["weights"][param]
-                torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{name} {param}: {m}")
+                where = f"{name} {param}"
+                torch.testing.assert_close(got, want, **TOL, msg=lambda m, w=where: f"{w}: {m}")
             clip = setup["gradient_clipping"]
             binds = [float(n) > clip for n in res["norms"]]
             assert all(binds) if clip < 1 else not any(binds), (name, res["norms"])

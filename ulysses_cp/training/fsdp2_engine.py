@@ -152,6 +152,13 @@ class FSDP2Engine:
     def fp16_enabled(self) -> bool:
         return False
 
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the layers compute in: bfloat16 under ``bf16``, else the parameters'."""
+        if self.cfg.dtype == "bfloat16":
+            return "bfloat16"
+        return str(next(self.module.parameters()).dtype).removeprefix("torch.")
+
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 
