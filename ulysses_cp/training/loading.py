@@ -55,6 +55,7 @@ from .partitioned_init import partitioned_initialize, slice_bounds
 __all__ = [
     "build_partitioned",
     "checkpoint_files",
+    "match_checkpoint",
     "partitioned_build",
     "stream_weights",
 ]
@@ -192,26 +193,24 @@ def _read_slice(reader: Any, key: str, param: Any) -> torch.Tensor | None:
     return rows.reshape(-1)[start - first * row : end - first * row]
 
 
-def stream_weights(model: torch.nn.Module, folder: str | Path) -> int:
-    """Fill the ZeRO-3 partitions (and persistent buffers) of ``model`` from the
-    safetensors checkpoint in ``folder``: each rank reads only its slice of each
-    tensor. Returns how many tensors were read. Raises ``ValueError`` naming the
-    tensors the checkpoint lacks or whose shape differs."""
-    from safetensors import safe_open
-
-    files = checkpoint_files(folder)
-    names = _param_names(model)
+def match_checkpoint(
+    model: torch.nn.Module, files: dict[str, Path], folder: str | Path
+) -> dict[Path, list[tuple[str, Any]]]:
+    """Safetensors file -> (tensor name, the parameter or buffer of ``model`` it fills).
+    A parameter is found under any of its names (tied weights: one of them suffices, as
+    Hugging Face saves one); a buffer only when the checkpoint has it. ``files``:
+    :func:`checkpoint_files` of ``folder``. Raises ``ValueError`` naming the parameters
+    the checkpoint lacks."""
     params = {id(p): p for p in model.parameters()}
-    buffers = dict(model.named_buffers())
     todo: dict[Path, list[tuple[str, Any]]] = {}
     missing = []
-    for pid, aliases in names.items():
+    for pid, aliases in _param_names(model).items():
         key = next((a for a in aliases if a in files), None)
         if key is None:
             missing.append(aliases[0])
         else:
             todo.setdefault(files[key], []).append((key, params[pid]))
-    for name, buf in buffers.items():
+    for name, buf in model.named_buffers():
         if name in files:
             todo.setdefault(files[name], []).append((name, buf))
     if missing:
@@ -219,6 +218,17 @@ def stream_weights(model: torch.nn.Module, folder: str | Path) -> int:
             f"model.hf_weights: {folder} lacks {len(missing)} of the model's parameters "
             f"({missing[:6]}): save the weights with save_pretrained from this config"
         )
+    return todo
+
+
+def stream_weights(model: torch.nn.Module, folder: str | Path) -> int:
+    """Fill the ZeRO-3 partitions (and persistent buffers) of ``model`` from the
+    safetensors checkpoint in ``folder``: each rank reads only its slice of each
+    tensor. Returns how many tensors were read. Raises ``ValueError`` naming the
+    tensors the checkpoint lacks or whose shape differs."""
+    from safetensors import safe_open
+
+    todo = match_checkpoint(model, checkpoint_files(folder), folder)
     read = 0
     with torch.no_grad():
         for file, entries in sorted(todo.items()):
