@@ -41,6 +41,7 @@ from . import fsdp2_settings as settings
 __all__ = [
     "FSDP2Engine",
     "FSDP2Settings",
+    "build_on_meta",
     "clip_full_norm",
     "fsdp2_initialize",
     "fsdp2_mesh",
@@ -233,9 +234,15 @@ def fsdp2_initialize(run: RunConfig, model: nn.Module, fm: FSDPMesh) -> Engine:
     """Shard ``model`` (built with ``fm.topology``) by the run's ZeRO stage and dtype, and
     build the optimizer and scheduler of its config over the shards."""
     ds = run.deepspeed
+    device = torch.device("cpu")
     if torch.cuda.is_available():
-        model.to(torch.device("cuda", torch.cuda.current_device()))
+        device = torch.device("cuda", torch.cuda.current_device())
+    on_meta = any(p.is_meta for p in model.parameters())
+    if not on_meta:
+        model.to(device)
     shard(model, fm, zero_stage=ds.zero_stage, dtype=ds.dtype)
+    if on_meta:  # build_on_meta's model: each rank fills its own shards
+        _fill_and_probe(model, run, device)
     assert ds.optimizer is not None  # check_fsdp2 refused a config without one
     optimizer = settings.make_optimizer(ds.optimizer, model.parameters())
     scheduler = settings.make_scheduler(ds.scheduler, optimizer)
@@ -248,6 +255,57 @@ def fsdp2_initialize(run: RunConfig, model: nn.Module, fm: FSDPMesh) -> Engine:
         f"r{topo.ring_degree} dp{topo.dp_degree}, sharded over {topo.world_size} ranks"
     )
     return engine
+
+
+def build_on_meta(run: RunConfig, topo: Topology, *, tiles: Any) -> nn.Module:
+    """The Hugging Face model of ``run.model`` (with ``hf_weights``) built on the meta
+    device and wrapped, parameter names kept: no rank holds a whole copy.
+    :func:`fsdp2_initialize` shards it, then fills each rank's shards from the
+    safetensors (``fsdp2_loading``) and probes it."""
+    from ..config import HFModelConfig
+    from ..models import hf
+
+    mc = run.model
+    assert isinstance(mc, HFModelConfig) and mc.hf_weights
+    if not Path(mc.hf_weights).is_dir():
+        raise ValueError(f"model.hf_weights: {mc.hf_weights} is not a local folder")
+    hf.register_attention(topo)
+    config = hf.load_config(mc.hf_config)
+    with torch.device("meta"):
+        model = hf.from_config(config, dtype=hf.DTYPES[mc.dtype])
+    return hf.wrap(model, topo, mc, tiles=tiles, keep_names=True)
+
+
+def _fill_and_probe(model: nn.Module, run: RunConfig, device: torch.device) -> None:
+    """Allocate the shards, read each rank's rows of the checkpoint, then run the
+    Hugging Face probe with every FSDP2 module gathered (it calls the inner model and
+    compares weights across the sequence ranks: plain tensors, not shards). The probe
+    holds a whole copy per rank while it runs, then the shards are restored."""
+    from .fsdp2_loading import load_safetensors_sharded
+
+    reshard = run.deepspeed.zero_stage == 3  # as shard() set it
+    folder = getattr(run.model, "hf_weights", None)
+    assert folder, "build_on_meta builds only a model with hf_weights"
+    model.to_empty(device=device)
+    n = load_safetensors_sharded(model, folder)
+    log.info(f"model.hf_weights: {n} tensors read, each rank its own rows")
+    probe: Any = getattr(model, "probe", None)
+    if not (getattr(model, "needs_probe", False) and callable(probe)):
+        return
+    sharded: list[Any] = [m for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    # the root's lazy init first (FSDP2 runs it at the root's first forward): a layer
+    # unsharded before it would take itself for a root. No public call does it alone.
+    sharded[0]._get_fsdp_state()._lazy_init()
+    for m in sharded:  # gathered for the whole probe: it calls modules one by one
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        probe()
+    finally:
+        for m in sharded:
+            m.set_reshard_after_forward(reshard, recurse=False)
+            m.reshard()
+    log.info("the Hugging Face probe passed on the loaded weights")
 
 
 def wire_bytes_per_step(engine: FSDP2Engine, params: int) -> int:
