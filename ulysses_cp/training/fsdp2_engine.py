@@ -10,6 +10,10 @@ over every rank at every stage: ZeRO-0 and ZeRO-1 under FSDP2 still shard the pa
 ``bf16`` computes in bfloat16 and reduces gradients in float32 (``MixedPrecisionPolicy``),
 the sharded parameters and the optimizer state staying float32.
 
+A Hugging Face model with ``hf_weights`` is built on meta (:func:`build_on_meta`), then
+sharded, allocated and filled rank by rank from the safetensors (``fsdp2_loading``), then
+probed.
+
 Gradients: FSDP2 divides the reduce-scattered gradient by ``dp * sp``; the topology's
 ``grad_scale`` is ``sp`` (``integrations.fsdp2``), so the sum over the sequence ranks and
 the mean over the replicas come out as one process's. Gradient accumulation as
