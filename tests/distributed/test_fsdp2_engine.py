@@ -10,6 +10,8 @@ step's loss divided by 2 as DeepSpeed's engine divides it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -168,3 +170,41 @@ def test_a_nonfinite_gradient_is_seen_and_its_update_skipped(pools):
     assert all(res["agreed"] for res in results)
     assert all(res["seen"] for res in results)  # a NaN reaches every shard's reduction
     assert all(res["moved"] == [] and res["steps"] == 1 for res in results)
+
+
+def _other_engine(rank, folder: str, written: str, reshards: bool) -> str:
+    from pathlib import Path
+
+    from ulysses_cp.training import checkpoint
+
+    out = Path(folder) / f"rank{rank}"  # each its own files
+    (out / "step2").mkdir(parents=True, exist_ok=True)
+    meta = {"world_size": 2, "zero_stage": 2, "step": 2}
+    if written != "none":
+        meta["engine"] = written
+    (out / "step2" / "meta.json").write_text(json.dumps(meta))
+    (out / "latest").write_text("step2")
+
+    class Engine:  # what checkpoint.load asks before it loads anything
+        def zero_optimization_stage(self):
+            return 2
+
+    engine = Engine()
+    if reshards:
+        engine.reshards = True  # type: ignore[attr-defined]
+    try:
+        checkpoint.load(engine, out)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+@pytest.mark.parametrize(
+    "written,reshards", [("deepspeed", True), ("none", True), ("fsdp2", False)]
+)
+def test_a_checkpoint_of_the_other_engine_is_refused(pools, tmp_path, written, reshards):
+    for message in pools(2).run(_other_engine, str(tmp_path), written, reshards):
+        kind = "fsdp2" if reshards else "deepspeed"
+        other = "fsdp2" if kind == "deepspeed" else "deepspeed"
+        assert f'written with "engine": "{other}"' in message, message
+        assert f'this run\'s engine is "{kind}"' in message
