@@ -59,6 +59,17 @@ class DeepSpeedSettings:
     optimizer: dict | None = None
     """The `optimizer` block as written (`type`, `params`). On a CPU an Adam or AdamW block
     runs as `torch.optim.AdamW`."""
+    gradient_clipping: float | None = 0.0
+    """`gradient_clipping`: the largest norm of the whole gradient (0: no clipping).
+    `null`: `"auto"`."""
+    scheduler: dict | None = None
+    """The `scheduler` block as written (`type`, `params`). Under `"engine": "fsdp2"`
+    WarmupLR, WarmupDecayLR and WarmupCosineLR run as a torch `LambdaLR` that gives
+    DeepSpeed's learning rate at every step."""
+    written: tuple[str, ...] = ()
+    """The keys of the file's DeepSpeed part as written: the top-level ones, and those of
+    `zero_optimization`, `bf16` and `fp16` dotted (`zero_optimization.stage`). Under
+    `"engine": "fsdp2"` each one without an FSDP2 meaning is refused by name."""
 
     @classmethod
     def from_dict(cls, config: dict) -> DeepSpeedSettings:
@@ -74,6 +85,9 @@ class DeepSpeedSettings:
             ),
             "dtype": _dtype(config),
             "optimizer": _object(config, "optimizer") or None,
+            "scheduler": _object(config, "scheduler") or None,
+            "gradient_clipping": _number(config, "gradient_clipping", float, 0.0, where=""),
+            "written": _written(config),
         }
         for key, default in (
             ("reduce_bucket_size", 5e8),
@@ -112,6 +126,15 @@ def with_train_dtype(ds_config: dict, dtype: str) -> dict:
     for key, name in (("bf16", "bfloat16"), ("fp16", "float16")):
         out[key] = {**(ds_config.get(key) or {}), "enabled": dtype == name}
     return out
+
+
+def _written(config: dict) -> tuple[str, ...]:
+    inner = [
+        f"{block}.{key}"
+        for block in ("zero_optimization", "bf16", "fp16")
+        for key in _object(config, block)
+    ]
+    return (*config, *inner)
 
 
 def _object(config: dict, key: str) -> dict:

@@ -4,13 +4,15 @@
         [--output_dir DIR] [--max_steps K] [--resume [auto]] [--overwrite]
 
 Also ``deepspeed train.py ...`` (the repository's shim), ``python -m ulysses_cp.train``
-(one process) and the ``ulysses-cp-train`` console script. The JSON is a DeepSpeed config
-plus our blocks: "sequence_parallel" (degrees, layout, attention backend), "model" (the
-reference decoder or a Hugging Face model), "data" (task, seq_len, files) and "training"
-(steps, intervals, reliability). See docs/training/index.md. This module only wires the library
-together: the loop is ulysses_cp.training.trainer, the pieces it builds are
-ulysses_cp.training.build. :func:`main` checks the config with light modules only;
-:func:`train` imports torch and DeepSpeed.
+(one process) and the ``ulysses-cp-train`` console script. A config with ``"engine":
+"fsdp2"`` runs under PyTorch's ``fully_shard`` instead of DeepSpeed (``torchrun
+--nproc-per-node N train.py --deepspeed_config ...``; docs/training/fsdp2.md). The JSON is
+a DeepSpeed config plus our blocks: "sequence_parallel" (degrees, layout, attention
+backend), "model" (the reference decoder or a Hugging Face model), "data" (task, seq_len,
+files) and "training" (steps, intervals, reliability). See docs/training/index.md. This
+module only wires the library together: the loop is ulysses_cp.training.trainer, the
+pieces it builds are ulysses_cp.training.build. :func:`main` checks the config with light
+modules only; :func:`train` imports torch (and DeepSpeed, under its engine).
 """
 
 from __future__ import annotations
@@ -41,10 +43,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=program_name("ulysses_cp.train"),
         description="Long-sequence training with sequence parallelism (Ulysses, ring, hybrid) "
-        "under DeepSpeed; one process without a launcher, N ranks under deepspeed or torchrun.",
+        'under DeepSpeed (or FSDP2: the config\'s "engine"); one process without a launcher, '
+        "N ranks under deepspeed or torchrun.",
         formatter_class=DefaultsHelp,
     )
-    p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with our blocks")
+    p.add_argument(
+        "--deepspeed_config",
+        required=True,
+        help='the run\'s JSON: DeepSpeed\'s keys with our blocks (also under "engine": "fsdp2")',
+    )
     p.add_argument("--output_dir", help="metrics and checkpoints (default: runs/<config name>)")
     p.add_argument(
         "--max_steps", type=int, default=None, help="default: the config's training.max_steps"
@@ -129,6 +136,7 @@ def train(
     import torch
     import torch.distributed as dist
 
+    from ulysses_cp.config import HFModelConfig
     from ulysses_cp.core.metrics import topology_info
     from ulysses_cp.core.zero_comm import full_numel, zero_wire_bytes
     from ulysses_cp.models.memory import LossPlan
@@ -142,13 +150,14 @@ def train(
         validate,
     )
     from ulysses_cp.training.data import make_datasets
-    from ulysses_cp.training.engine import init_distributed, initialize, topology_from_config
+    from ulysses_cp.training.engine import initialize, topology_from_config
     from ulysses_cp.training.evaluate import Evaluator
     from ulysses_cp.training.tracking import RUN_ID_KEY, Tracker
     from ulysses_cp.training.trainer import Trainer, TrainingStopped
 
     dc = run.data
-    init_distributed(timeout_s=run.sequence_parallel.collective_timeout_s)
+    fsdp2 = run.engine == "fsdp2"
+    start_processes(run)
     set_cpu_threads(log)  # after the process group: rank 0 logs the choice
     validate(run)
     tiles = tile_plan(run.model)  # the budget and the tiles, resolved once
@@ -159,7 +168,12 @@ def train(
     # missing or short data files fail here, before the engine; task "dataset" tokenizes
     # its files once (rank 0, with a progress bar) into a cache every rank maps
     dataset, held_out = make_datasets(dc, run.eval)
-    topo = topology_from_config(run)
+    fm = None
+    if fsdp2:
+        from ulysses_cp.training.fsdp2_engine import fsdp2_mesh
+
+        fm = fsdp2_mesh(run)  # the topology's grad_scale is sp: FSDP2 divides by dp x sp
+    topo = fm.topology if fm is not None else topology_from_config(run)
     line, warning = describe(gather_groups(topo))  # the groups as built, node by node
     log.info(line)
     if warning:
@@ -167,10 +181,29 @@ def train(
 
     torch.manual_seed(tc.seed)
     mc = run.model
-    model = build_model(mc, topo, run, tiles=tiles)
+    if fsdp2 and isinstance(mc, HFModelConfig) and mc.hf_weights:
+        from ulysses_cp.training.fsdp2_engine import build_on_meta
+
+        model = build_on_meta(run, topo, tiles=tiles)  # filled shard by shard, then probed
+    else:
+        model = build_model(mc, topo, None if fsdp2 else run, tiles=tiles)
     n_params = full_numel(model.parameters())  # every parameter once, at full size
-    optimizer, ds_run = cpu_optimizer(run, model)
-    engine = initialize(model=model, config=ds_run, topo=topo, optimizer=optimizer)
+    if fm is not None:
+        from ulysses_cp.training.fsdp2_engine import fsdp2_initialize, wire_bytes_per_step
+
+        engine = fsdp2_initialize(run, model, fm)
+        zero_bytes = wire_bytes_per_step(engine, n_params)
+    else:
+        optimizer, ds_run = cpu_optimizer(run, model)
+        engine = initialize(model=model, config=ds_run, topo=topo, optimizer=optimizer)
+        zero_bytes = zero_wire_bytes(
+            stage=ds_run.deepspeed.zero_stage,
+            max_live_parameters=ds_run.deepspeed.stage3_max_live_parameters,
+            params=n_params,
+            world=topo.world_size,
+            element_bytes=next(engine.module.parameters()).element_size(),
+            micro_steps=engine.gradient_accumulation_steps(),
+        )
     trainer_speed = speed_counts(model, engine, args.peak_tflops)
     info = topology_info(topo)
     evaluator = None
@@ -182,14 +215,7 @@ def train(
         engine, topo, dataset, tc=tc, out=out, loss_plan=plan, hooks=hooks, evaluator=evaluator
     )
     trainer.flop_shape, trainer.peak_tflops = trainer_speed
-    trainer.zero_bytes_per_step = zero_wire_bytes(
-        stage=ds_run.deepspeed.zero_stage,
-        max_live_parameters=ds_run.deepspeed.stage3_max_live_parameters,
-        params=n_params,
-        world=topo.world_size,
-        element_bytes=next(engine.module.parameters()).element_size(),
-        micro_steps=engine.gradient_accumulation_steps(),
-    )
+    trainer.zero_bytes_per_step = zero_bytes
     start, run_id = 0, None
     if resuming:
         run_id = checkpoint.latest_meta(out).get(RUN_ID_KEY)  # continue its wandb run
@@ -231,6 +257,24 @@ def train(
     dist.barrier()
 
 
+def start_processes(run: RunConfig) -> None:
+    """The process group of the run's engine: DeepSpeed's (``training.engine``), or for
+    ``"engine": "fsdp2"`` torch's own (gloo on CPU, nccl on CUDA), once the config has
+    passed the FSDP2 refusals (config only: every rank, before any collective). Either
+    engine runs under torchrun or DeepSpeed's launcher (both set RANK and WORLD_SIZE)."""
+    timeout_s = run.sequence_parallel.collective_timeout_s
+    if run.engine == "fsdp2":
+        from ulysses_cp.training.fsdp2_engine import init_process_group
+        from ulysses_cp.training.fsdp2_settings import check_fsdp2
+
+        check_fsdp2(run)
+        init_process_group(timeout_s=timeout_s)
+    else:
+        from ulysses_cp.training.engine import init_distributed
+
+        init_distributed(timeout_s=timeout_s)
+
+
 def speed_counts(model, engine, peak_tflops: float | None) -> tuple:
     """``(FlopShape or None, peak TFLOP/s or None)`` for the trainer's model TFLOP/s and
     MFU: the shape of the model built (``models.flop_count``), the peak as given, else the
@@ -246,7 +290,10 @@ def speed_counts(model, engine, peak_tflops: float | None) -> tuple:
     except ValueError as exc:
         log.warning(f"model TFLOP/s and MFU left out of the log: {exc}")
         return None, None
-    dtype = str(next(engine.module.parameters()).dtype).removeprefix("torch.")
+    # the dtype the matmuls run in: FSDP2 under bf16 keeps float32 shards, computes in bf16
+    dtype = getattr(engine, "compute_dtype", None) or str(
+        next(engine.module.parameters()).dtype
+    ).removeprefix("torch.")
     if peak_tflops is not None:
         where = "--peak-tflops"
     elif engine.device.type != "cuda":

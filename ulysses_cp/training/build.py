@@ -21,6 +21,7 @@ from ..models import recipe
 from ..modes.ulysses import kv_replication
 from . import checkpoint
 from .data import data_vocab_size
+from .fsdp2_settings import check_fsdp2
 
 __all__ = [
     "build_model",
@@ -66,6 +67,7 @@ def model_counts(mc: ModelConfig | HFModelConfig) -> tuple[int, int, int]:
 def validate(run: RunConfig) -> None:
     """Everything that can be checked before any collective, identically on every rank."""
     sp, mc, dc = run.sequence_parallel, run.model, run.data
+    check_fsdp2(run)  # "engine": "fsdp2": the DeepSpeed keys it cannot honour, by name
     validate_degrees(dist.get_world_size(), sp.ulysses_degree, sp.ring_degree)
     hq, hkv, vocab = model_counts(mc)
     kv_replication(hq, hkv, sp.ulysses_degree)

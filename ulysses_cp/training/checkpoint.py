@@ -12,7 +12,11 @@ its own file, so a resumed run draws the same random numbers.
 
 Layouts. The (ulysses, ring) split and the token layout never enter a checkpoint: on the
 same number of ranks and ZeRO stage DeepSpeed's own files load under any other split; on
-another number of ranks or ZeRO stage ``portable.pt`` is loaded (``portable.py``).
+another number of ranks or ZeRO stage ``portable.pt`` is loaded (``portable.py``). Under
+``"engine": "fsdp2"`` (an engine with ``reshards``) the engine writes
+``torch.distributed.checkpoint`` shards, which load on any number of ranks and any split:
+no ``portable.pt``, no world-size check. ``meta.json`` names the engine; a checkpoint of
+the other engine is refused.
 """
 
 from __future__ import annotations
@@ -69,6 +73,10 @@ def _set_rng_state(state: dict) -> None:
         np.random.set_state(state["numpy"])
 
 
+def _engine_name(engine: Engine) -> str:
+    return "fsdp2" if getattr(engine, "reshards", False) else "deepspeed"
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -108,10 +116,12 @@ def save(
     dist.barrier()
     engine.save_checkpoint(str(out), tag=tmp_tag, client_state={"step": step}, save_latest=False)
     torch.save(_rng_state(), out / tmp_tag / f"rng_rank{rank}.pt")
-    state = portable_state(engine) if portable else None  # collective
+    kind = _engine_name(engine)
+    state = portable_state(engine) if portable and kind == "deepspeed" else None  # collective
     if rank == 0:
         info = {
             **(meta or {}),
+            "engine": kind,
             "world_size": dist.get_world_size(),
             "zero_stage": zero_stage(engine),
             "step": step,
@@ -163,7 +173,17 @@ def load(
     ckpt = Path(out_dir) / tag
     meta = json.loads((ckpt / "meta.json").read_text())
     now = {"world_size": dist.get_world_size(), "zero_stage": zero_stage(engine)}
-    if all(meta[k] == v for k, v in now.items()):
+    kind, written = _engine_name(engine), meta.get("engine", "deepspeed")
+    if kind != written:
+        raise ValueError(
+            f'{ckpt} was written with "engine": "{written}"; this run\'s engine is "{kind}", '
+            f"whose checkpoints differ: resume it with the engine that wrote it, or start "
+            f"afresh (--overwrite, or another --output_dir)"
+        )
+    if kind == "fsdp2":  # torch.distributed.checkpoint reshards on load
+        path, client = engine.load_checkpoint(str(out_dir), tag=tag)
+        step = int(client["step"])
+    elif all(meta[k] == v for k, v in now.items()):
         path, client = engine.load_checkpoint(str(out_dir), tag=tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt}")

@@ -1,4 +1,5 @@
-"""Non-finite losses and gradients under DeepSpeed ZeRO 0-3: detect on every rank, skip.
+"""Non-finite losses and gradients under DeepSpeed ZeRO 0-3 and FSDP2: detect on every
+rank, skip.
 
 ``any_rank`` turns one rank's observation into the same answer everywhere (one all-reduce),
 so every rank takes the same branch and no collective is left waiting.
@@ -30,7 +31,11 @@ def any_rank(value: bool, device: torch.device) -> bool:
 
 
 def gradients_finite(engine: Engine) -> bool:
-    """This rank's view of the reduced gradients, before the update (ZeRO 0-3)."""
+    """This rank's view of the reduced gradients, before the update (ZeRO 0-3; under
+    FSDP2 this rank's shards, ``FSDP2Engine.local_gradients``)."""
+    local = getattr(engine, "local_gradients", None)
+    if local is not None:
+        return all(bool(torch.isfinite(g).all()) for g in local())
     from deepspeed.utils import safe_get_full_grad, safe_get_local_grad
 
     stage3 = engine.zero_optimization_stage() == 3
@@ -48,8 +53,12 @@ def skip_update(engine: Engine) -> None:
     from deepspeed.utils import safe_get_local_grad, safe_set_full_grad, safe_set_local_grad
 
     stage3 = engine.zero_optimization_stage() == 3
+    sharded = hasattr(engine, "local_gradients")  # FSDP2: p.grad is this rank's shard
     for p in engine.module.parameters():
-        if stage3:
+        if sharded:
+            if p.grad is not None:
+                p.grad.zero_()
+        elif stage3:
             safe_set_local_grad(p, torch.zeros_like(safe_get_local_grad(p)))
         elif p.grad is not None:
             p.grad.zero_()
