@@ -292,7 +292,7 @@ class RunConfig:
     trainer_model: TrainerModelConfig | None = None
     engine: str = "deepspeed"
     """The top-level ``"engine"`` key: ``"deepspeed"`` (the default) or ``"fsdp2"``
-    (PyTorch's ``fully_shard`` under ``torchrun``; see docs/fsdp2.md)."""
+    (PyTorch's ``fully_shard`` under ``torchrun``; see docs/fsdp2/index.md)."""
 
     @classmethod
     def load(cls, config: RunConfig | str | Path | dict, *, trainer: bool = False) -> RunConfig:

@@ -1,5 +1,5 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) with sequence parallelism: one call builds
-the device mesh and the topology together (example: docs/fsdp2.md).
+the device mesh and the topology together (example: docs/fsdp2/index.md).
 
 The mesh has three dims, outermost first: ``"dp"`` (data parallel), ``"ring"`` and
 ``"ulysses"``, over the ranks in order, so that a rank's place in it is its place in

@@ -85,7 +85,7 @@ def check_fsdp_arguments(args: Any, run: RunConfig) -> None:
     set_keys = [
         f.name
         for f in fields(default)
-        if getattr(run.deepspeed, f.name) != getattr(default, f.name)
+        if f.name != "written" and getattr(run.deepspeed, f.name) != getattr(default, f.name)
     ]
     if set_keys:
         raise ValueError(
