@@ -3,6 +3,11 @@ training step on CPU (``scripts/profiling.py``'s ``LiveBytes``), per phase.
 
     python scripts/plan_phases.py            # ~1 min on 2 idle cores: docs/benchmarks/planner.md
     python scripts/plan_phases.py --quick    # two shapes
+    python scripts/plan_phases.py --shapes 3 --no-plain --default-bucket 1  # the launcher test
+
+``--default-bucket N`` adds the first N shapes again at DeepSpeed's own reduce bucket
+(5e8 elements, 1 GB in bf16), in the same process; ``--no-plain`` leaves out the plain
+step (tests/unit/test_plan_phases.py measures it in process).
 
 Model: a Hugging Face Llama with Llama-3-8B's proportions scaled down (hidden 256, 8/2
 heads, MLP 3.5x, vocabulary 31x the hidden size), bf16, one process, at the documented
@@ -40,6 +45,7 @@ MiB = 2**20
 # (layers, tokens, memory_budget_gb): the loss's phase, the end of the backward, tiles
 # DeepSpeed's gradient bucket (elements; its default 5e8 is 1 GB in bf16, made in the backward)
 REDUCE_BUCKET = 100_000
+DEEPSPEED_BUCKET = 500_000_000
 SHAPES = [(2, 4096, None), (2, 4096, 0.05), (16, 512, None), (16, 2048, 0.05), (8, 1024, None)]
 
 
@@ -149,12 +155,14 @@ def predicted_zero(
     return pred["peak"] - pred["persistent"]
 
 
-def rows(shapes, zero1: bool, bucket: int = REDUCE_BUCKET) -> list[dict]:
+def rows(shapes, zero1: bool, bucket: int = REDUCE_BUCKET, plain: bool = True) -> list[dict]:
     out = []
     for layers, n, budget in shapes:
         pred = predicted(layers, n, budget)
         row = {"layers": layers, "N": n, "budget_gb": budget, "phase": pred["phase"]}
-        row |= {"predicted": pred["peak"], "plain": measure_plain(layers, n, budget)}
+        row |= {"predicted": pred["peak"], "bucket": bucket}
+        if plain:
+            row["plain"] = measure_plain(layers, n, budget)
         if zero1:
             for stage in (1, 2):
                 row[f"zero{stage}"] = measure_zero(stage, layers, n, budget, bucket)
@@ -174,24 +182,40 @@ def main() -> None:
         default=REDUCE_BUCKET,
         help="DeepSpeed's reduce_bucket_size in elements (its own default: 500000000)",
     )
+    p.add_argument(
+        "--default-bucket",
+        type=int,
+        default=0,
+        metavar="N",
+        help=f"then the first N shapes at DeepSpeed's default bucket ({DEEPSPEED_BUCKET})",
+    )
+    p.add_argument("--no-plain", action="store_true", help="DeepSpeed's steps only")
     args = p.parse_args()
     zero1 = not args.quick
+    if not zero1 and (args.no_plain or args.default_bucket):
+        p.error("--no-plain and --default-bucket measure DeepSpeed's steps: drop --quick")
     if zero1:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29541")
         torch.distributed.init_process_group("gloo")
-    table = rows(SHAPES[::2] if args.quick else SHAPES[: args.shapes], zero1, args.bucket)
+    plain = not args.no_plain
+    table = rows(SHAPES[::2] if args.quick else SHAPES[: args.shapes], zero1, args.bucket, plain)
+    if args.default_bucket:
+        table += rows(SHAPES[: args.default_bucket], zero1, DEEPSPEED_BUCKET, plain)
     print(
-        f"{'layers':>6} {'N':>6} {'budget':>6} {'phase':>13} {'predicted':>9}"
+        f"{'layers':>6} {'N':>6} {'budget':>6} {'bucket':>9} {'phase':>13} {'predicted':>9}"
         "  measured (MiB, pred/meas)"
     )
     for r in table:
-        got = f"plain {r['plain'] / MiB:.1f} ({r['predicted'] / r['plain']:.3f})"
+        got = ""
+        if "plain" in r:
+            got = f"plain {r['plain'] / MiB:.1f} ({r['predicted'] / r['plain']:.3f})"
         for k in ("zero1", "zero2"):
             if k in r:
                 got += f"  {k} {r[k] / MiB:.1f} ({r[k + '_predicted'] / r[k]:.3f})"
         print(
-            f"{r['layers']:>6} {r['N']:>6} {r['budget_gb'] or '-':>6} {r['phase']:>13}"
+            f"{r['layers']:>6} {r['N']:>6} {r['budget_gb'] or '-':>6} {r['bucket']:>9}"
+            f" {r['phase']:>13}"
             f" {r['predicted'] / MiB:>9.1f}  {got}"
         )
     Path(args.out).mkdir(parents=True, exist_ok=True)

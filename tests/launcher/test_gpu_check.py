@@ -45,8 +45,11 @@ def test_gpu_check_dry_run_passes_every_section(tmp_path):
     assert len(modes) == 2 * 3 * 2 * 2
     (train,) = sections["training"]
     assert train["ok"] and train["returncode"] == 0 and train["losses"][-1] < train["losses"][0]
-    native = sections["torch_native"]  # scripts/cp_example.py: Ulysses, then the ring
+    # scripts/cp_example.py under torch.distributed.run as docs/pytorch.md runs it (the
+    # example's one launcher test): Ulysses (its default for 8 heads), then the ring
+    native = sections["torch_native"]
     assert [row["report"][0].split(" over ")[0] for row in native] == ["ulysses", "ring"]
+    assert native[0]["report"][0].startswith("ulysses over 2 ranks on cpu, torch.float32")
     assert all(sum(" ok" in x for x in row["report"]) == 4 for row in native), native
     assert all(row["ok"] for rows in sections.values() for row in rows if "ok" in row)
     model = sections["model"]
