@@ -71,14 +71,15 @@ def test_static_memory_by_hand():
 
 def test_wire_bytes_by_hand():
     """4 ranks, 1000 parameters (250 a rank), bf16 gathers, fp32 reduce-scatter, 2 micro
-    batches: ring all-gather sends 3 x 250 x 2 bytes, reduce-scatter 3 x 250 x 4."""
+    batches: ring all-gather sends 3 x 250 x 2 bytes per micro batch, the reduce-scatter
+    3 x 250 x 4 once per step (the engines defer the micro steps' reductions)."""
     args = dict(params=1000, param_bytes=2, reduce_bytes=4, world=4, micro_steps=2)
     gather, scatter = 3 * 250 * 2, 3 * 250 * 4
-    assert fsdp2_wire_bytes(reshard_after_forward=False, **args) == 2 * (gather + scatter)
-    assert fsdp2_wire_bytes(reshard_after_forward=True, **args) == 2 * (2 * gather + scatter)
+    assert fsdp2_wire_bytes(reshard_after_forward=False, **args) == 2 * gather + scatter
+    assert fsdp2_wire_bytes(reshard_after_forward=True, **args) == 2 * 2 * gather + scatter
     # the root kept (400 parameters not gathered again: 600 regathered, 150 a rank)
     kept = fsdp2_wire_bytes(reshard_after_forward=True, kept_params=400, **args)
-    assert kept == 2 * (gather + 3 * 150 * 2 + scatter)
+    assert kept == 2 * (gather + 3 * 150 * 2) + scatter
     assert fsdp2_wire_bytes(reshard_after_forward=True, **{**args, "world": 1}) == 0
     # ZeRO-3 in bf16 all-gathers as often but reduce-scatters in bf16: fewer bytes
     zero3 = zero_wire_bytes(

@@ -108,7 +108,10 @@ def fsdp2_collectives(
     one rank). ``param_bytes``: the all-gather's dtype (``param_dtype``, else the model's);
     ``reduce_bytes``: the reduce-scatter's (``reduce_dtype``); ``kept_params``: parameters
     not gathered again in backward although ``reshard_after_forward`` is True (the root
-    module's when its ``reshard_after_forward`` is left at ``None``: torch keeps them)."""
+    module's when its ``reshard_after_forward`` is left at ``None``: torch keeps them).
+    The parameters are gathered in every micro step; the gradients are reduce-scattered
+    once per step, since both engines defer the reduction of the micro steps but the last
+    (``set_requires_gradient_sync(False)``)."""
     n = world
     if n == 1:
         return {}
@@ -122,8 +125,8 @@ def fsdp2_collectives(
             "wire": (n - 1) * gathered * param_bytes * micro_steps,
         },
         "reduce_scatter": {
-            "logged": n * part(params) * reduce_bytes * micro_steps,
-            "wire": (n - 1) * part(params) * reduce_bytes * micro_steps,
+            "logged": n * part(params) * reduce_bytes,
+            "wire": (n - 1) * part(params) * reduce_bytes,
         },
     }
 

@@ -39,6 +39,7 @@ from ..core.log import get_logger
 from ..core.process import one_process_rendezvous
 from ..core.protocols import Engine
 from ..core.topology import Topology
+from ..core.zero_comm import fsdp2_wire_bytes
 from ..integrations.fsdp2 import FSDPMesh, fsdp_mesh
 from . import fsdp2_settings as settings
 
@@ -313,14 +314,17 @@ def _fill_and_probe(model: nn.Module, run: RunConfig, device: torch.device) -> N
 
 
 def wire_bytes_per_step(engine: FSDP2Engine, params: int) -> int:
-    """Bytes this rank sends per step in FSDP2's collectives, by formula (ring
-    collectives send ``(w - 1) / w`` of the whole): per micro step one all-gather of the
-    parameters in the forward and, resharded after it (ZeRO-3), one more in the backward;
-    per step one reduce-scatter of the gradients (float32 under bf16)."""
-    world = dist.get_world_size()
-    p = next(engine.module.parameters())
-    gathered = 2 if engine.cfg.zero_stage == 3 else 1
-    param_bytes = 2 if engine.cfg.dtype == "bfloat16" else p.element_size()
-    grad_bytes = p.element_size()  # the sharded parameters keep their dtype; bf16 reduces in fp32
-    share = params * (world - 1) / world
-    return int(share * (param_bytes * gathered * engine.cfg.micro_steps + grad_bytes))
+    """Bytes this rank sends per step in FSDP2's collectives
+    (:func:`~ulysses_cp.core.zero_comm.fsdp2_wire_bytes`): every ``fully_shard`` call,
+    the root's too, is given ``reshard_after_forward``, so nothing is kept (``kept_params``
+    0); bf16 gathers in bfloat16 and reduces in float32."""
+    element = next(engine.module.parameters()).element_size()
+    bf16 = engine.cfg.dtype == "bfloat16"
+    return fsdp2_wire_bytes(
+        reshard_after_forward=engine.cfg.zero_stage == 3,
+        params=params,
+        param_bytes=2 if bf16 else element,
+        reduce_bytes=4 if bf16 else element,
+        world=dist.get_world_size(),
+        micro_steps=engine.cfg.micro_steps,
+    )

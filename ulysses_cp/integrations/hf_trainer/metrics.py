@@ -78,26 +78,16 @@ def fsdp2_bytes_per_step(
     nothing is kept for the backward (``kept_params`` 0). ``bf16``: gathered in bfloat16,
     reduced in float32 (``shard_model``'s policy). The micro steps but the last defer the
     reduction (:func:`.fsdp.deferred_reduction`): the parameters are gathered every micro
-    step and the gradients reduce-scattered once, so the step's bytes are the gathers of
-    ``micro_steps`` steps (one-step bytes less the one reduction) plus one reduction."""
+    step and the gradients reduce-scattered once, as the formula counts."""
     params = list(model.parameters())
     if not params or not all(p.requires_grad for p in params):
         return None
     element = params[0].element_size()
     counts = dict(params=full_numel(params), world=world)
     kw = dict(param_bytes=2 if bf16 else element, reduce_bytes=4 if bf16 else element)
-    one = fsdp2_wire_bytes(
-        reshard_after_forward=reshard_after_forward, micro_steps=1, **counts, **kw
+    return fsdp2_wire_bytes(
+        reshard_after_forward=reshard_after_forward, micro_steps=micro_steps, **counts, **kw
     )
-    # the reduce-scatter alone: the same step with nothing gathered (param_bytes 0)
-    reduce = fsdp2_wire_bytes(
-        reshard_after_forward=reshard_after_forward,
-        micro_steps=1,
-        param_bytes=0,
-        reduce_bytes=kw["reduce_bytes"],
-        **counts,
-    )
-    return (one - reduce) * micro_steps + reduce
 
 
 class StepMeter:
