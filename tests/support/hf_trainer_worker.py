@@ -10,7 +10,10 @@ Optional spec keys: ``zero`` (DeepSpeed stage), ``sp`` (the sequence_parallel bl
 different lengths, padded on the right by the collator), ``predict`` (``trainer.predict``
 on the eval rows after training: the predictions' shape and values), ``batches`` (every rank
 writes ``<out>/batches_<rank>.json``: the row sums of its first epoch's training batches,
-to see which data each rank gets)."""
+to see which data each rank gets), ``optim`` / ``scheduler`` / ``warmup_steps`` (the
+``TrainingArguments``' optimizer, scheduler type and warmup; default SGD at a constant
+rate), ``save_steps`` (checkpoints every so many steps), ``resume`` (a checkpoint folder
+for ``train(resume_from_checkpoint=...)``)."""
 
 from __future__ import annotations
 
@@ -93,8 +96,9 @@ def training_arguments(spec: dict) -> dict:
         gradient_accumulation_steps=spec["ga"],
         max_steps=spec["steps"],
         learning_rate=spec.get("lr", 0.5),
-        optim="sgd",
-        lr_scheduler_type="constant",
+        optim=spec.get("optim", "sgd"),
+        lr_scheduler_type=spec.get("scheduler", "constant"),
+        warmup_steps=spec.get("warmup_steps", 0),
         max_grad_norm=0.0,
         logging_steps=1,
         eval_strategy="steps",

@@ -1,17 +1,25 @@
 """The refusals of the Trainer subclasses' FSDP2 path (ulysses_cp/integrations/hf_trainer/
 fsdp.py), with no processes: Accelerate's ParallelismConfig sizes beside our degrees, the
-FSDP settings this path does not apply, and the file given as sequence_parallel_config=."""
+FSDP settings this path does not apply, the file given as sequence_parallel_config=, and
+the sharded checkpoint state (a round trip; a model-only checkpoint refused on resume)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ulysses_cp.config import RunConfig
 from ulysses_cp.integrations.hf_trainer.fsdp import (
     check_fsdp_arguments,
     check_parallelism_config,
+)
+from ulysses_cp.integrations.hf_trainer.fsdp_checkpoint import (
+    SHARDED,
+    check_sharded,
+    load_sharded_state,
+    save_sharded_state,
 )
 from ulysses_cp.integrations.hf_trainer.mixin import _fsdp_run_config
 
@@ -26,6 +34,7 @@ def pc(**sizes):
 
 def args(**kw):
     base = dict(fsdp=True, fsdp_config={"version": 2}, save_strategy="no", save_only_model=False)
+    base["load_best_model_at_end"] = False
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -61,7 +70,10 @@ def test_parallelism_config_refused_by_name(sizes, words):
             {"fsdp_config": {"version": 2, "activation_checkpointing": True}},
             ["activation_checkpointing", "model block"],
         ),
-        ({"save_strategy": "steps"}, ["save_strategy='steps'", "save_only_model=True"]),
+        (
+            {"save_strategy": "steps", "load_best_model_at_end": True},
+            ["load_best_model_at_end=True", "from_pretrained"],
+        ),
     ],
 )
 def test_fsdp_arguments_refused_by_name(given, words):
@@ -74,6 +86,35 @@ def test_fsdp_arguments_refused_by_name(given, words):
 def test_fsdp_arguments_accepted():
     check_fsdp_arguments(args(), RUN)
     check_fsdp_arguments(args(save_strategy="steps", save_only_model=True), RUN)
+    check_fsdp_arguments(args(save_strategy="steps"), RUN)  # with the optimizer's state
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_sharded_state_round_trip_and_a_model_only_checkpoint_refused(tmp_path):
+    """The model's and AdamW's state come back exactly (one process, DCP without a process
+    group); a checkpoint folder without the shards (save_only_model=True) is refused by
+    name on resume."""
+
+    def setup(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).double()
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    model, opt = setup(0)
+    for _ in range(2):
+        model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    save_sharded_state(model, opt, tmp_path / "checkpoint-2" / SHARDED)
+    model2, opt2 = setup(1)
+    load_sharded_state(model2, SimpleNamespace(optimizer=opt2), tmp_path / "checkpoint-2" / SHARDED)
+    for p, p2 in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, p2)
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], opt2.state[p2][k]), k
+    (tmp_path / "checkpoint-4").mkdir()  # the gathered model alone
+    with pytest.raises(ValueError, match=r"checkpoint-4 has no sharded .*save_only_model=False"):
+        check_sharded(tmp_path / "checkpoint-4" / SHARDED)
 
 
 def test_a_zero_block_in_the_fsdp_file_is_refused():

@@ -73,13 +73,12 @@ def check_fsdp_arguments(args: Any, run: RunConfig) -> None:
     for key, fix in _REFUSED_KEYS.items():
         if fsdp_config.get(key) not in (None, False, "false", "False", []):
             raise ValueError(f"fsdp_config[{key!r}] under sequence parallelism: {fix}")
-    if getattr(args, "save_strategy", "no") not in ("no", "NO") and not getattr(
-        args, "save_only_model", False
-    ):
+    if getattr(args, "load_best_model_at_end", False):
         raise ValueError(
-            f"checkpoints with optimizer state are not supported under FSDP2 with "
-            f"sequence_parallel_config yet (save_strategy={args.save_strategy!r}): set "
-            f'save_strategy="no" or save_only_model=True'
+            "load_best_model_at_end=True is not supported under FSDP2 with "
+            "sequence_parallel_config yet (the best checkpoint is not read back into the "
+            "sharded model): set load_best_model_at_end=False and load the best "
+            "checkpoint-N folder with from_pretrained after training"
         )
     default = DeepSpeedSettings()
     set_keys = [

@@ -30,7 +30,8 @@ With one:
   is a plain Hugging Face model;
 - ``log`` / ``evaluate`` / ``train``: training log lines get the sequence-parallel metrics
   (evaluations set aside), and a resume continues the checkpoint's wandb run
-  (:mod:`.metrics`).
+  (:mod:`.metrics`); under FSDP2 checkpoints keep the sharded model and optimizer
+  (:mod:`.fsdp_checkpoint`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .fsdp import (
     shard_model,
     sp_fsdp_mesh,
 )
+from .fsdp_checkpoint import FSDPCheckpointMixin
 from .metrics import (
     SequenceParallelCallback,
     StepMeter,
@@ -71,7 +73,7 @@ from .run import (
 __all__ = ["SequenceParallelMixin"]
 
 
-class SequenceParallelMixin:
+class SequenceParallelMixin(FSDPCheckpointMixin):
     """Sequence parallelism for a ``transformers.Trainer`` subclass (module docstring).
     ``self.sequence_parallel`` is the run's :class:`.run.SequenceParallelRun`, or None
     without the block."""
