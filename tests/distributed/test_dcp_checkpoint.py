@@ -1,4 +1,4 @@
-"""Sharded checkpoints (``ulysses_cp.training.dcp_checkpoint``) of an FSDP2 model: saved on
+"""Sharded checkpoints (``ulysses_cp.integrations.dcp_checkpoint``) of an FSDP2 model: saved on
 4 gloo ranks, loaded on 2 and on 4 over another mesh, float64.
 
 The reference decoder is ``fully_shard``ed over 4 ranks and trained 3 AdamW steps under a
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.helpers import TINY, sdpa_attention
-from ulysses_cp.training.dcp_checkpoint import load_sharded, save_sharded
+from ulysses_cp.integrations.dcp_checkpoint import load_sharded, save_sharded
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 ROWS, SEQ, STEPS = 4, 16, 3  # the global batch: ROWS rows, split over the data ranks

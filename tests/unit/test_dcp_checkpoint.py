@@ -1,4 +1,4 @@
-"""``ulysses_cp.training.dcp_checkpoint`` in one process (DCP without a process group):
+"""``ulysses_cp.integrations.dcp_checkpoint`` in one process (DCP without a process group):
 a round trip, and each folder that cannot be loaded refused by name. Resharding across
 world sizes and meshes is tested on gloo ranks in tests/distributed/test_dcp_checkpoint.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ulysses_cp.training.dcp_checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
+from ulysses_cp.integrations.dcp_checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 
 
 def _setup(seed: int):

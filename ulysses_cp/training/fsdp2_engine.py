@@ -205,7 +205,7 @@ class FSDP2Engine:
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict, **_: Any) -> None:
         """The model, optimizer and scheduler as ``torch.distributed.checkpoint`` shards in
         ``save_dir/tag``, with ``client_state`` and the counters."""
-        from .dcp_checkpoint import save_sharded
+        from ..integrations.dcp_checkpoint import save_sharded
 
         extra = {"client_state": client_state, **self._counters()}
         folder = Path(save_dir) / tag
@@ -213,7 +213,7 @@ class FSDP2Engine:
 
     def load_checkpoint(self, load_dir: str, tag: str, **_: Any) -> tuple[str, dict]:
         """Load ``load_dir/tag`` (written on any number of ranks); ``(path, client_state)``."""
-        from .dcp_checkpoint import load_sharded
+        from ..integrations.dcp_checkpoint import load_sharded
 
         folder = Path(load_dir) / tag
         extra = load_sharded(self.module, self.optimizer, folder, scheduler=self.lr_scheduler)

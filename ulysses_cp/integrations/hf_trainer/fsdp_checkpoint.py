@@ -9,8 +9,8 @@ one file per rank), keyed by parameter name. A resume reads the shards back into
 sharded model and its optimizer, each rank only the pieces it holds, so nothing is
 gathered whole; the gathered folder is for users, not for the resume.
 
-The storage is torch's DCP called here rather than ``training.dcp_checkpoint``: the
-integrations floor sits below the training floor and may not import it.
+The storage is :mod:`ulysses_cp.integrations.dcp_checkpoint`, which train.py's FSDP2
+engine uses too.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..dcp_checkpoint import load_sharded, save_sharded
 
 __all__ = [
     "SHARDED",
@@ -34,21 +36,10 @@ SCHEDULER = "scheduler.pt"  # transformers' name for the scheduler's state
 MODEL, OPTIMIZER = "model", "optimizer"
 
 
-def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The model's and optimizer's states keyed by parameter name, DTensors as sharded (a
-    fresh optimizer gets its state created first, by torch, so a load has shards to fill)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {MODEL: model_sd, OPTIMIZER: optim_sd}
-
-
 def save_sharded_state(model: torch.nn.Module, optimizer: Any, folder: Path) -> None:
     """Write ``model``'s and ``optimizer``'s shards into ``folder`` (collective: every rank
-    calls it with the same folder)."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_states(model, _unwrapped(optimizer)), checkpoint_id=Path(folder))
+    calls it with the same folder), by ``dcp_checkpoint.save_sharded``."""
+    save_sharded(model, _unwrapped(optimizer), Path(folder))
 
 
 def load_sharded_state(model: torch.nn.Module, optimizer: Any, folder: Path) -> None:
@@ -59,16 +50,8 @@ def load_sharded_state(model: torch.nn.Module, optimizer: Any, folder: Path) -> 
         ValueError: ``folder`` holds no shards (a checkpoint saved with
             ``save_only_model=True``, or not by this path).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     check_sharded(folder)
-    optimizer = _unwrapped(optimizer)
-    state = _states(model, optimizer)
-    dcp.load(state, checkpoint_id=folder)
-    set_state_dict(
-        model, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIMIZER]
-    )
+    load_sharded(model, _unwrapped(optimizer), Path(folder))
 
 
 def check_sharded(folder: Path) -> None:
