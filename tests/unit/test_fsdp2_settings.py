@@ -111,6 +111,7 @@ def test_what_fsdp2_honours_passes_and_deepspeed_is_not_checked():
         steps_per_print=10,
         scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": 10}},
         wandb={"enabled": False},
+        _comment="a comment, as the shipped configs have",
     )
     fs.check_fsdp2(_fsdp2(**kept))
     run = _fsdp2(zero_optimization={"offload_optimizer": {"device": "nvme"}})
