@@ -8,28 +8,20 @@ tests/unit/test_loading.py.
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
-from tests.support.helpers import run_config
-from tests.unit.test_loading import transformers
-from ulysses_cp.models import hf
+from tests.support.helpers import run_config, tiny_llama_weights
+
+pytest.importorskip("transformers")
 
 
 @pytest.mark.launcher
 def test_train_py_loads_partitioned_trains_saves_and_resumes(tmp_path):
     """train.py under ZeRO-3 from a safetensors checkpoint: the first loss of a ZeRO-2
     run (whole load), a checkpoint with its portable state, and a resume."""
-    from tests.support.helpers import LAUNCH, ROOT, launch, metrics, write_config
+    from tests.support.helpers import LAUNCH, launch, metrics, write_config
 
-    fields = json.loads((ROOT / "configs" / "hf" / "tiny_llama.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(fields))
-    torch.manual_seed(5)
-    saved = transformers.AutoModelForCausalLM.from_config(hf.load_config(dict(fields)))
-    saved.save_pretrained(tmp_path / "weights", max_shard_size="100KB")
-    model = {"hf_config": str(tmp_path / "config.json"), "hf_weights": str(tmp_path / "weights")}
+    model = tiny_llama_weights(tmp_path)
     short = dict(training={"max_steps": 2, "log_interval": 1})
     losses = {}
     for stage in (2, 3):

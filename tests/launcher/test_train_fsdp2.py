@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from tests.support import zygote
-from tests.support.helpers import LAUNCH, ROOT, TRAIN, metrics, run_config, write_config
+from tests.support.helpers import (
+    LAUNCH,
+    ROOT,
+    TRAIN,
+    metrics,
+    run_config,
+    tiny_llama_weights,
+    write_config,
+)
 from tests.support.zygote import finish_each
 
 pytestmark = [pytest.mark.launcher, pytest.mark.slow]
@@ -100,17 +108,8 @@ def test_fsdp2_trains_resumes_after_a_kill_and_under_another_layout(tmp_path):
 def test_fsdp2_builds_a_hugging_face_model_on_meta_and_loads_its_rows(tmp_path):
     """``model.hf_weights`` under fsdp2: built on meta, sharded, each rank reading its rows
     of the safetensors, probed; the first steps equal DeepSpeed's whole load (ZeRO-2)."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    from ulysses_cp.models import hf
-
-    fields = json.loads((ROOT / "configs" / "hf" / "tiny_llama.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(fields))
-    torch.manual_seed(5)
-    saved = transformers.AutoModelForCausalLM.from_config(hf.load_config(dict(fields)))
-    saved.save_pretrained(tmp_path / "weights", max_shard_size="100KB")
-    model = {"hf_config": str(tmp_path / "config.json"), "hf_weights": str(tmp_path / "weights")}
+    pytest.importorskip("transformers")
+    model = tiny_llama_weights(tmp_path)
     losses, logs = {}, {}
     for engine, stage in (("fsdp2", 3), ("deepspeed", 2)):
         cfg = run_config(

@@ -315,6 +315,21 @@ def run_config(
     return cfg
 
 
+def tiny_llama_weights(folder: Path, seed: int = 5) -> dict:
+    """A tiny HF Llama (configs/hf/tiny_llama.json) drawn with ``seed`` and saved as
+    sharded safetensors in ``folder``; returns the ``"model"`` block that loads it."""
+    import transformers
+
+    from ulysses_cp.models import hf
+
+    fields = json.loads((ROOT / "configs" / "hf" / "tiny_llama.json").read_text())
+    (folder / "config.json").write_text(json.dumps(fields))
+    torch.manual_seed(seed)
+    saved = transformers.AutoModelForCausalLM.from_config(hf.load_config(dict(fields)))
+    saved.save_pretrained(folder / "weights", max_shard_size="100KB")
+    return {"hf_config": str(folder / "config.json"), "hf_weights": str(folder / "weights")}
+
+
 def write_config(folder: Path, cfg: dict, name: str = "cfg") -> Path:
     path = folder / f"{name}.json"
     path.write_text(json.dumps(cfg))

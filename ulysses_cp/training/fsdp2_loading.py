@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .loading import checkpoint_files, match_checkpoint
+from .loading import check_shape, checkpoint_files, match_checkpoint
 
 __all__ = ["init_buffers", "load_safetensors_sharded"]
 
@@ -127,19 +127,13 @@ def _read_box(reader: Any, key: str, target: Any) -> torch.Tensor | None:
     from torch.distributed.tensor import DTensor
 
     view = reader.get_slice(key)
-    shape = list(view.get_shape())
-    if shape != list(target.shape):
-        raise ValueError(
-            f"model.hf_weights: {key} has shape {shape} in the checkpoint and "
-            f"{list(target.shape)} in the model: the config (model.hf_config) does not "
-            f"match the weights; use the config.json saved with them"
-        )
+    check_shape(key, view.get_shape(), target.shape)
     if not isinstance(target, DTensor):
         return reader.get_tensor(key)
     local, offset = _local_box(target)
     if 0 in local:
         return None
-    if not shape:  # a 0-d tensor: nothing to slice
+    if not list(target.shape):  # a 0-d tensor: nothing to slice
         return reader.get_tensor(key)
     return view[tuple(slice(o, o + n) for o, n in zip(offset, local))]
 

@@ -54,6 +54,7 @@ from .partitioned_init import partitioned_initialize, slice_bounds
 
 __all__ = [
     "build_partitioned",
+    "check_shape",
     "checkpoint_files",
     "match_checkpoint",
     "partitioned_build",
@@ -169,18 +170,24 @@ def _param_names(model: torch.nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def check_shape(key: str, stored: Any, model: Any) -> None:
+    """Tensor ``key``'s shape in the checkpoint against the model's: a ``ValueError`` that
+    names both and the fix when they differ."""
+    if list(stored) != list(model):
+        raise ValueError(
+            f"model.hf_weights: {key} has shape {list(stored)} in the checkpoint and "
+            f"{list(model)} in the model: the config (model.hf_config) does not "
+            f"match the weights; use the config.json saved with them"
+        )
+
+
 def _read_slice(reader: Any, key: str, param: Any) -> torch.Tensor | None:
     """This rank's flat slice of tensor ``key`` (only the rows that hold it are read), or
     None when the slice lies wholly in the padding past the tensor's end. ``param``: a
     ZeRO-3 parameter (``ds_shape``, ``ds_numel``, ``ds_tensor``, ``ds_process_group``)."""
     view = reader.get_slice(key)
     shape = tuple(view.get_shape())
-    if shape != tuple(param.ds_shape):
-        raise ValueError(
-            f"model.hf_weights: {key} has shape {list(shape)} in the checkpoint and "
-            f"{list(param.ds_shape)} in the model: the config (model.hf_config) does not "
-            f"match the weights; use the config.json saved with them"
-        )
+    check_shape(key, shape, param.ds_shape)
     numel = int(param.ds_numel)
     start, end = slice_bounds(param)
     if start >= end:
