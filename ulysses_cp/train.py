@@ -136,7 +136,6 @@ def train(
     import torch
     import torch.distributed as dist
 
-    from ulysses_cp.config import HFModelConfig
     from ulysses_cp.core.metrics import topology_info
     from ulysses_cp.core.zero_comm import full_numel, zero_wire_bytes
     from ulysses_cp.models.memory import LossPlan
@@ -181,12 +180,7 @@ def train(
 
     torch.manual_seed(tc.seed)
     mc = run.model
-    if fsdp2 and isinstance(mc, HFModelConfig) and mc.hf_weights:
-        from ulysses_cp.training.fsdp2_engine import build_on_meta
-
-        model = build_on_meta(run, topo, tiles=tiles)  # filled shard by shard, then probed
-    else:
-        model = build_model(mc, topo, None if fsdp2 else run, tiles=tiles)
+    model = build_model(mc, topo, run, tiles=tiles)  # under fsdp2, hf_weights: on meta
     n_params = full_numel(model.parameters())  # every parameter once, at full size
     if fm is not None:
         from ulysses_cp.training.fsdp2_engine import fsdp2_initialize, wire_bytes_per_step

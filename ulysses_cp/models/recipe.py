@@ -7,6 +7,9 @@ Two entries, one set of steps:
   ``hf_weights``) and probed, or, where the caller hands a ``partitioned`` loader (ZeRO-3:
   ``training.loading.build_partitioned``), built partitioned and probed by the engine;
   then each layer compiled when the block says ``"compile": true``.
+- :func:`build_on_meta`: the ``partitioned`` loader of FSDP2 (``"engine": "fsdp2"``): a
+  Hugging Face model with ``hf_weights`` built on the meta device, so no rank holds a whole
+  copy; the engine shards it, fills each rank's rows from the safetensors and probes it.
 - :func:`adopt`: the Hugging Face ``Trainer`` subclasses, handed a model the user built.
   The run's attention is registered and switched on in that model, and the same memory
   features as :func:`build` gives (``models.hf.wrap``: tiled MLP, lean norms, activation
@@ -22,6 +25,7 @@ once by the caller (``core.tiles.plan_tiles``), never the block's budget.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
@@ -35,7 +39,7 @@ from .compiled import compile_layers
 from .decoder import Decoder
 from .hf_attention import KEY
 
-__all__ = ["adopt", "build"]
+__all__ = ["adopt", "build", "build_on_meta"]
 
 
 def build(
@@ -61,6 +65,21 @@ def build(
     if mc.compile:
         compile_layers(model)  # after the probe, which runs the layers eagerly
     return model
+
+
+def build_on_meta(mc: HFModelConfig, topo: Topology, *, tiles: TilePlan) -> hf.HFCausalLM:
+    """The Hugging Face model of ``mc`` (with ``hf_weights``, a local folder) built on the
+    meta device and wrapped with the run's attention and memory features, parameter names
+    kept (the safetensors' names): not probed, no storage yet."""
+    import torch
+
+    if not mc.hf_weights or not Path(mc.hf_weights).is_dir():
+        raise ValueError(f"model.hf_weights: {mc.hf_weights!r} is not a local folder")
+    hf.register_attention(topo)
+    config = hf.load_config(mc.hf_config)
+    with torch.device("meta"):
+        model = hf.from_config(config, dtype=hf.DTYPES[mc.dtype])
+    return hf.wrap(model, topo, mc, tiles=tiles, keep_names=True)
 
 
 def adopt(

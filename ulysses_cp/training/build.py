@@ -7,6 +7,7 @@ launcher).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -117,13 +118,17 @@ def build_model(
     (``ModelConfig``) or a Hugging Face model (``HFModelConfig``), with the run's attention
     (``topo.options``) and ``tiles`` (None: resolved from ``mc`` without a GPU's default).
     With ``run`` under ZeRO-3 a Hugging Face model is built partitioned, never whole on a
-    rank (``training/loading.py``)."""
+    rank (``training/loading.py``); under ``"engine": "fsdp2"`` one with ``hf_weights`` is
+    built on meta (``recipe.build_on_meta``)."""
     tiles = tiles if tiles is not None else plan_tiles(mc)
-    partitioned = None
+    partitioned: Callable[[], torch.nn.Module] | None = None
     if run is not None and isinstance(mc, HFModelConfig):
         from . import loading
 
-        if loading.partitioned_build(run):
+        if run.engine == "fsdp2":
+            if mc.hf_weights:  # filled shard by shard and probed by the FSDP2 engine
+                partitioned = partial(recipe.build_on_meta, mc, topo, tiles=tiles)
+        elif loading.partitioned_build(run):
             partitioned = partial(loading.build_partitioned, run, topo, tiles=tiles)
     return recipe.build(mc, topo, tiles=tiles, partitioned=partitioned)
 

@@ -10,7 +10,7 @@ over every rank at every stage: ZeRO-0 and ZeRO-1 under FSDP2 still shard the pa
 ``bf16`` computes in bfloat16 and reduces gradients in float32 (``MixedPrecisionPolicy``),
 the sharded parameters and the optimizer state staying float32.
 
-A Hugging Face model with ``hf_weights`` is built on meta (:func:`build_on_meta`), then
+A Hugging Face model with ``hf_weights`` is built on meta (``models.recipe.build_on_meta``), then
 sharded, allocated and filled rank by rank from the safetensors (``fsdp2_loading``), then
 probed.
 
@@ -46,7 +46,6 @@ from . import fsdp2_settings as settings
 __all__ = [
     "FSDP2Engine",
     "FSDP2Settings",
-    "build_on_meta",
     "clip_full_norm",
     "fsdp2_initialize",
     "fsdp2_mesh",
@@ -260,25 +259,6 @@ def fsdp2_initialize(run: RunConfig, model: nn.Module, fm: FSDPMesh) -> Engine:
         f"r{topo.ring_degree} dp{topo.dp_degree}, sharded over {topo.world_size} ranks"
     )
     return engine
-
-
-def build_on_meta(run: RunConfig, topo: Topology, *, tiles: Any) -> nn.Module:
-    """The Hugging Face model of ``run.model`` (with ``hf_weights``) built on the meta
-    device and wrapped, parameter names kept: no rank holds a whole copy.
-    :func:`fsdp2_initialize` shards it, then fills each rank's shards from the
-    safetensors (``fsdp2_loading``) and probes it."""
-    from ..config import HFModelConfig
-    from ..models import hf
-
-    mc = run.model
-    assert isinstance(mc, HFModelConfig) and mc.hf_weights
-    if not Path(mc.hf_weights).is_dir():
-        raise ValueError(f"model.hf_weights: {mc.hf_weights} is not a local folder")
-    hf.register_attention(topo)
-    config = hf.load_config(mc.hf_config)
-    with torch.device("meta"):
-        model = hf.from_config(config, dtype=hf.DTYPES[mc.dtype])
-    return hf.wrap(model, topo, mc, tiles=tiles, keep_names=True)
 
 
 def _fill_and_probe(model: nn.Module, run: RunConfig, device: torch.device) -> None:
