@@ -134,7 +134,8 @@ def _written(config: dict) -> tuple[str, ...]:
         for block in ("zero_optimization", "bf16", "fp16")
         for key in _object(config, block)
     ]
-    return (*config, *inner)
+    # keys starting with "_" are comments (``schema.check_top_level_keys``), not settings
+    return (*(k for k in config if not str(k).startswith("_")), *inner)
 
 
 def _object(config: dict, key: str) -> dict:

@@ -92,7 +92,7 @@ def _zero_fix(key: str) -> str:
 
 def _refusals(run: RunConfig) -> list[str]:
     ds, out = run.deepspeed, []
-    top = [k for k in ds.written if "." not in k and not k.startswith("_")]  # "_": comments
+    top = [k for k in ds.written if "." not in k]
     for key in sorted(set(top) - KEPT - set(OUR_KEYS)):
         out.append(f"{key} (a DeepSpeed-only key: drop it)")
     for dotted in sorted(k for k in ds.written if "." in k):
