@@ -39,6 +39,7 @@ PRELOAD = [
     "trl",
     "wandb",
     "ulysses_cp",
+    "tests.support.zygote_warm",  # the lazy names' modules, DeepSpeed's inductor import, gc
 ]
 
 # the environment the server (and so every rank) starts from: what torchrun gives its
