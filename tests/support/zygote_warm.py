@@ -18,6 +18,7 @@ does not copy the server's pages by touching them.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 
@@ -44,7 +45,9 @@ MODULES = [
 ]
 
 for name in MODULES:
-    importlib.import_module(name)
+    # only a speed-up: a module that a later release moved is left to the ranks
+    with contextlib.suppress(ModuleNotFoundError):
+        importlib.import_module(name)
 
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping  # noqa: E402
 
