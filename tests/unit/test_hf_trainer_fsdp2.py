@@ -117,12 +117,19 @@ def test_sharded_state_round_trip_and_a_model_only_checkpoint_refused(tmp_path):
         check_sharded(tmp_path / "checkpoint-4" / SHARDED)
 
 
-def test_a_zero_block_in_the_fsdp_file_is_refused():
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"zero_optimization": {"stage": 2}}, "zero_optimization"),
+        # not one of the settings we read: accepted without a word before (seen passing)
+        ({"steps_per_print": 5, "_comment": "kept"}, "steps_per_print"),
+    ],
+)
+def test_deepspeed_keys_in_the_fsdp_file_are_refused_by_name(extra, named):
     run = RunConfig.load(
-        {"sequence_parallel": {"ulysses_degree": 2}, "zero_optimization": {"stage": 2}},
-        trainer=True,
+        {"sequence_parallel": {"ulysses_degree": 2}, "engine": "fsdp2", **extra}, trainer=True
     )
-    with pytest.raises(ValueError, match=r"has DeepSpeed settings \(zero_stage\): FSDP2"):
+    with pytest.raises(ValueError, match=rf"has DeepSpeed settings \({named}\): FSDP2"):
         check_fsdp_arguments(args(), run)
 
 
