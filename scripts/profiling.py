@@ -95,13 +95,15 @@ def peak_memory(
         # the collector off while measuring: a release then comes only from a reference
         # count reaching zero, at the same point in every run (a collection at another
         # moment could move a finalizer; one test run in several saw a peak 512 KB higher)
+        was_on = gc.isenabled()
         gc.collect()
         gc.disable()
         try:
             with LiveBytes() as tracker:
                 fn()
         finally:
-            gc.enable()
+            if was_on:
+                gc.enable()
         return tracker.peak
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()

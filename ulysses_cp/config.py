@@ -344,6 +344,12 @@ class RunConfig:
             engine=parse("engine", _engine, raw.get("engine", "deepspeed")),
         )
 
+    @property
+    def deepspeed_keys(self) -> tuple[str, ...]:
+        """The file's top-level keys that are DeepSpeed's, as written: ours and the ``_``
+        comments left out (what ``"engine": "fsdp2"`` and the Trainer under FSDP2 refuse)."""
+        return tuple(k for k in self.deepspeed.written if "." not in k and k not in OUR_KEYS)
+
     def block(self, name: str) -> dict | None:
         """A copy of one of our blocks as written (None when absent), for a log of the run."""
         if name not in OUR_BLOCKS:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..config import OUR_KEYS, RunConfig
+from ..config import RunConfig
 
 __all__ = [
     "SCHEDULERS",
@@ -92,8 +92,7 @@ def _zero_fix(key: str) -> str:
 
 def _refusals(run: RunConfig) -> list[str]:
     ds, out = run.deepspeed, []
-    top = [k for k in ds.written if "." not in k]
-    for key in sorted(set(top) - KEPT - set(OUR_KEYS)):
+    for key in sorted(set(run.deepspeed_keys) - KEPT):
         out.append(f"{key} (a DeepSpeed-only key: drop it)")
     for dotted in sorted(k for k in ds.written if "." in k):
         block, key = dotted.split(".", 1)

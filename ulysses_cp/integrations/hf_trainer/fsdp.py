@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...config import OUR_KEYS, RunConfig
+from ...config import RunConfig
 from ...core.log import get_logger
 from ...core.process import set_cpu_threads
 from ..fsdp2 import FSDPMesh, fsdp_mesh
@@ -79,9 +79,7 @@ def check_fsdp_arguments(args: Any, run: RunConfig) -> None:
             "sharded model): set load_best_model_at_end=False and load the best "
             "checkpoint-N folder with from_pretrained after training"
         )
-    # the file's keys as written, ours left out: every other one is DeepSpeed's (the rule
-    # of train.py's "engine": "fsdp2", where DeepSpeed-only keys are refused by name)
-    set_keys = [k for k in run.deepspeed.written if "." not in k and k not in OUR_KEYS]
+    set_keys = run.deepspeed_keys  # every one, named as written (as train.py's fsdp2 refuses)
     if set_keys:
         raise ValueError(
             f"the sequence_parallel_config file has DeepSpeed settings ({', '.join(set_keys)}): "
